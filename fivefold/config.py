@@ -1,0 +1,340 @@
+"""The config tree: the single source of truth for the model, the planner and the trainer.
+
+A `Config` is four dataclasses (model, train, data, parallel). It is built from defaults, then a
+preset, then a TOML file, then `--set key=value` overrides, and validated once, before anything
+is materialised or any process group starts. Every error names the key and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4  # grouped-query attention; == num_heads is plain multi-head attention
+    ffn_hidden_size: int = 768
+    head_dim: int = 0  # 0 means hidden_size // num_heads
+    max_seq_len: int = 1024  # size of the learned position table; RoPE models ignore it for shapes
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: Literal["swiglu", "gelu"] = "swiglu"  # swiglu: gate/up/down; gelu: fc/proj (GPT-2)
+    position: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 style: bias on q, k, v only
+    linear_bias: bool = False  # GPT-2 style: bias on every linear layer (and norms)
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    document_mask: bool = False  # packed sequences do not attend across documents (eos-delimited)
+    eos_token_id: int = 0
+    init_std: float = 0.02
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    steps: int = 600
+    seed: int = 1234
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    fp32_grad_accum: bool = False  # bf16-mixed only: accumulate gradients in fp32 buffers
+    recompute: Literal["none", "selective", "full"] = "none"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 50
+    decay_fraction: float = 0.2  # wsd: fraction of the run spent decaying
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    base_batch_tokens: int = 0  # lr is given for this global batch (tokens); 0 = the initial batch
+    # Batch-size schedule: "tokens_seen:grad_accum,..." e.g. "200000:2,600000:4" grows the global
+    # batch by raising grad_accum once that many tokens have been trained on.
+    batch_schedule: str = ""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    optimizer_impl: Literal["foreach", "fused"] = "foreach"
+    compile: bool = False
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 0  # 0: save only at the end
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/default"
+    peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul on this device at start
+    device: str = "auto"
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class DataConfig:
+    # "embedded" = the English documentation that ships inside CPython; otherwise a directory
+    # written by `fivefold prepare`.
+    dataset: str = "embedded"
+    tokenizer: str = ""  # path to a tokenizer.json; "" = train (and cache) a BPE on the corpus
+    val_fraction: float = 0.05
+    cache_dir: str = ""  # "" = $FIVEFOLD_CACHE or ~/.cache/fivefold
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero-bubble"] = "1f1b"
+    pp_virtual_stages: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def global_batch_sequences(self) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum * self.parallel.dp
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch_sequences * self.train.seq_len
+
+
+# --------------------------------------------------------------------------------------------
+# Building a config from dicts, TOML files and --set overrides
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Convert `value` (from TOML or a --set string) to `typ`, or raise a ConfigError naming `key`."""
+    if get_origin(typ) is Literal:
+        allowed = get_args(typ)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(map(str, allowed))}")
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r} is not valid; expected true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not valid; expected an integer")
+        try:
+            if isinstance(value, str):
+                value = value.replace("_", "")
+                as_float = float(value)  # accept 1e6 style for counts
+                if as_float != int(as_float):
+                    raise ValueError
+                return int(as_float)
+            if isinstance(value, float) and value != int(value):
+                raise ValueError
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not valid; expected an integer") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not valid; expected a number") from None
+    if typ is str:
+        return str(value)
+    raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def _apply_section(obj: Any, section: str, values: dict[str, Any]) -> None:
+    types = _field_types(type(obj))
+    for name, value in values.items():
+        key = f"{section}.{name}"
+        if name not in types:
+            raise ConfigError(f"unknown config key {key!r}; valid keys in [{section}]: {', '.join(sorted(types))}")
+        setattr(obj, name, _coerce(key, value, types[name]))
+
+
+def apply_dict(cfg: Config, values: dict[str, Any]) -> Config:
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for section, body in values.items():
+        if section == "preset":
+            continue
+        if section not in sections:
+            raise ConfigError(f"unknown config section {section!r}; valid sections: {', '.join(sorted(sections))}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section {section!r} must be a table of key = value")
+        _apply_section(getattr(cfg, section), section, body)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """'model.hidden_size=64' -> ('model', 'hidden_size', '64')."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r} must look like section.key=value (e.g. model.hidden_size=64)")
+    path, value = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: the key must be section.key, e.g. train.lr=1e-3")
+    return parts[0], parts[1], value.strip()
+
+
+def load_config(path: str | Path | None = None, preset: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- preset <- TOML file <- --set overrides, then validate."""
+    from fivefold.presets import get_preset
+
+    file_values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            file_values = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    preset = preset or file_values.get("preset")
+    cfg = Config()
+    if preset:
+        cfg.model = get_preset(preset)
+    apply_dict(cfg, file_values)
+    for text in overrides:
+        section, name, value = parse_override(text)
+        apply_dict(cfg, {section: {name: value}})
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    cfg = apply_dict(Config(), values)
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every rule names the keys involved and what would be valid.
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size, "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,
+        "model.ffn_hidden_size": m.ffn_hidden_size, "model.max_seq_len": m.max_seq_len,
+        "train.seq_len": t.seq_len, "train.micro_batch_size": t.micro_batch_size, "train.grad_accum": t.grad_accum,
+        "train.log_every": t.log_every, "train.keep_checkpoints": t.keep_checkpoints,
+        "parallel.dp": p.dp, "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
+        "parallel.pp_virtual_stages": p.pp_virtual_stages,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if t.steps < 0:
+        raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    if m.num_heads % m.num_kv_heads:
+        valid = [d for d in _divisors(m.num_heads)]
+        raise ConfigError(
+            f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}; choose one of {valid}")
+    if not m.head_dim and m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+            f"set model.head_dim explicitly or choose num_heads in {_divisors(m.hidden_size)}")
+    if m.position == "rope" and m.head_size % 2:
+        raise ConfigError(f"RoPE needs an even head size, got {m.head_size}; change model.hidden_size or model.num_heads")
+    if m.position == "learned" and t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} (learned positions); "
+            f"lower train.seq_len or raise model.max_seq_len")
+    if not 0 <= m.eos_token_id < m.vocab_size:
+        raise ConfigError(f"model.eos_token_id={m.eos_token_id} must be in [0, model.vocab_size={m.vocab_size})")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be > 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
+    if t.fp32_grad_accum and t.precision != "bf16-mixed":
+        raise ConfigError("train.fp32_grad_accum=true only applies to train.precision=bf16-mixed")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
+    parse_batch_schedule(t.batch_schedule)
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={p.zero} is not valid; choose one of 0, 1, 2, 3")
+    if p.tp > 1:
+        for key, n in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
+            if n % p.tp:
+                valid = [d for d in _divisors(m.num_heads) if m.num_kv_heads % d == 0]
+                raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={n}; choose tp in {valid}")
+    if p.pp > m.num_layers:
+        raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
+    if world_size is not None and world_size != p.world_size:
+        raise ConfigError(
+            f"world size {world_size} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size}; "
+            f"set parallel.dp={world_size // (p.tp * p.pp * p.cp)} or launch {p.world_size} processes")
+
+
+def parse_batch_schedule(text: str) -> list[tuple[int, int]]:
+    """'200000:2,600000:4' -> [(200000, 2), (600000, 4)]: from that many tokens on, use that grad_accum."""
+    if not text.strip():
+        return []
+    stages = []
+    for part in text.split(","):
+        try:
+            tokens, accum = part.split(":")
+            stages.append((int(float(tokens)), int(accum)))
+        except ValueError:
+            raise ConfigError(
+                f"train.batch_schedule={text!r}: each entry must be tokens:grad_accum, e.g. '200000:2,600000:4'"
+            ) from None
+    if any(a < 1 for _, a in stages) or [s for s, _ in stages] != sorted(s for s, _ in stages):
+        raise ConfigError(f"train.batch_schedule={text!r}: token thresholds must increase and grad_accum be >= 1")
+    return stages

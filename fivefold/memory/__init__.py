@@ -1,0 +1,1 @@
+"""Memory and compute accounting: pure functions of the config (formulas), per-rank plans, measurement."""

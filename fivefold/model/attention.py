@@ -1,0 +1,68 @@
+"""Causal self-attention with grouped-query heads, via SDPA or an explicit (eager) implementation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.config import ModelConfig
+from fivefold.model.rope import apply_rope
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + mask) v. A module of its own so that selective recomputation
+    (Korthikanti et al. 2022, section 4) can recompute exactly this part from outside."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.impl = cfg.attention
+        self.groups = cfg.num_heads // cfg.num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        # q (B, H, Sq, d); k, v (B, Hkv, Sk, d); mask: None = causal over equal lengths,
+        # otherwise a boolean (B or 1, 1, Sq, Sk) tensor where True means "may attend".
+        if self.impl == "sdpa":
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.groups > 1)
+        if self.groups > 1:
+            k = k.repeat_interleave(self.groups, dim=1)
+            v = v.repeat_interleave(self.groups, dim=1)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, Sq, Sk): the s^2 term
+        if mask is None:
+            sq, sk = scores.shape[-2:]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return probs @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        self.use_rope = cfg.position == "rope"
+        qkv_bias = cfg.qkv_bias or cfg.linear_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.linear_bias)
+        self.core = AttentionCore(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, d)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = self.core(q, k, v, mask)  # (B, H, S, d)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

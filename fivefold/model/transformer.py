@@ -1,0 +1,98 @@
+"""A decoder-only transformer covering the Llama family (and GPT-2) by config.
+
+Plain PyTorch: nothing here knows about parallelism, recomputation or precision policy; those are
+applied from outside (fivefold/train, fivefold/parallel). Parameter names follow Hugging Face's
+Llama layout so that checkpoints map one-to-one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fivefold.config import ModelConfig
+from fivefold.model.attention import Attention
+from fivefold.model.layers import MLP, make_norm
+from fivefold.model.rope import rope_cos_sin, rope_inv_freq
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope, mask, kv_cache=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.position == "learned":
+            self.embed_positions = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if cfg.position == "rope":
+            self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after materialising from the meta device)."""
+        if self.cfg.position == "rope":
+            self.rope_inv_freq = rope_inv_freq(self.cfg).to(self.rope_inv_freq.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        """input_ids (B, S) -> logits (B, S, V).
+
+        positions (B, S): absolute positions (default 0..S-1, offset by the cache length when decoding).
+        doc_ids (B, S): document index of each token; when given, tokens attend only within their document.
+        """
+        b, s = input_ids.shape
+        past = kv_cache.length if kv_cache is not None else 0
+        if positions is None:
+            positions = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
+        x = self.embed_tokens(input_ids)  # (B, S, h)
+        rope = None
+        if self.cfg.position == "learned":
+            x = x + self.embed_positions(positions)
+        else:
+            rope = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
+        mask = attention_mask(s, past, doc_ids, input_ids.device)
+        for layer in self.layers:
+            x = layer(x, rope, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(s)
+        return self.lm_head(self.norm(x))
+
+
+def attention_mask(s: int, past: int, doc_ids: torch.Tensor | None, device) -> torch.Tensor | None:
+    """None when plain causal attention over equal query/key lengths suffices (lets SDPA pick flash);
+    otherwise a boolean (B|1, 1, S, past+S) mask, True where attention is allowed."""
+    if doc_ids is None and past == 0:
+        return None
+    if doc_ids is None and s == 1:
+        return torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=device)
+    causal = torch.ones(s, past + s, dtype=torch.bool, device=device).tril(past)
+    if doc_ids is None:
+        return causal[None, None]
+    if past:
+        raise ValueError("document masking is for training on packed sequences, not for cached decoding")
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, S, S)
+    return (causal & same_doc)[:, None]
+
+
+def doc_ids_from_tokens(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Document index per token of packed sequences: a new document starts after each eos token."""
+    is_eos = (input_ids == eos_token_id).long()
+    return torch.cumsum(is_eos, dim=1) - is_eos
