@@ -5,6 +5,7 @@ Layout of one checkpoint directory:
     model.safetensors      fp32 weights (the master copies under bf16-mixed); tied weights stored once
     optimizer.safetensors  optimizer state tensors, flattened to "<param name>/<state key>"
     trainer_state.json     step, tokens seen, schedulers, data sampler position, metrics
+    tokenizer.json         the tokenizer the model was trained with (so generate needs nothing else)
     rng.safetensors        torch CPU (and CUDA) RNG states
 
 A save writes everything into `<name>.tmp-<pid>` in the same directory, fsyncs it, then renames it
@@ -57,7 +58,8 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(root: str | Path, name: str, cfg: Config, weights: dict[str, torch.Tensor],
                      optimizer: dict[str, torch.Tensor] | None = None, trainer_state: dict | None = None,
-                     rng: dict[str, torch.Tensor] | None = None, keep: int | None = None) -> Path:
+                     rng: dict[str, torch.Tensor] | None = None, keep: int | None = None,
+                     extra_files: dict[str, bytes] | None = None) -> Path:
     """Atomically write checkpoint `root/name`, point `root/latest` at it, keep the newest `keep`."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -74,6 +76,11 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, weights: dict[str
         _save_tensors(tmp / "rng.safetensors", rng)
     if trainer_state is not None:
         _write_json(tmp / "trainer_state.json", trainer_state)
+    for filename, data in (extra_files or {}).items():
+        with open(tmp / filename, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
     _fsync_dir(tmp)
     if final.exists():  # re-saving the same step: move the old one aside first, then drop it
         old = root / f"{name}.old-{os.getpid()}"

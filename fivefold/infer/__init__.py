@@ -1,0 +1,1 @@
+"""Inference: sampling and generation with a KV cache."""

@@ -1,0 +1,89 @@
+"""`fivefold train` and `fivefold generate`."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from fivefold.cli import add_config_args, config_from_args
+
+
+def register(sub) -> None:
+    train = sub.add_parser("train", help="train a model (default: the demo model on the embedded corpus)")
+    add_config_args(train)
+    train.add_argument("--out", help="run directory (overrides train.out_dir)")
+    group = train.add_mutually_exclusive_group()
+    group.add_argument("--no-resume", dest="resume", action="store_false",
+                       help="refuse to continue an existing run in the run directory")
+    group.add_argument("--overwrite", action="store_true",
+                       help="delete the run directory's checkpoints and metrics and start over")
+    train.set_defaults(func=run_train)
+
+    gen = sub.add_parser("generate", help="generate text from a checkpoint")
+    gen.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=0.95, help="1.0 = off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
+    gen.add_argument("--device", default="auto")
+    gen.set_defaults(func=run_generate)
+
+
+def run_train(args) -> int:
+    from fivefold.train.trainer import Trainer
+
+    cfg = config_from_args(args)
+    if args.out:
+        cfg.train.out_dir = args.out
+    out = Path(cfg.train.out_dir)
+    has_run = (out / "checkpoints" / "latest").is_file()
+    if args.overwrite and out.exists():
+        for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        has_run = False
+    if has_run and not args.resume:
+        print(f"fivefold train: error: {out} already holds a run; drop --no-resume to continue it, "
+              f"or pass --overwrite to start over", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg, resume=has_run)
+    print(f"model: {trainer.num_params:,} parameters | global batch {cfg.global_batch_tokens:,} tokens "
+          f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x {cfg.train.seq_len}) | "
+          f"{cfg.train.precision} | recompute={cfg.train.recompute} | device {trainer.device} | "
+          f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s")
+    if trainer.step >= cfg.train.steps:
+        print(f"already at step {trainer.step} of train.steps={cfg.train.steps}; nothing to train "
+              f"(raise train.steps or pass --overwrite)")
+        return 0
+    trainer.fit()
+    val_loss = trainer.evaluate()
+    baseline = trainer.unigram_loss()
+    print(f"done: step {trainer.step}, validation loss {val_loss:.4f} (unigram baseline {baseline:.4f}); "
+          f"checkpoint in {trainer.checkpoint_root / 'latest'}; metrics in {out / 'metrics.jsonl'}")
+    return 0
+
+
+def run_generate(args) -> int:
+    from fivefold.data.tokenizer import load_tokenizer
+    from fivefold.infer.generate import generate
+    from fivefold.train.checkpoint import load_model, resolve_checkpoint
+    from fivefold.train.trainer import resolve_device
+
+    path = resolve_checkpoint(args.checkpoint)
+    tokenizer_path = Path(args.tokenizer) if args.tokenizer else path / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(f"no tokenizer at {tokenizer_path}; pass --tokenizer tokenizer.json")
+    tokenizer = load_tokenizer(tokenizer_path)
+    cfg, model = load_model(path, device=resolve_device(args.device))
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    new_ids = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                       eos_id=cfg.model.eos_token_id, seed=args.seed)
+    print(args.prompt + tokenizer.decode(new_ids))
+    return 0

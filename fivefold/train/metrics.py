@@ -1,0 +1,81 @@
+"""Step metrics: model FLOPs utilisation against a measured peak, a JSONL log, TensorBoard, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 1.0) -> float:
+    """Achievable dense-matmul FLOP/s of this device and dtype, measured (not a datasheet number), so MFU
+    is relative to what this machine's kernels can really do with the threads it has."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    _sync(device)
+    for _ in range(2):  # warm up: thread pools, kernel selection, AMX tiles
+        a @ b
+    _sync(device)
+    reps, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and reps >= 3:
+            return 2 * size ** 3 * reps / elapsed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Memory in use now: the CUDA caching allocator's allocated bytes, or this process's RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class MetricsLog:
+    """Writes one JSON object per logged step to metrics.jsonl, and mirrors scalars to TensorBoard."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, append: bool):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self.file = open(self.path, "a" if append else "w", encoding="utf-8")
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:  # tensorboard is an optional extra
+                self.writer = None
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                disable=not enabled or not sys.stderr.isatty())

@@ -1,0 +1,237 @@
+"""The single-process trainer: data -> micro-batches -> forward/backward -> optimizer step -> metrics
+-> checkpoint. Parallel dimensions plug in from outside (fivefold/parallel) without changing this loop's
+loss convention: the loss of a global batch is the mean over all its non-padding tokens, whatever the
+micro-batching, so accumulated gradients equal the big-batch gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fivefold.config import Config, ConfigError, validate
+from fivefold.memory.formulas import count_params, flops_per_token
+from fivefold.model import build_model, doc_ids_from_tokens
+from fivefold.train import checkpoint as ckpt
+from fivefold.train.metrics import MetricsLog, measure_peak_flops, memory_bytes, progress_bar
+from fivefold.train.optim import MasterWeightAdamW, grad_accum_at, lr_at
+from fivefold.train.recompute import apply_recompute
+
+IGNORE_INDEX = -100
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. the loss became NaN); the message names the step and what to try."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available; use train.device=cpu or auto")
+    return device
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
+    return measure_peak_flops(device, dtype)
+
+
+def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32."""
+    doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id) if cfg.model.document_mask else None
+    logits = model(inputs, doc_ids=doc_ids)  # (B, S, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: bool = False,
+                 quiet: bool = False, datasets=None):
+        validate(cfg)
+        from fivefold.data.dataset import ResumableSampler, load_datasets
+
+        self.cfg, self.quiet = cfg, quiet
+        self.out_dir = Path(out_dir or cfg.train.out_dir)
+        self.device = resolve_device(cfg.train.device)
+        torch.manual_seed(cfg.train.seed)
+        self.data = datasets or load_datasets(cfg)
+        self.model = build_model(cfg.model, self.device, seed=cfg.train.seed, dtype=compute_dtype(cfg))
+        apply_recompute(self.model, cfg.train.recompute)
+        if cfg.train.compile:
+            for block in self.model.layers:
+                block.compile()  # per block: one compiled graph reused by every layer of the same shape
+        self.optimizer = MasterWeightAdamW(self.model, cfg.train)
+        self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.base_batch_tokens = cfg.train.base_batch_tokens or cfg.global_batch_tokens
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = cfg.train.peak_flops or _peak_flops(self.device, compute_dtype(cfg),
+                                                              torch.get_num_threads())
+        self.num_params = count_params(cfg.model)
+        if resume:
+            self.load_latest()
+
+    # ---------------------------------------------------------------------------------------------
+    def global_batch(self, grad_accum: int) -> torch.Tensor:
+        """The step's global batch, (micro_batch_size * grad_accum, seq_len + 1) token ids."""
+        n = self.cfg.train.micro_batch_size * grad_accum
+        return self.data.train.batch(self.sampler.take(n)).to(self.device)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor):
+        """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
+        gradients yields the gradient of the global mean."""
+        loss = token_loss_sum(self.model, inputs, labels, self.cfg) / num_tokens
+        loss.backward()
+        return loss.detach()
+
+    def train_step(self) -> dict:
+        cfg = self.cfg.train
+        start = time.perf_counter()
+        accum = grad_accum_at(self.tokens_seen, cfg)
+        batch = self.global_batch(accum)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        num_tokens = (labels != IGNORE_INDEX).sum()
+        loss = torch.zeros((), device=self.device)
+        for mb in torch.arange(len(batch)).split(cfg.micro_batch_size):
+            loss += self.forward_backward(inputs[mb], labels[mb], num_tokens)
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
+                                f"train.grad_clip, or use train.precision=fp32 to locate the overflow")
+        batch_tokens = inputs.numel()
+        lr = lr_at(self.step, cfg, batch_tokens, self.base_batch_tokens)
+        grad_norm = self.optimizer.step(lr, cfg.grad_clip).item()
+        self.optimizer.zero_grad()
+        if not math.isfinite(grad_norm):
+            raise TrainingError(f"gradient norm is {grad_norm} at step {self.step + 1}; lower train.lr "
+                                f"or use train.precision=fp32")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        self.tokens_seen += batch_tokens
+        tokens_per_sec = batch_tokens / elapsed
+        return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / self.peak_flops,
+                "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
+                "step_time": elapsed}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean per-token loss on the first `eval_batches` micro-batches of the validation split."""
+        cfg = self.cfg.train
+        n = min(len(self.data.val), cfg.eval_batches * cfg.micro_batch_size)
+        total, count = 0.0, 0
+        for first in range(0, n, cfg.micro_batch_size):
+            batch = self.data.val.batch(list(range(first, min(n, first + cfg.micro_batch_size)))).to(self.device)
+            total += token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg).item()
+            count += batch[:, 1:].numel()
+        return total / count
+
+    def unigram_loss(self) -> float:
+        """Validation loss of the best context-free predictor (train-split token frequencies, add-one
+        smoothed): the bar a model must clear to show it learned anything beyond token counts."""
+        import numpy as np
+
+        vocab = self.cfg.model.vocab_size
+        train, val = self.data.train.store, self.data.val.store
+        counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab).astype(np.float64) + 1.0
+        log_probs = np.log(counts / counts.sum())
+        return float(-log_probs[val.read(0, val.num_tokens)].mean())
+
+    # ---------------------------------------------------------------------------------------------
+    def fit(self, until: int | None = None) -> list[dict]:
+        """Train to step `until` (default train.steps), logging, evaluating and checkpointing on the way.
+        Returns the record of every step run."""
+        cfg = self.cfg.train
+        until = cfg.steps if until is None else until
+        log = MetricsLog(self.out_dir, cfg.tensorboard, append=self.step > 0)
+        bar = progress_bar(until, self.step, cfg.progress and not self.quiet)
+        history = []
+        try:
+            while self.step < until:
+                record = self.train_step()
+                history.append(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+                last = self.step == until
+                if self.step % cfg.log_every == 0 or last:
+                    record["memory_bytes"] = memory_bytes(self.device)
+                    if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                        record["val_loss"] = self.evaluate()
+                    log.log(record)
+                    self._print(record)
+                if cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                    self.save()
+            if history:
+                self.save()
+        finally:
+            bar.close()
+            log.close()
+        return history
+
+    def _print(self, r: dict) -> None:
+        if self.quiet:
+            return
+        val = f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else ""
+        msg = (f"step {r['step']:>5d} | loss {r['loss']:.4f}{val} | lr {r['lr']:.2e} | grad_norm "
+               f"{r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
+               f"batch {r['batch_tokens']} tok")
+        from tqdm import tqdm
+        tqdm.write(msg)
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def save(self) -> Path:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
+                 "base_batch_tokens": self.base_batch_tokens}
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["torch_cuda"] = torch.cuda.get_rng_state(self.device)
+        extra = {}
+        tokenizer_json = getattr(self.data, "tokenizer", None)
+        if tokenizer_json is not None:
+            extra["tokenizer.json"] = tokenizer_json.to_str().encode()
+        return ckpt.write_checkpoint(self.checkpoint_root, f"step_{self.step:08d}", self.cfg,
+                                     self.optimizer.master_state(), self.optimizer.state_tensors(), state, rng,
+                                     keep=self.cfg.train.keep_checkpoints, extra_files=extra)
+
+    def load_latest(self) -> bool:
+        """Resume from out_dir/checkpoints if a checkpoint is there; returns whether one was loaded."""
+        try:
+            path = ckpt.resolve_checkpoint(self.checkpoint_root)
+        except FileNotFoundError:
+            return False
+        saved = ckpt.read_config(path)
+        if saved.model != self.cfg.model:
+            raise ConfigError(f"checkpoint {path} was trained with a different model config; use another "
+                              f"train.out_dir or the same model.* settings")
+        self.optimizer.load(ckpt.read_tensors(path / "model.safetensors"),
+                            ckpt.read_tensors(path / "optimizer.safetensors"))
+        state = ckpt.read_json(path / "trainer_state.json")
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.base_batch_tokens = state["base_batch_tokens"]
+        self.sampler.load_state_dict(state["sampler"])
+        rng = ckpt.read_tensors(path / "rng.safetensors")
+        if "torch_cpu" in rng:
+            torch.set_rng_state(rng["torch_cpu"])
+        if "torch_cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["torch_cuda"], self.device)
+        if not self.quiet:
+            print(f"resumed from {path} (step {self.step}, {self.tokens_seen:,} tokens)")
+        return True
