@@ -1,6 +1,7 @@
-"""The embedded default corpus: English documentation that ships inside CPython.
+"""Where documents come from: the embedded default corpus, and readers for user corpora.
 
-Two sources, so that a first run needs no download:
+The embedded corpus is the English documentation that ships inside CPython, so that a first run
+needs no download. Two sources:
   * `pydoc_data.topics.topics`: the language reference topics behind `help()` (79 topics, ~465 KB);
   * docstrings of stdlib modules, classes and functions, read with `ast` from the stdlib sources
     (~1.2 MB). One document per module: its docstrings of >= 200 characters, in source order,
@@ -141,3 +142,105 @@ def documents_hash(docs: list[str]) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# User corpora: .txt/.md (one document per file), .jsonl (one per line, field "text"), .parquet
+# (column "text"). Every error names the file, and the line or byte offset where there is one.
+
+TEXT_SUFFIXES = (".txt", ".md")
+SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
+
+
+def expand_inputs(inputs) -> list[Path]:
+    """Files, and directories searched recursively for supported files (sorted, hidden ones skipped)."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts)),
+                           key=lambda p: p.relative_to(path).as_posix())
+            if not found:
+                raise DataError(f"{path}: directory has no {', '.join(SUFFIXES)} files")
+            files.extend(found)
+        elif path.is_file():
+            if path.suffix.lower() not in SUFFIXES:
+                raise DataError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; "
+                                f"use {', '.join(SUFFIXES)}")
+            files.append(path)
+        else:
+            raise DataError(f"{path}: no such file or directory")
+    if not files:
+        raise DataError("no input files given")
+    return files
+
+
+def _decode(path: Path, data: bytes, offset: int = 0, where: str = "") -> str:
+    # A NUL byte is valid UTF-8 but in practice means a binary file given by mistake.
+    bad = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = e.start if bad < 0 else min(bad, e.start)
+    if bad >= 0:
+        raise DataError(f"{path}{where}: not UTF-8 text (byte 0x{data[bad]:02x} at offset {offset + bad})")
+    return text
+
+
+def _read_jsonl(path: Path):
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(path, raw, offset, f":{lineno}")
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise DataError(f'{path}:{lineno}: expected a JSON object with a string "text" field')
+            try:
+                obj["text"].encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800"
+                raise DataError(f"{path}:{lineno}: the text is not valid Unicode (lone surrogate)") from None
+            yield obj["text"]
+
+
+def _read_parquet(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet needs pyarrow; pip install pyarrow") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for non-parquet data
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    names = parquet.schema_arrow.names
+    if "text" not in names:
+        raise DataError(f'{path}: no "text" column (columns: {", ".join(names)})')
+    row = 0
+    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f'{path}: row {row}: column "text" holds {type(text).__name__}, not strings')
+            yield text
+
+
+def iter_documents(files: list[Path]):
+    """The documents of `files` in order, as strings."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix in TEXT_SUFFIXES:
+            yield _decode(path, path.read_bytes()).removeprefix("\ufeff")
+        elif suffix == ".jsonl":
+            yield from _read_jsonl(path)
+        elif suffix == ".parquet":
+            yield from _read_parquet(path)
+        else:
+            raise DataError(f"{path}: unsupported file type {suffix!r}; use {', '.join(SUFFIXES)}")

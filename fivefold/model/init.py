@@ -32,6 +32,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
 
 def materialize(model: Transformer, device, seed: int, dtype: torch.dtype = torch.float32) -> None:
     model.to_empty(device=device)
+    model.tie_weights()
     model.reset_buffers()
     init_parameters(model, seed)
     model.to(dtype)

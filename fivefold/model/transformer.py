@@ -41,10 +41,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         if cfg.position == "rope":
             self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with the LM head (again after to_empty(), which unties them)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after materialising from the meta device)."""

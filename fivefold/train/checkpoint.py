@@ -96,7 +96,29 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, weights: dict[str
     if keep:
         for stale in list_checkpoints(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
+    _remove_abandoned(root)
     return final
+
+
+def _remove_abandoned(root: Path) -> None:
+    """Delete temporaries left by a writer that was killed mid-save (its pid no longer runs)."""
+    for path in root.glob("*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -10,23 +10,22 @@ from pathlib import Path
 import torch
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 1.0) -> float:
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, reps: int = 8) -> float:
     """Achievable dense-matmul FLOP/s of this device and dtype, measured (not a datasheet number), so MFU
-    is relative to what this machine's kernels can really do with the threads it has."""
+    is relative to what this machine's kernels really do with the threads it has. The fastest of several
+    repetitions is kept: other load on the machine can only make a repetition slower."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    _sync(device)
     for _ in range(2):  # warm up: thread pools, kernel selection, AMX tiles
         a @ b
     _sync(device)
-    reps, start = 0, time.perf_counter()
-    while True:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
         a @ b
-        reps += 1
         _sync(device)
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds and reps >= 3:
-            return 2 * size ** 3 * reps / elapsed
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
 
 
 def _sync(device: torch.device) -> None:

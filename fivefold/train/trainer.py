@@ -96,21 +96,25 @@ class Trainer:
         loss.backward()
         return loss.detach()
 
+    def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over a global batch (N, S) in micro-batches; returns the global mean loss
+        over the labels that are not IGNORE_INDEX (padding)."""
+        num_tokens = (labels != IGNORE_INDEX).sum()
+        loss = torch.zeros((), device=self.device)
+        for mb in torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size):
+            loss += self.forward_backward(inputs[mb], labels[mb], num_tokens)
+        return loss
+
     def train_step(self) -> dict:
         cfg = self.cfg.train
         start = time.perf_counter()
         accum = grad_accum_at(self.tokens_seen, cfg)
         batch = self.global_batch(accum)
-        inputs, labels = batch[:, :-1], batch[:, 1:]
-        num_tokens = (labels != IGNORE_INDEX).sum()
-        loss = torch.zeros((), device=self.device)
-        for mb in torch.arange(len(batch)).split(cfg.micro_batch_size):
-            loss += self.forward_backward(inputs[mb], labels[mb], num_tokens)
-        loss_value = loss.item()
+        loss_value = self.accumulate_gradients(batch[:, :-1], batch[:, 1:]).item()
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
                                 f"train.grad_clip, or use train.precision=fp32 to locate the overflow")
-        batch_tokens = inputs.numel()
+        batch_tokens = batch[:, 1:].numel()
         lr = lr_at(self.step, cfg, batch_tokens, self.base_batch_tokens)
         grad_norm = self.optimizer.step(lr, cfg.grad_clip).item()
         self.optimizer.zero_grad()

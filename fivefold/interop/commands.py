@@ -1,0 +1,72 @@
+"""`fivefold import-hf` and `fivefold export-hf`: Hugging Face checkpoints in and out."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+# Decimal and binary units, as transformers' save_pretrained(max_shard_size=...) reads them.
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("import-hf", help="convert a Hugging Face model directory to a fivefold checkpoint")
+    p.add_argument("src", metavar="DIR", help="directory with config.json and model.safetensors (or shards)")
+    p.add_argument("--out", required=True, help="checkpoint root to write (step_00000000 + latest)")
+    p.set_defaults(func=_import)
+    p = subparsers.add_parser("export-hf", help="write a fivefold checkpoint as a Hugging Face model directory")
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir, checkpoints root or run dir")
+    p.add_argument("--out", required=True, help="output directory (config.json + safetensors)")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2", "gpt2"],
+                   help="target architecture (default: chosen from the model config)")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                   help="split weights into shards of at most this size, e.g. 5GB, 500MB (default 5GB)")
+    p.set_defaults(func=_export)
+
+
+def _import(args) -> int:
+    from fivefold.config import Config, validate
+    from fivefold.interop.hf import import_hf
+    from fivefold.train.checkpoint import save_model
+
+    try:
+        cfg, model = import_hf(args.src)
+    except ValueError as e:
+        return _fail("import-hf", e)
+    config = Config(model=cfg)
+    if cfg.position == "learned":  # keep the default train.seq_len within the position table
+        config.train.seq_len = min(config.train.seq_len, cfg.max_seq_len)
+    validate(config)
+    path = save_model(args.out, config, model)
+    n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    print(f"imported {n:,d} parameters from {args.src} -> {path}")
+    return 0
+
+
+def _export(args) -> int:
+    from fivefold.interop.hf import export_hf
+    from fivefold.train.checkpoint import load_model
+
+    try:
+        _, model = load_model(args.checkpoint)
+        out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size)
+    except ValueError as e:
+        return _fail("export-hf", e)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"exported {n:,d} parameters to {out}")
+    return 0
+
+
+def _fail(command: str, error: Exception) -> int:
+    print(f"fivefold {command}: error: {error}", file=sys.stderr)
+    return 2

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny fp32 configs on the embedded corpus, with one data cache per test session."""
+
+import pytest
+
+from fivefold.config import load_config
+
+TINY_DEFAULTS = {
+    "train.seq_len": 32, "train.micro_batch_size": 4, "train.steps": 6, "train.lr": 1e-2,
+    "train.warmup_steps": 2, "train.peak_flops": 1e11, "train.progress": False, "train.tensorboard": False,
+    "train.eval_every": 0, "train.log_every": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fivefold-cache"))
+
+
+@pytest.fixture
+def tiny_config(data_cache, tmp_path):
+    """tiny_config(**{"train.grad_accum": 2}) -> a validated Config for the 'tiny' preset."""
+    def make(preset="tiny", **overrides):
+        values = {**TINY_DEFAULTS, "data.cache_dir": data_cache, "train.out_dir": str(tmp_path / "run"),
+                  **overrides}
+        return load_config(preset=preset, overrides=[f"{k}={v}" for k, v in values.items()])
+    return make

@@ -1,0 +1,170 @@
+"""Hugging Face interop: each supported architecture against transformers itself, tiny fp32 models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+
+from fivefold.cli import main  # noqa: E402
+from fivefold.config import ConfigError  # noqa: E402
+from fivefold.interop.commands import parse_size  # noqa: E402
+from fivefold.interop.hf import config_from_hf, export_hf, hf_config_from, import_hf, read_hf_tensors  # noqa: E402
+
+# fp32 on CPU, same op order up to matmul blocking: observed differences are ~1e-7.
+ATOL, RTOL = 1e-5, 1e-5
+VOCAB = 160
+
+
+def _llama_like(cls, **kw):
+    return cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, **kw)
+
+
+CASES = {
+    "llama-gqa": lambda: _llama_like(LlamaConfig, rope_theta=10000.0),
+    # Legacy rope_theta/rope_scaling keywords: transformers 5 turns them into rope_parameters.
+    # original_max_position_embeddings=64 puts head-dim frequencies in all three llama3 bands.
+    "llama3-rope-scaling": lambda: _llama_like(
+        LlamaConfig, head_dim=32, rope_theta=50000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}),
+    "mistral": lambda: _llama_like(MistralConfig, sliding_window=None),
+    "qwen2-tied": lambda: _llama_like(Qwen2Config, tie_word_embeddings=True),
+    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                               bos_token_id=0, eos_token_id=0),
+}
+
+
+def _hf_model(case: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CASES[case](), attn_implementation="eager").eval()
+    with torch.no_grad():  # move norms and biases off their 1/0 init so a mis-mapped one shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _load_hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_then_export_matches_transformers(case, ids, tmp_path):
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    reference = _logits(hf, ids)
+
+    cfg, model = import_hf(tmp_path / "hf")
+    assert cfg.rope_scaling == ("llama3" if case == "llama3-rope-scaling" else "none")
+    assert sum(p.numel() for p in model.parameters()) == hf.num_parameters()
+    torch.testing.assert_close(_logits(model, ids), reference, atol=ATOL, rtol=RTOL)
+
+    out = export_hf(model, tmp_path / "export")
+    assert config_from_hf(json.loads((out / "config.json").read_text())) == cfg
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:  # renames, splits and transposes only: bit-exact
+        torch.testing.assert_close(ours[name], theirs[name], atol=0, rtol=0)
+    torch.testing.assert_close(_logits(_load_hf(out), ids), reference, atol=ATOL, rtol=RTOL)
+
+
+def test_sharded_export_round_trips(ids, tmp_path):
+    hf = _hf_model("llama-gqa")
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    _, model = import_hf(tmp_path / "hf")
+    out = export_hf(model, tmp_path / "export", max_shard_bytes=40_000)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    tensors = read_hf_tensors(out)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert set(index["weight_map"]) == set(tensors)
+
+    _, again = import_hf(out)
+    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=name)
+    torch.testing.assert_close(_logits(_load_hf(out), ids), _logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_bf16_checkpoint_imports_as_fp32(ids, tmp_path):
+    hf = _hf_model("mistral").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    _, model = import_hf(tmp_path / "hf")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # bf16 -> fp32 is exact, so the reference is transformers running the same weights in fp32
+    # (reloaded rather than hf.float(), which would keep its rotary table rounded to bf16).
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("case", ["qwen2-tied", "gpt2"])
+def test_cli_import_and_export(case, ids, tmp_path, capsys):
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert f"imported {hf.num_parameters():,d} parameters" in capsys.readouterr().out
+    assert (tmp_path / "ckpt" / "latest").is_file()
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+                 "--max-shard-size", "50KB"]) == 0
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    torch.testing.assert_close(_logits(_load_hf(tmp_path / "out"), ids), _logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_pickled_checkpoint_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(CASES["llama-gqa"]().to_dict()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.*never loads"):
+        import_hf(tmp_path)
+    assert main(["import-hf", str(tmp_path), "--out", str(tmp_path / "ckpt")]) == 2
+    assert "safe_serialization=True" in capsys.readouterr().err
+
+
+def test_unsupported_features_name_the_field():
+    llama = {**CASES["llama-gqa"]().to_dict(), "architectures": ["LlamaForCausalLM"]}
+    llama.pop("rope_parameters", None)
+    with pytest.raises(ConfigError, match="rope_type='yarn'"):
+        config_from_hf({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="rope_type='linear'"):
+        config_from_hf({**llama, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+    with pytest.raises(ConfigError, match="hidden_act='gelu'"):
+        config_from_hf({**llama, "hidden_act": "gelu"})
+    with pytest.raises(ConfigError, match="architectures=\\['BertForMaskedLM'\\]"):
+        config_from_hf({**llama, "architectures": ["BertForMaskedLM"]})
+    mistral = {**llama, "architectures": ["MistralForCausalLM"], "sliding_window": 32}
+    with pytest.warns(UserWarning, match="sliding_window=32"):
+        config_from_hf(mistral)
+    cfg = config_from_hf(llama)
+    with pytest.raises(ConfigError, match="arch='gpt2' needs model.position='learned'"):
+        hf_config_from(cfg, "gpt2")
+    with pytest.raises(ConfigError, match="arch='qwen2' needs model.qkv_bias=True"):
+        hf_config_from(cfg, "qwen2")
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1000") == 1000
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("5 parsecs")

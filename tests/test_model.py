@@ -1,0 +1,106 @@
+"""Model: parameter counts, deterministic layout-independent init, attention implementations, masks, KV cache."""
+
+import random
+
+import pytest
+import torch
+
+from fivefold.config import ModelConfig
+from fivefold.memory.formulas import count_params
+from fivefold.model import KVCache, Transformer, build_model, doc_ids_from_tokens, initial_value
+from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
+
+
+def meta_model(cfg):
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PARAM_COUNTS))
+def test_preset_param_counts_equal_real_models(name):
+    cfg = PRESETS[name]
+    assert count_params(cfg) == REAL_PARAM_COUNTS[name]
+    assert sum(p.numel() for p in meta_model(cfg).parameters()) == REAL_PARAM_COUNTS[name]
+
+
+def random_config(rng: random.Random) -> ModelConfig:
+    kv = rng.choice([1, 2, 4])
+    heads = kv * rng.choice([1, 2, 3])
+    gpt2 = rng.random() < 0.3
+    return ModelConfig(
+        vocab_size=rng.randint(50, 500), hidden_size=heads * rng.choice([8, 16]), num_layers=rng.randint(1, 4),
+        num_heads=heads, num_kv_heads=heads if gpt2 else kv, ffn_hidden_size=rng.randint(16, 200),
+        norm="layernorm" if gpt2 else "rmsnorm", activation="gelu" if gpt2 else "swiglu",
+        position="learned" if gpt2 else "rope", max_seq_len=rng.randint(16, 64),
+        tie_embeddings=rng.random() < 0.5, qkv_bias=rng.random() < 0.3, linear_bias=gpt2 and rng.random() < 0.7,
+        head_dim=rng.choice([0, 0, 12]))
+
+
+def test_param_count_formula_matches_built_model_for_random_shapes():
+    rng = random.Random(0)
+    for _ in range(60):
+        cfg = random_config(rng)
+        assert count_params(cfg) == sum(p.numel() for p in meta_model(cfg).parameters()), cfg
+
+
+def test_init_depends_only_on_seed_and_name():
+    cfg = PRESETS["tiny"]
+    a, b = build_model(cfg, seed=7), build_model(cfg, seed=7)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+        # The value is a pure function of (seed, name, shape): what a sharded run slices from.
+        assert torch.equal(pa, initial_value(name, pa.shape, cfg, seed=7)), name
+    c = build_model(cfg, seed=8)
+    assert not torch.equal(a.layers[0].attn.q_proj.weight, c.layers[0].attn.q_proj.weight)
+    # A deeper model shares the first layers' initial values: init does not depend on the layout.
+    deeper = build_model(ModelConfig(**{**cfg.__dict__, "num_layers": 3}), seed=7)
+    assert torch.equal(deeper.layers[1].mlp.up_proj.weight, a.layers[1].mlp.up_proj.weight)
+    assert a.layers[0].attn.o_proj.weight.std() < a.layers[0].attn.q_proj.weight.std()  # residual scaling
+
+
+def test_tied_embeddings_share_storage():
+    model = build_model(PRESETS["tiny-gpt2"])
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])
+def test_sdpa_and_eager_attention_agree(preset):
+    cfg = PRESETS[preset]
+    sdpa = build_model(cfg, seed=1)
+    eager = build_model(ModelConfig(**{**cfg.__dict__, "attention": "eager"}), seed=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    torch.testing.assert_close(eager(ids), sdpa(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_causality_and_document_mask():
+    cfg = ModelConfig(**{**PRESETS["tiny"].__dict__, "document_mask": True})
+    model = build_model(cfg, seed=2)
+    ids = torch.randint(1, cfg.vocab_size, (1, 20))
+    ids[0, 7] = cfg.eos_token_id  # document 0 is tokens 0..7, document 1 starts at 8
+    doc_ids = doc_ids_from_tokens(ids, cfg.eos_token_id)
+    assert doc_ids[0, 7] == 0 and doc_ids[0, 8] == 1
+    base = model(ids, doc_ids=doc_ids)
+    changed = ids.clone()
+    changed[0, 2] = (ids[0, 2] + 1) % cfg.vocab_size
+    out = model(changed, doc_ids=doc_ids_from_tokens(changed, cfg.eos_token_id))
+    torch.testing.assert_close(out[0, 8:], base[0, 8:], rtol=0, atol=0)  # later document unaffected
+    assert not torch.allclose(out[0, 2:8], base[0, 2:8])
+    # Without the document mask, later tokens do see the earlier document; earlier never see later.
+    plain = model(ids)
+    later_changed = ids.clone()
+    later_changed[0, 15] = (ids[0, 15] + 1) % cfg.vocab_size
+    torch.testing.assert_close(model(later_changed)[0, :15], plain[0, :15], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])
+def test_kv_cache_decoding_matches_full_forward(preset, attention):
+    cfg = ModelConfig(**{**PRESETS[preset].__dict__, "attention": attention})
+    model = build_model(cfg, seed=3).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    full = model(ids)
+    cache = KVCache(cfg, batch=2, capacity=12, device="cpu", dtype=torch.float32)
+    steps = [model(ids[:, :5], kv_cache=cache)]  # prefill
+    for t in range(5, 12):
+        steps.append(model(ids[:, t:t + 1], kv_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,145 @@
+"""Trainer: the loss convention under accumulation, recomputation, mixed precision, resume, failures."""
+
+import math
+
+import pytest
+import torch
+
+from fivefold.train.trainer import Trainer, TrainingError
+
+
+def grads(trainer):
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+def first_batch(trainer, accum):
+    """(inputs, labels) of the first global batch."""
+    batch = trainer.global_batch(accum)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def test_accumulated_gradients_equal_big_batch_gradients(tiny_config):
+    big = Trainer(tiny_config(**{"train.micro_batch_size": 8}), quiet=True)
+    small = Trainer(tiny_config(**{"train.micro_batch_size": 2, "train.grad_accum": 4}), quiet=True)
+    batch = first_batch(big, 1)
+    assert torch.equal(batch[0], first_batch(small, 4)[0])  # same global batch whatever the micro-batching
+    loss_big, loss_small = big.accumulate_gradients(*batch), small.accumulate_gradients(*batch)
+    torch.testing.assert_close(loss_small, loss_big, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads(small), grads(big), rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_gives_the_same_losses_over_several_steps(tiny_config):
+    runs = [Trainer(tiny_config(**{"train.micro_batch_size": mb, "train.grad_accum": ga}), quiet=True).fit()
+            for mb, ga in ((8, 1), (4, 2), (1, 8))]
+    ref = [r["loss"] for r in runs[0]]
+    for other in runs[1:]:
+        torch.testing.assert_close([r["loss"] for r in other], ref, rtol=1e-5, atol=0)
+    assert all(r["batch_tokens"] == 8 * 32 for run in runs for r in run)
+
+
+def test_padding_tokens_do_not_count(tiny_config):
+    """The loss is the mean over non-padding labels of the whole global batch, across micro-batches."""
+    from fivefold.train.trainer import token_loss_sum
+    trainer = Trainer(tiny_config(**{"train.micro_batch_size": 2, "train.grad_accum": 2}), quiet=True)
+    inputs, labels = first_batch(trainer, 2)
+    labels = labels.clone()
+    labels[0, 10:] = -100  # most of the first micro-batch's first sequence is padding
+    loss = trainer.accumulate_gradients(inputs, labels).item()
+    with torch.no_grad():
+        expected = token_loss_sum(trainer.model, inputs, labels, trainer.cfg).item() / (labels != -100).sum().item()
+    assert loss == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_recompute_modes_give_identical_gradients(tiny_config, attention):
+    results = {}
+    for mode in ("none", "selective", "full"):
+        trainer = Trainer(tiny_config(**{"train.recompute": mode, "model.attention": attention,
+                                         "train.grad_accum": 2}), quiet=True)
+        loss = trainer.accumulate_gradients(*first_batch(trainer, 2))
+        results[mode] = (loss, grads(trainer))
+    for mode in ("selective", "full"):
+        torch.testing.assert_close(results[mode][0], results["none"][0], rtol=0, atol=0)
+        torch.testing.assert_close(results[mode][1], results["none"][1], rtol=1e-6, atol=1e-9)
+
+
+def test_recompute_saves_activation_memory(tiny_config):
+    saved = {}
+    for mode in ("none", "selective", "full"):
+        trainer = Trainer(tiny_config(**{"train.recompute": mode, "model.attention": "eager"}), quiet=True)
+        inputs, _ = first_batch(trainer, 1)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            trainer.model(inputs)
+        saved[mode] = total[0]
+    assert saved["full"] < saved["selective"] < saved["none"]
+
+
+def test_bf16_mixed_keeps_fp32_masters(tiny_config):
+    trainer = Trainer(tiny_config(**{"train.precision": "bf16-mixed"}), quiet=True)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert all(m.dtype == torch.float32 for m in trainer.optimizer.masters)
+    states = trainer.optimizer.inner
+    trainer.fit(until=3)
+    for p, m in zip(trainer.optimizer.params, trainer.optimizer.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))  # the model runs on the rounded masters
+        assert states.state[m]["exp_avg"].dtype == torch.float32
+    # The masters carry precision the bf16 copy cannot: updates smaller than a bf16 ulp accumulate.
+    assert any(not torch.equal(m, p.float()) for p, m in zip(trainer.optimizer.params, trainer.optimizer.masters))
+
+
+def test_fp32_gradient_accumulation_buffers(tiny_config):
+    overrides = {"train.precision": "bf16-mixed", "train.grad_accum": 2}
+    mixed = Trainer(tiny_config(**overrides, **{"train.fp32_grad_accum": True}), quiet=True)
+    plain = Trainer(tiny_config(**overrides), quiet=True)
+    ref = Trainer(tiny_config(**{"train.grad_accum": 2}), quiet=True)
+    inputs, labels = first_batch(ref, 2)
+    mixed.accumulate_gradients(inputs, labels)
+    ref.accumulate_gradients(inputs, labels)
+    assert all(p.grad is None for p in mixed.model.parameters())  # bf16 grads folded away immediately
+    # Exactly the fp32 sum of each micro-batch's bf16 gradient (no bf16 rounding of the running sum).
+    expected = [torch.zeros_like(m) for m in plain.optimizer.masters]
+    num_tokens = labels.numel()
+    for mb in torch.arange(len(inputs)).split(4):
+        plain.forward_backward(inputs[mb], labels[mb], torch.tensor(num_tokens))
+        for e, p in zip(expected, plain.model.parameters()):
+            e += p.grad.float()
+            p.grad = None
+    for buf, e in zip(mixed.optimizer.main_grads, expected):
+        assert buf.dtype == torch.float32 and torch.equal(buf, e)
+    # And close to the fp32 model's gradient, up to bf16 forward/backward noise.
+    for buf, p in zip(mixed.optimizer.main_grads, ref.model.parameters()):
+        assert (buf - p.grad).norm() <= 0.05 * p.grad.norm()
+    mixed.optimizer.step(1e-3, 1.0)
+    mixed.optimizer.zero_grad()
+    assert all(buf.abs().sum() == 0 for buf in mixed.optimizer.main_grads)
+
+
+def test_nan_loss_is_reported_with_the_step(tiny_config):
+    trainer = Trainer(tiny_config(), quiet=True)
+    trainer.fit(until=2)
+    with torch.no_grad():
+        trainer.model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
+    with pytest.raises(TrainingError, match="loss is nan at step 3"):
+        trainer.train_step()
+
+
+def test_loss_decreases(tiny_config):
+    history = Trainer(tiny_config(**{"train.steps": 30, "train.micro_batch_size": 8}), quiet=True).fit()
+    first = sum(r["loss"] for r in history[:3]) / 3
+    last = sum(r["loss"] for r in history[-3:]) / 3
+    assert last < first - 0.5
+    assert all(math.isfinite(r["grad_norm"]) and r["mfu"] > 0 for r in history)
+
+
+def test_batch_size_schedule_grows_the_batch_and_scales_lr(tiny_config):
+    cfg = tiny_config(**{"train.batch_schedule": "256:2,768:4", "train.lr_scaling": "linear",
+                         "train.lr_schedule": "constant", "train.warmup_steps": 0, "train.steps": 5})
+    history = Trainer(cfg, quiet=True).fit()
+    # Global batch is 4 x 32 = 128 tokens, then 256 once 256 tokens were seen, then 512 after 768.
+    assert [r["batch_tokens"] for r in history] == [128, 128, 256, 256, 512]
+    assert [r["lr"] / cfg.train.lr for r in history] == pytest.approx([1, 1, 2, 2, 4])
