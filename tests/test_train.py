@@ -143,3 +143,21 @@ def test_batch_size_schedule_grows_the_batch_and_scales_lr(tiny_config):
     # Global batch is 4 x 32 = 128 tokens, then 256 once 256 tokens were seen, then 512 after 768.
     assert [r["batch_tokens"] for r in history] == [128, 128, 256, 256, 512]
     assert [r["lr"] / cfg.train.lr for r in history] == pytest.approx([1, 1, 2, 2, 4])
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings(tiny_config):
+    trainer = Trainer(tiny_config(preset="tiny-gpt2"), quiet=True)
+    decay, rest = trainer.optimizer.inner.param_groups
+    by_id = {id(m): n for n, m in zip(trainer.optimizer.names, trainer.optimizer.masters)}
+    decayed = sorted(by_id[id(p)] for p in decay["params"])
+    assert decay["weight_decay"] == trainer.cfg.train.weight_decay and rest["weight_decay"] == 0.0
+    assert decayed and all(n.endswith(("_proj.weight",)) for n in decayed)
+    assert {"embed_tokens.weight", "embed_positions.weight", "norm.weight", "layers.0.attn.q_proj.bias"} <= {
+        by_id[id(p)] for p in rest["params"]}
+
+
+def test_compiled_blocks_give_the_same_losses(tiny_config):
+    """train.compile=true (torch.compile per block) trains to the same losses as eager PyTorch."""
+    eager = Trainer(tiny_config(**{"train.steps": 2}), quiet=True).fit()
+    compiled = Trainer(tiny_config(**{"train.steps": 2, "train.compile": True}), quiet=True).fit()
+    torch.testing.assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager], rtol=1e-5, atol=0)
