@@ -5,6 +5,8 @@ The same config objects build the model, so tests assert these equal the built m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fivefold.config import ModelConfig
 
 
@@ -58,3 +60,146 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> fl
     counts the causal half as done."""
     forward = 2 * matmul_params(cfg) + 4 * cfg.num_layers * seq_len * cfg.q_size
     return 3 * forward if training else forward
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters that touch each token. Every parameter of a dense model is active; a mixture-of-experts
+    model (a later issue) counts only its top-k experts here."""
+    return count_params(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter inventory per rank: the model's named parameters, from the config alone.
+
+
+def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers: range | None = None, first_stage: bool = True,
+                     last_stage: bool = True) -> list[tuple[str, int]]:
+    """(name, numel on one tensor-parallel rank) of every parameter a rank holds, named as the model
+    names them. `layers` (default all) and first/last stage select a pipeline stage; the first stage
+    holds the embeddings, the last the final norm and LM head, and with tied embeddings and more than
+    one stage the last stage keeps its own copy of the shared matrix (Megatron-LM does the same).
+
+    Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): q/k/v and gate/up are split by
+    output columns (with their biases), o/down by input rows (their biases stay whole), embedding and
+    LM head by vocabulary rows; norms are replicated."""
+    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    layers = range(cfg.num_layers) if layers is None else layers
+    shapes: list[tuple[str, int]] = []
+    norm_bias = cfg.norm == "layernorm" and cfg.linear_bias
+
+    def norm(prefix: str) -> None:
+        shapes.append((f"{prefix}.weight", h))
+        if norm_bias:
+            shapes.append((f"{prefix}.bias", h))
+
+    if first_stage:
+        shapes.append(("embed_tokens.weight", v * h // tp))
+        if cfg.position == "learned":
+            shapes.append(("embed_positions.weight", cfg.max_seq_len * h))
+    qkv_bias = cfg.qkv_bias or cfg.linear_bias
+    for i in layers:
+        p = f"layers.{i}"
+        norm(f"{p}.attn_norm")
+        for name, out in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
+            shapes.append((f"{p}.attn.{name}.weight", out * h // tp))
+            if qkv_bias:
+                shapes.append((f"{p}.attn.{name}.bias", out // tp))
+        shapes.append((f"{p}.attn.o_proj.weight", h * cfg.q_size // tp))
+        if cfg.linear_bias:
+            shapes.append((f"{p}.attn.o_proj.bias", h))
+        norm(f"{p}.mlp_norm")
+        for name in (("gate_proj", "up_proj") if cfg.activation == "swiglu" else ("up_proj",)):
+            shapes.append((f"{p}.mlp.{name}.weight", f * h // tp))
+            if cfg.linear_bias:
+                shapes.append((f"{p}.mlp.{name}.bias", f // tp))
+        shapes.append((f"{p}.mlp.down_proj.weight", h * f // tp))
+        if cfg.linear_bias:
+            shapes.append((f"{p}.mlp.down_proj.bias", h))
+    if last_stage:
+        norm("norm")
+        if not cfg.tie_embeddings or not first_stage:
+            shapes.append(("lm_head.weight", v * h // tp))
+    return shapes
+
+
+def is_no_decay(name: str) -> bool:
+    """The trainer's weight-decay rule (fivefold.train.optim.no_decay), on names: norm gains, biases and
+    embeddings are not decayed. The optimizer keeps the two groups apart, so its per-group temporaries
+    are sized by the larger group."""
+    return name.endswith(".bias") or "embed" in name or "norm" in name
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes per parameter of the model states (Rajbhandari et al. 2020, "ZeRO", section 3.1).
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Model-state bytes per parameter. ZeRO's K=12 convention counts the fp32 master weights with the
+    Adam moments as optimizer states."""
+    parameters: int  # the weights forward and backward use
+    gradients: int  # .grad in the parameter dtype
+    main_gradients: int  # fp32 accumulation buffers (bf16-mixed with fp32 gradient accumulation)
+    optimizer_states: int  # fp32 master copy (mixed precision only) + Adam exp_avg + exp_avg_sq
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.main_gradients + self.optimizer_states
+
+
+def bytes_per_param(precision: str, fp32_grad_accum: bool = False) -> BytesPerParam:
+    """fp32: 4 + 4 + 8 = 16. bf16-mixed: 2 + 2 + (4 + 4 + 4) = 16. With fp32 gradient accumulation the
+    fp32 buffer adds 4: 20, the accounting that keeps every bf16 .grad as well (Megatron-LM's
+    distributed-optimizer table counts 20 for fp16 params + fp16 grads). fivefold's trainer folds each
+    bf16 .grad into the buffer and frees it at once, so its plan charges the buffer plus one live bf16
+    gradient, not a bf16 copy of every gradient (planner.model_states)."""
+    if precision == "fp32":
+        if fp32_grad_accum:
+            raise ValueError("fp32_grad_accum applies to bf16-mixed only")
+        return BytesPerParam(parameters=4, gradients=4, main_gradients=0, optimizer_states=8)
+    if precision == "bf16-mixed":
+        return BytesPerParam(parameters=2, gradients=2, main_gradients=4 if fp32_grad_accum else 0,
+                             optimizer_states=12)
+    raise ValueError(f"unknown precision {precision!r}; choose fp32 or bf16-mixed")
+
+
+def model_state_bytes(num_params: int, precision: str, fp32_grad_accum: bool = False) -> int:
+    """Parameters + gradients + optimizer states of an unsharded model: 16 bytes/param, so 7B -> 112 GB."""
+    return num_params * bytes_per_param(precision, fp32_grad_accum).total
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism: layers per stage and micro-batches whose activations a stage holds at once.
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Contiguous layers of `stage`; the first num_layers % pp stages take one extra layer."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def micro_batches_in_flight(schedule: str, pp: int, stage: int, micro_batches: int,
+                            virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations `stage` (0-based) holds at its peak, in units of the stage's
+    whole layer stack.
+
+    afab (GPipe, Huang et al. 2019): all forwards before any backward, so every micro-batch.
+    1f1b (PipeDream-Flush, Narayanan et al. 2021): stage i runs pp - i warm-up forwards, then
+    alternates, so it holds min(pp - i, m).
+    interleaved (Narayanan et al. 2021): stage 0 warms up 2(pp-1) + (v-1)pp model chunks of L/(pp v)
+    layers each (Megatron-LM's schedule), i.e. pp (1 + (pp-1)/(pp v)) micro-batches of the stage's
+    layers: the factor of Korthikanti et al. 2022, section 4.2.3.
+    zero-bubble (ZB-H1, Qi et al. 2023): same peak activation memory as 1F1B by construction."""
+    m = micro_batches
+    if pp == 1:
+        return 1.0
+    if schedule == "afab":
+        return float(m)
+    if schedule in ("1f1b", "zero-bubble"):
+        return float(min(pp - stage, m))
+    if schedule == "interleaved":
+        v = virtual_stages
+        chunks = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+        return chunks / v
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")

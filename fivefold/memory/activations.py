@@ -1,0 +1,383 @@
+"""Activation memory of one micro-batch, derived from what autograd really saves in fivefold's model.
+
+Instead of a closed formula, the forward pass is replayed as the list of tensors it allocates, in the
+order the model's code allocates them (fivefold/model/*.py), each with its size in bytes and its
+lifetime: a tensor autograd saves for backward lives until the backward pass reaches it; any other
+tensor dies when its last Python reference does. Replaying that list gives the forward peak
+(saved tensors plus the transient ones around them, e.g. the logits and their fp32 copy); the
+backward pass frees saved tensors in reverse order, except that recomputation (torch.utils.checkpoint,
+non-reentrant, early stop) re-runs a checkpointed region and holds its tensors again.
+
+The tensors one block saves, per micro-batch of b sequences of s tokens (p = bytes of the parameter
+dtype; q, kv = query and key/value widths, a = heads, f = FFN width):
+
+  RMSNorm             input in fp32 (4bsh: the input itself under fp32, a copy under bf16), rsqrt (4bs),
+                      normalised x before the gain (p bsh); LayerNorm: input (p bsh) and mean/rstd
+  q/k/v input         the norm output (p bsh), shared by the three projections
+  attention, SDPA     q (p bsq), k and v (p bs kv, not repeated for GQA), output (p bsq, shared with the
+                      o_proj input), logsumexp (4bas). No s^2 term: flash kernels never store scores.
+  attention, eager    q, k, v repeated to all heads (3 p bsq), the causal mask (s^2 bytes), softmax
+                      output in fp32 (4bas^2) and, under bf16, its bf16 copy (2bas^2), o_proj input (p bsq)
+  SwiGLU MLP          input (p bsh), gate, silu(gate), up, product (4 p bsf); GELU: input, fc out, gelu out
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1) count
+34sbh + 5as^2b bytes for a 16-bit GPT layer (LayerNorm, GELU, f = 4h, eager attention, dropout). The
+same inventory without dropout (-2sbh for the two dropout masks, -3as^2b for the attention-dropout
+mask and output) is 32sbh + 2as^2b; fivefold's eager softmax runs in fp32 and keeps the bf16 copy
+(+4as^2b) and saves the s^2 causal mask: tests check both against this replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Shapes:
+    """Per-rank sizes of one micro-batch. Tensor parallelism divides heads, FFN width and vocabulary;
+    sequence parallelism also divides the tensors that are otherwise replicated (norms, residual,
+    linear inputs: the `rep` factor), as in Korthikanti et al. 2022, section 4.2.2. Context parallelism
+    divides the query tokens (s); eager scores span all sk keys."""
+    b: int
+    s: int  # query tokens per rank
+    sk: int  # key length (s * cp)
+    h: int
+    q: int  # query width per rank (num_heads * head_size / tp)
+    kv: int  # key/value width per rank
+    heads: int  # query heads per rank
+    f: int  # FFN width per rank
+    vocab: int  # vocabulary rows per rank
+    head_size: int
+    p: int  # bytes per element of the parameter dtype (4 fp32, 2 bf16)
+    rep: float = 1.0  # 1/tp under sequence parallelism, else 1
+    rms: bool = True
+    swiglu: bool = True
+    sdpa: bool = True  # scores never materialised (flash-style kernel)
+    rope: bool = True
+    groups: int = 1  # query heads per key/value head
+    doc_mask: bool = False  # packed documents: a (b, 1, s, sk) boolean mask built once per forward
+    stats_bytes: int = 2  # LayerNorm mean/rstd element size (the input dtype on CPU, fp32 on CUDA)
+
+    @property
+    def bsh(self) -> float:
+        return self.b * self.s * self.h * self.rep
+
+    @property
+    def bs(self) -> float:
+        return self.b * self.s * self.rep
+
+
+class _Buf:
+    __slots__ = ("nbytes", "state")
+
+    def __init__(self, nbytes: float):
+        self.nbytes, self.state = nbytes, "temp"  # temp -> saved (until backward) or freed
+
+
+@dataclass
+class Replay:
+    """Live activation bytes as the forward pass allocates and frees tensors."""
+    live: float = 0.0
+    peak: float = 0.0
+    saved_bytes: float = 0.0  # tensors autograd holds for backward (plus checkpoint inputs)
+    events: list[float] = field(default_factory=list)  # live bytes after each event
+    last_save: int = -1  # index in events of the last save (recomputation stops there)
+    regions: list[tuple[float, float, dict]] = field(default_factory=list)  # (saved before, peak, marks)
+    blocks: list[dict[str, float]] = field(default_factory=list)  # per block: saved bytes at its start,
+    # after its attention and after its MLP
+    in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
+    shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
+
+    def _tick(self) -> None:
+        self.peak = max(self.peak, self.live)
+        self.events.append(self.live)
+
+    def alloc(self, nbytes: float) -> _Buf:
+        self.live += nbytes
+        self._tick()
+        return _Buf(nbytes)
+
+    def save(self, *bufs: _Buf) -> None:
+        """Autograd saves these for backward (a no-op inside a checkpointed region)."""
+        if self.in_region:
+            return
+        for buf in bufs:
+            if buf.state == "temp":
+                buf.state = "saved"
+                self.saved_bytes += buf.nbytes
+                self.last_save = len(self.events)
+                self.events.append(self.live)
+
+    def free(self, *bufs: _Buf) -> None:
+        """The last Python reference dies; saved tensors live on until backward."""
+        for buf in bufs:
+            if buf.state == "temp":
+                buf.state = "freed"
+                self.live -= buf.nbytes
+                self._tick()
+
+    def checkpoint(self, fn, inputs: list[_Buf], *args):
+        """Run fn(self, *inputs, *args) as a non-reentrant checkpoint: its inputs are held, its saves
+        dropped; its recomputation in backward is replayed alone, stopping after its last save."""
+        self.save(*inputs)
+        alone = Replay()
+        fn(alone, *[_Buf(0.0) for _ in inputs], *args)  # inputs are already counted outside
+        self.regions.append((self.saved_bytes, max(alone.events[: alone.last_save + 1], default=0.0),
+                             dict(alone.blocks[0] if alone.blocks else {}, saved=alone.saved_bytes)))
+        outer, self.in_region = self.in_region, True
+        out = fn(self, *inputs, *args)
+        self.in_region = outer
+        return out
+
+    @property
+    def backward_peak(self) -> float:
+        """Largest live activation during backward: saved-before-region plus the recomputed region."""
+        return max((before + peak for before, peak, _ in self.regions), default=0.0)
+
+    def mark(self, name: str) -> None:
+        if name == "block":
+            self.blocks.append({})
+        self.blocks[-1][name] = self.saved_bytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model's forward, tensor by tensor (fivefold/model/layers.py, attention.py, rope.py, transformer.py).
+
+
+def _norm(r: Replay, x: _Buf, d: Shapes) -> _Buf:
+    if not d.rms:  # F.layer_norm saves its input, mean and rstd
+        n = r.alloc(d.p * d.bsh)
+        stats = r.alloc(2 * d.stats_bytes * d.bs)
+        r.save(x, stats)
+        r.free(stats)
+        return n
+    x32 = x if d.p == 4 else r.alloc(4 * d.bsh)  # x.float(): a copy unless already fp32
+    sq = r.alloc(4 * d.bsh)  # pow(2) saves x32
+    r.save(x32)
+    mean = r.alloc(4 * d.bs)
+    r.free(sq)
+    eps = r.alloc(4 * d.bs)
+    r.free(mean)
+    rsqrt = r.alloc(4 * d.bs)  # saved by rsqrt and by the mul
+    r.save(rsqrt)
+    r.free(eps)
+    y32 = r.alloc(4 * d.bsh)  # x32 = x32 * rsqrt: the local now names the product
+    if x32 is not x:
+        r.free(x32)
+    y = y32 if d.p == 4 else r.alloc(d.p * d.bsh)  # .to(x.dtype)
+    n = r.alloc(d.p * d.bsh)  # weight * y saves y
+    r.save(y)
+    r.free(rsqrt, y, y32)
+    return n
+
+
+def _rope(r: Replay, x: _Buf, width: int, d: Shapes) -> _Buf:
+    numel = d.b * d.s * width
+    neg = r.alloc(d.p * numel / 2)
+    rotated = r.alloc(d.p * numel)  # cat([-x2, x1])
+    r.free(neg)
+    x_cos = r.alloc(d.p * numel)  # mul by cos/sin saves only cos/sin (they need no grad)
+    rot_sin = r.alloc(d.p * numel)
+    out = r.alloc(d.p * numel)
+    r.free(x_cos, rot_sin, rotated)
+    return out
+
+
+def _core(r: Replay, q: _Buf, k: _Buf, v: _Buf, d: Shapes) -> _Buf:
+    """AttentionCore.forward: SDPA (flash: q, k, v, out, logsumexp) or the explicit softmax."""
+    bsq = d.b * d.s * d.q
+    if d.sdpa:
+        extra = []
+        if d.doc_mask:  # SDPA turns the boolean mask into an additive one in the input dtype, per call
+            extra = [r.alloc(d.p * d.b * d.s * d.sk)]
+        out = r.alloc(d.p * bsq)
+        lse = r.alloc(4 * d.b * d.heads * d.s)
+        r.save(q, k, v, out, lse, *extra)
+        r.free(lse, *extra)
+        return out
+    scores = d.b * d.heads * d.s * d.sk
+    if d.groups > 1:  # repeat_interleave to all heads
+        k = r.alloc(d.p * bsq)
+        v = r.alloc(d.p * bsq)
+    q_c = r.alloc(d.p * bsq)  # matmul makes q contiguous per head (a copy), saved by bmm
+    k_c = k if d.groups > 1 else r.alloc(d.p * bsq)  # k^T of the un-repeated, transposed k: a copy
+    r.save(q_c, k_c)
+    raw = r.alloc(d.p * scores)
+    r.free(q_c, k_c)
+    scaled = r.alloc(d.p * scores)
+    r.free(raw)
+    if d.doc_mask:  # the model's (b, 1, s, sk) document mask: ~mask per layer, saved by masked_fill
+        mask = None
+        inverted = r.alloc(d.b * d.s * d.sk)
+    else:  # the causal mask is built per layer (bool), and its negation saved by masked_fill
+        ones = r.alloc(d.s * d.sk)
+        mask = r.alloc(d.s * d.sk)
+        r.free(ones)
+        inverted = r.alloc(d.s * d.sk)
+    r.save(inverted)
+    masked = r.alloc(d.p * scores)
+    r.free(inverted, scaled)
+    as_float = r.alloc(4 * scores) if d.p != 4 else masked
+    probs = r.alloc(4 * scores)  # softmax saves its output
+    r.save(probs)
+    if as_float is not masked:
+        r.free(as_float)
+    probs_low = probs
+    if d.p != 4:  # .to(q.dtype), saved by the bmm with v
+        probs_low = r.alloc(d.p * scores)
+        r.free(probs)
+    v_c = v if d.groups > 1 else r.alloc(d.p * bsq)  # the un-repeated v is transposed: a copy
+    r.save(probs_low, v_c)
+    if d.groups == 1:
+        r.free(v_c)
+    out = r.alloc(d.p * bsq)
+    r.free(probs_low, masked)
+    if mask is not None:
+        r.free(mask)
+    if d.groups > 1:
+        r.free(k, v)
+    return out
+
+
+def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool) -> _Buf:
+    q = r.alloc(d.p * d.b * d.s * d.q)
+    r.save(n)  # shared input of q/k/v projections
+    k = r.alloc(d.p * d.b * d.s * d.kv)
+    v = r.alloc(d.p * d.b * d.s * d.kv)
+    if d.rope:
+        q_lin, k_lin = q, k
+        q, k = _rope(r, q_lin, d.q, d), _rope(r, k_lin, d.kv, d)
+        r.free(q_lin, k_lin)
+    out = r.checkpoint(_core, [q, k, v], d) if selective else _core(r, q, k, v, d)
+    if d.sdpa:  # flash output is laid out (b, s, heads, d): the o_proj input is a view of it
+        o_in = out
+    else:  # eager output (b, heads, s, d): transpose + reshape copies
+        o_in = r.alloc(d.p * d.b * d.s * d.q)
+    r.save(o_in)
+    o = r.alloc(d.p * d.bsh)
+    r.free(o_in, out, q, k, v)
+    return o
+
+
+def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
+    bsf = d.p * d.b * d.s * d.f
+    r.save(n)
+    if d.swiglu:
+        gate = r.alloc(bsf)
+        act = r.alloc(bsf)  # silu saves its input
+        r.save(gate)
+        r.free(gate)
+        up = r.alloc(bsf)
+        prod = r.alloc(bsf)  # the mul saves both factors
+        r.save(act, up, prod)
+        r.free(act, up)
+    else:
+        up = r.alloc(bsf)
+        prod = r.alloc(bsf)  # gelu saves its input
+        r.save(up, prod)
+        r.free(up)
+    out = r.alloc(d.p * d.bsh)
+    r.free(prod)
+    return out
+
+
+def _block(r: Replay, x: _Buf, d: Shapes, selective: bool) -> _Buf:
+    r.mark("block")
+    n = _norm(r, x, d)
+    o = _attention(r, n, d, selective)
+    r.mark("attention")
+    r.free(n)
+    x2 = r.alloc(d.p * d.bsh)  # residual
+    r.free(o)
+    n2 = _norm(r, x2, d)
+    m = _mlp(r, n2, d)
+    r.mark("mlp")
+    r.free(n2)
+    x3 = r.alloc(d.p * d.bsh)
+    r.free(m, x2, x)
+    return x3
+
+
+def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool = True,
+                   head: bool = True) -> Replay:
+    """Replay one micro-batch through `layers` blocks (plus the embedding and the LM head + loss when
+    this rank holds them) and return the Replay: forward peak, saved bytes, recompute regions."""
+    r = Replay()
+    positions = r.alloc(8 * d.s)  # arange(s).expand(b, s): int64, one row
+    if embed:
+        x = r.alloc(d.p * d.bsh)  # embedding lookup (saves the token ids, allocated before forward)
+        if not d.rope:
+            pos = r.alloc(d.p * d.bsh)
+            r.save(positions)
+            summed = r.alloc(d.p * d.bsh)
+            r.free(x, pos)
+            x = summed
+    else:
+        x = r.alloc(d.p * d.bsh)  # received from the previous pipeline stage
+    rope = []
+    if d.rope:  # cos/sin (b, 1, s, head_size), computed in fp32 then cast; saved by every layer
+        bsd = d.b * d.s * d.head_size
+        pos32 = r.alloc(4 * d.b * d.s)
+        half = r.alloc(2 * bsd)
+        r.free(pos32)
+        angles = r.alloc(4 * bsd)
+        r.free(half)
+        for _ in range(2):
+            c32 = r.alloc(4 * bsd)
+            c = c32 if d.p == 4 else r.alloc(d.p * bsd)
+            if c is not c32:
+                r.free(c32)
+            rope.append(c)
+        r.free(angles)
+        r.save(*rope)
+    if d.doc_mask:  # attention_mask(): causal & same-document, (b, 1, s, sk) bool
+        ones = r.alloc(d.s * d.sk)
+        causal = r.alloc(d.s * d.sk)
+        r.free(ones)
+        same_doc = r.alloc(d.b * d.s * d.sk)
+        r.shared_mask = [r.alloc(d.b * d.s * d.sk)]
+        r.free(causal, same_doc)
+    for _ in range(layers):
+        if recompute == "full":
+            x = r.checkpoint(_block, [x], d, False)
+        else:
+            x = _block(r, x, d, recompute == "selective")
+    if head:
+        n = _norm(r, x, d)
+        logits = r.alloc(d.p * d.b * d.s * d.vocab)
+        r.save(n)
+        r.free(n, x, positions, *rope, *r.shared_mask)
+        as_float = logits if d.p == 4 else r.alloc(4 * d.b * d.s * d.vocab)
+        log_probs = r.alloc(4 * d.b * d.s * d.vocab)  # log_softmax saves its output
+        r.save(log_probs)
+        r.free(log_probs, as_float, logits)
+    else:
+        r.free(positions, *rope, *r.shared_mask)
+    return r
+
+
+def loss_backward_bytes(d: Shapes) -> float:
+    """Temporaries at the start of backward, beside the saved log-probabilities: the gradient of the
+    log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each."""
+    return 2 * 4 * d.b * d.s * d.vocab
+
+
+def layer_backward_parts(d: Shapes) -> dict[str, float]:
+    """The largest temporaries inside one block's backward, by part (an estimate, checked against
+    measurement to within a few per cent on the tests' models); the residual-stream gradient is beside
+    each. eager attention: the probability gradient and the softmax gradient, both fp32 (8 bytes per
+    score); SDPA: the q/k/v and output gradients and RoPE's backward (about p bs (4q + 2kv));
+    MLP: the product's gradient and both factors' (SwiGLU: 3 p bsf; GELU: 2 p bsf);
+    RMSNorm: five fp32 intermediates of its composite backward (20 bsh) and the cast back."""
+    bs = d.b * d.s
+    if d.sdpa:
+        attention = d.p * bs * (4 * d.q + 2 * d.kv)
+    else:
+        attention = 8 * d.b * d.heads * d.s * d.sk + d.p * bs * d.q
+    return {"residual": d.p * d.bsh, "attention": attention, "mlp": (3 if d.swiglu else 2) * d.p * bs * d.f,
+            "norm": 20 * d.bsh if d.rms else 2 * d.p * d.bsh}
+
+
+def layer_backward_bytes(d: Shapes) -> float:
+    parts = layer_backward_parts(d)
+    return parts["residual"] + max(parts["attention"], parts["mlp"], parts["norm"])

@@ -1,0 +1,117 @@
+"""`fivefold plan` (predicted memory per rank, instant) and `fivefold memory` (measured, real steps)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+from fivefold.cli import add_config_args, config_from_args
+
+
+def register(sub) -> None:
+    plan = sub.add_parser("plan", help="predict memory per rank (parameters, gradients, optimizer states, "
+                                       "activations) from a config, without building the model")
+    add_config_args(plan)
+    plan.add_argument("--device-memory", help="memory of one accelerator, e.g. 80GB (1e9 bytes) or 80GiB")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                      help="which kernels to assume (SDPA backend, LayerNorm statistics dtype); default cuda")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.add_argument("--sweep", choices=("seq", "batch"),
+                      help="activation memory over train.seq_len or train.micro_batch_size, eager vs SDPA")
+    plan.add_argument("--values", help="comma-separated sweep values (default: powers of two around the config's)")
+    plan.add_argument("--png", help="with --sweep: write the plot here")
+    plan.set_defaults(func=run_plan)
+
+    mem = sub.add_parser("memory", help="measure memory by category over the first training steps, plot "
+                                        "the timeline, and compare with the plan")
+    add_config_args(mem)
+    mem.add_argument("--steps", type=int, default=4, help="training steps to run (default 4)")
+    mem.add_argument("--png", help="write the stacked-area timeline here")
+    mem.add_argument("--json", action="store_true", help="print one JSON object (peaks, comparison, samples)")
+    mem.add_argument("--synthetic", action="store_true",
+                     help="random tokens instead of the configured dataset (memory does not depend on them)")
+    mem.add_argument("--cuda-history", metavar="FILE",
+                     help="on CUDA, also dump torch.cuda.memory's allocation history (pytorch.org/memory_viz)")
+    mem.set_defaults(func=run_memory)
+
+
+def run_plan(args) -> int:
+    from fivefold.memory.planner import parse_bytes, plan_memory, sweep
+
+    cfg = config_from_args(args)
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if args.sweep:
+        return _run_sweep(args, cfg, sweep)
+    plan = plan_memory(cfg, device_memory, device=args.device)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+    return 0
+
+
+def _sweep_values(cfg, key: str) -> list[int]:
+    if key == "seq":
+        cap = cfg.model.max_seq_len if cfg.model.position == "learned" else 1 << 20
+        values = [int(cfg.train.seq_len * 2.0 ** i) for i in range(-4, 3)]
+        values = [v for v in values if 16 <= v <= cap]
+        return values if len(values) >= 2 else [v for v in (64, 128, 256, 512) if v <= cap]
+    return [2 ** i for i in range(0, max(5, int(math.log2(cfg.train.micro_batch_size)) + 2))]
+
+
+def _run_sweep(args, cfg, sweep) -> int:
+    from fivefold.memory.planner import model_name, scores_materialised
+    from fivefold.memory.plots import human_bytes, plot_sweep
+
+    values = [int(v) for v in args.values.split(",")] if args.values else _sweep_values(cfg, args.sweep)
+    result = sweep(cfg, args.sweep, values, device=args.device)
+    # Log-log slope between the last two points: ~2 means quadratic, ~1 linear.
+    slopes = {k: math.log(result[k][-1] / result[k][-2]) / math.log(values[-1] / values[-2]) for k in ("eager", "sdpa")}
+    sdpa_cfg = copy.deepcopy(cfg)
+    sdpa_cfg.model.attention = "sdpa"
+    fallback = scores_materialised(sdpa_cfg, args.device)
+    if args.json:
+        print(json.dumps({**result, "key": args.sweep, "loglog_slope": slopes}, indent=2))
+    else:
+        name = {"seq": "seq_len", "batch": "micro_batch"}[args.sweep]
+        print(f"{name:>12s} {'eager':>14s} {'sdpa':>14s}")
+        for v, e, s in zip(values, result["eager"], result["sdpa"]):
+            print(f"{v:>12d} {human_bytes(e):>14s} {human_bytes(s):>14s}")
+        print(f"log-log slope of the last step: eager {slopes['eager']:.2f}, sdpa {slopes['sdpa']:.2f} "
+              f"(1 = linear, 2 = quadratic)")
+        if fallback:
+            print(f"note: on {args.device}, SDPA has no flash kernel for this dtype/mask with GQA and falls back to "
+                  f"the math kernel, which stores the scores; try --set train.precision=bf16-mixed")
+    if args.png:
+        what = {"seq": "sequence length", "batch": "micro-batch size"}[args.sweep]
+        fixed = f"seq {cfg.train.seq_len}" if args.sweep == "batch" else f"micro-batch {cfg.train.micro_batch_size}"
+        title = (f"{model_name(cfg)}: activation memory per rank vs {what}\n{cfg.train.precision}, "
+                 f"recompute={cfg.train.recompute}, {fixed}, tp={cfg.parallel.tp}, cp={cfg.parallel.cp}")
+        path = plot_sweep(result, args.sweep, args.png, title)
+        if not args.json:
+            print(f"wrote {path}")
+    return 0
+
+
+def run_memory(args) -> int:
+    from fivefold.memory.plots import plot_timeline
+    from fivefold.memory.tracker import measure_memory, random_datasets
+
+    cfg = config_from_args(args)
+    if args.steps < 1:
+        raise SystemExit("fivefold memory: --steps must be at least 1")
+    datasets = random_datasets(cfg) if args.synthetic else None
+    timeline = measure_memory(cfg, steps=args.steps, datasets=datasets, cuda_history=args.cuda_history)
+    if args.png:
+        from fivefold.memory.planner import model_name
+        t = cfg.train
+        plot_timeline(timeline, args.png, f"{model_name(cfg)}: memory of the first {args.steps} training steps "
+                      f"({timeline.device})\n{t.precision}, recompute={t.recompute}, attention={cfg.model.attention}, "
+                      f"micro-batch {t.micro_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}")
+    if args.json:
+        print(timeline.dumps())
+        return 0
+    print(f"measured {args.steps} steps on {timeline.device}: {len(timeline.samples)} ops; predicted = fivefold "
+          f"plan --device {timeline.device}")
+    print(timeline.table())
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0

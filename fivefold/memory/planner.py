@@ -1,0 +1,383 @@
+"""`plan_memory(cfg)`: memory per rank before launch, from the config alone (no model is built).
+
+Per category, for the most loaded rank (the pipeline stage whose total is largest):
+
+  parameters        p bytes per local parameter; / dp under ZeRO-3
+  gradients         p bytes per parameter (fp32 main gradients: 4, plus the one bf16 gradient that is
+                    live while the accumulation hook folds it in); / dp under ZeRO-2 and 3
+  optimizer_states  Adam moments (8) + fp32 masters under bf16-mixed (4): ZeRO's K = 12; / dp from ZeRO-1
+  activations       the forward replay of fivefold.memory.activations for one micro-batch, times the
+                    micro-batches the pipeline schedule keeps in flight
+  temporary         the largest short-lived buffers: loss gradients at the start of backward, the
+                    optimizer step's intermediates, ZeRO-3's gathered layers, the token batch
+  total             parameters + optimizer states + the larger of (forward/backward: activations,
+                    their gradients, and the gradients already held) and (optimizer step: gradients
+                    and the step's intermediates)
+
+Local parameters follow Megatron-LM's tensor-parallel split and the pipeline stage's layers
+(formulas.parameter_shapes); ZeRO stages follow Rajbhandari et al. 2020; the sharded data-parallel
+group is dp (expert parallelism has nothing to split until the model has experts).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+from fivefold.config import Config, ConfigError, validate
+from fivefold.memory import formulas
+from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
+                                         replay_forward)
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1.5TB', '512MiB', or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--device-memory {text!r}: write a size like 80GB, 80GiB or 24e9")
+    number, prefix, binary = match.groups()
+    power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def scores_materialised(cfg: Config, device: str) -> bool:
+    """Whether attention stores the (b, heads, s, s) probabilities for backward.
+
+    eager: always. CPU SDPA: never (its flash kernel covers fp32/bf16, GQA and boolean masks; measured
+    by tests/test_memory_measured.py). CUDA SDPA (not measured here): flash covers bf16 with a causal
+    mask, GQA included; otherwise the memory-efficient kernel, which has no GQA, so fp32 or a document
+    mask together with GQA falls back to the math kernel, which does store them (modelled as eager)."""
+    m = cfg.model
+    if m.attention == "eager":
+        return True
+    if device != "cuda":
+        return False
+    flash = cfg.train.precision == "bf16-mixed" and not m.document_mask
+    return not flash and m.num_kv_heads != m.num_heads
+
+
+def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    p = 2 if t.precision == "bf16-mixed" else 4
+    tp = par.tp
+    return Shapes(b=t.micro_batch_size, s=math.ceil(t.seq_len / par.cp), sk=t.seq_len, h=m.hidden_size,
+                  q=m.q_size // tp, kv=m.kv_size // tp, heads=m.num_heads // tp,
+                  f=math.ceil(m.ffn_hidden_size / tp), vocab=math.ceil(m.vocab_size / tp), head_size=m.head_size,
+                  p=p, rep=1 / tp if par.sequence_parallel else 1.0, rms=m.norm == "rmsnorm",
+                  swiglu=m.activation == "swiglu", sdpa=not scores_materialised(cfg, device),
+                  rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads, doc_mask=m.document_mask,
+                  stats_bytes=4 if device == "cuda" else p)
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    layers: int
+    params: int  # on one rank of this stage, before ZeRO
+    memory: dict[str, float]
+    in_flight: float
+    activation_detail: dict[str, float]
+
+
+@dataclass
+class MemoryPlan:
+    params: int
+    active_params: int
+    memory: dict[str, float]  # most loaded rank: CATEGORIES + total
+    params_per_rank: int
+    stage: int
+    stages: list[StagePlan]
+    device: str
+    device_memory: int | None = None
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.memory["total"] <= self.device_memory
+
+    def to_json(self) -> dict:
+        most = self.stages[self.stage]
+        return {"params": self.params, "active_params": self.active_params, "params_per_rank": self.params_per_rank,
+                "memory": {k: int(round(v)) for k, v in self.memory.items()},
+                "device_memory": self.device_memory, "fits": self.fits, "device": self.device,
+                "most_loaded_stage": self.stage, "micro_batches_in_flight": most.in_flight,
+                "activations_detail": {k: int(round(v)) for k, v in most.activation_detail.items()},
+                "notes": self.notes, "suggestions": self.suggestions, "config": self.summary}
+
+    def table(self) -> str:
+        from fivefold.memory.plots import human_bytes
+
+        s = self.summary
+        lines = [f"{s['model']}: {s['precision']}, recompute={s['recompute']}, attention={s['attention']}, "
+                 f"micro-batch {s['micro_batch_size']} x seq {s['seq_len']}, grad_accum {s['grad_accum']}",
+                 f"parallel: dp={s['dp']} tp={s['tp']} pp={s['pp']} cp={s['cp']} ep={s['ep']} zero={s['zero']} "
+                 f"sp={s['sequence_parallel']} schedule={s['pp_schedule']}; device model: {self.device}",
+                 f"parameters: {self.params:,} (active {self.active_params:,}); on the most loaded rank "
+                 f"(pipeline stage {self.stage}): {self.params_per_rank:,}", ""]
+        dm = self.device_memory
+        header = f"{'category':18s} {'bytes per rank':>18s} {'':>10s}" + (f" {'% of device':>12s}" if dm else "")
+        lines.append(header)
+        for name in CATEGORIES + ("total",):
+            value = self.memory[name]
+            row = f"{name.replace('_', ' '):18s} {value:>18,.0f} {human_bytes(value):>10s}"
+            if dm:
+                row += f" {100 * value / dm:>11.1f}%"
+            lines.append(row)
+        if dm:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(f"\n{verdict} in {human_bytes(dm)} ({human_bytes(dm - self.memory['total'])} left)"
+                         if self.fits else f"\n{verdict} in {human_bytes(dm)}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        if self.suggestions:
+            lines.append("to fit, change one of:" if self.suggestions[0][0] != "!" else "")
+            lines.extend(f"  {s}" for s in self.suggestions)
+        return "\n".join(line for line in lines if line is not None)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    mixed, accum32 = t.precision == "bf16-mixed", t.fp32_grad_accum
+    bpp = formulas.bytes_per_param(t.precision, accum32)
+    dp, zero = par.dp, par.zero
+    layers = formulas.stage_layers(m.num_layers, par.pp, stage)
+    first, last = stage == 0, stage == par.pp - 1
+    shapes = formulas.parameter_shapes(m, par.tp, layers, first, last)
+    n = sum(numel for _, numel in shapes)
+    largest = max(numel for _, numel in shapes)
+    no_decay = sum(numel for name, numel in shapes if formulas.is_no_decay(name))
+    groups = (n - no_decay, no_decay)
+
+    def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
+        return math.ceil(count / dp) if zero >= from_stage else count
+
+    memory = {"parameters": bpp.parameters * shard(n, 3)}
+    if accum32:  # fp32 buffers, plus the bf16 .grad the post-accumulate hook is folding in
+        memory["gradients"] = bpp.main_gradients * shard(n, 2) + bpp.gradients * largest
+    else:
+        memory["gradients"] = bpp.gradients * shard(n, 2)
+    memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
+
+    d = activation_shapes(cfg, device)
+    replay = replay_forward(d, len(layers), t.recompute, embed=first, head=last)
+    micro_batches = t.grad_accum
+    in_flight = formulas.micro_batches_in_flight(par.pp_schedule, par.pp, stage, micro_batches,
+                                                 par.pp_virtual_stages)
+    held = (in_flight - 1) * replay.saved_bytes  # earlier micro-batches waiting for their backward
+    saved_end = replay.saved_bytes
+    act_peak = held + max(replay.peak, replay.backward_peak)
+    memory["activations"] = act_peak
+
+    # Temporaries. At the start of backward the loss gradients sit beside every saved activation (last
+    # stage); inside a block's backward its activation gradients do, and the LM head's weight gradient
+    # (in .grad, or for tied embeddings in autograd's input buffer until the embedding's arrives).
+    loss_t = loss_backward_bytes(d) if last else 0.0
+    layer_t = layer_backward_bytes(d) if len(layers) else 0.0
+    head_grad = d.p * d.vocab * m.hidden_size if last else 0.0
+    tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
+    step = 0.0
+    if t.optimizer_impl == "foreach":  # torch.optim.AdamW(foreach): sqrt(exp_avg_sq) per param group
+        step += 4 * max(shard(g, 1) for g in groups)
+    if mixed and not accum32:  # the optimizer's fp32 copy of every bf16 gradient
+        step += 4 * shard(n, 1)
+    gather = 0.0
+    if zero == 3 and dp > 1 and len(layers):  # FSDP: current + prefetched layer, and one layer's full grads
+        gather = 3 * d.p * formulas.layer_params(m) // par.tp
+    batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
+    memory["temporary"] = max(loss_t, layer_t + tied_pending, step, gather) + batch
+
+    held_grads = 0.0  # gradients alive while activations are: fp32 buffers, or accumulation
+    if accum32:
+        held_grads = bpp.main_gradients * shard(n, 2)
+    elif t.grad_accum > 1:
+        held_grads = memory["gradients"]
+    in_block = 0.0
+    if len(layers):
+        grads = (head_grad, d.p * formulas.mlp_params(m) / par.tp, d.p * formulas.layer_params(m) / par.tp)
+        in_block = held + _block_backward(replay, d, t.recompute, *(grads if not held_grads else (0, 0, 0)))
+        in_block += tied_pending
+    forward_backward = max(act_peak, held + saved_end + loss_t, in_block) + held_grads + gather
+    optimizer_step = memory["gradients"] + step
+    memory["total"] = (memory["parameters"] + memory["optimizer_states"]
+                       + max(forward_backward, optimizer_step) + batch)
+    detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
+              "recompute_peak": replay.backward_peak, "held_micro_batches": held}
+    return StagePlan(stage, len(layers), n, memory, in_flight, detail)
+
+
+def _block_backward(replay, d: Shapes, recompute: str, head_grad: float, mlp_grad: float,
+                    layer_grad: float) -> float:
+    """Activations + temporaries + gradients made so far at the largest point of a block's backward:
+    its MLP backward with the whole block saved; its attention backward once the MLP's tensors are
+    gone and the MLP's gradients made (eager: the output projection's input, v and the bf16
+    probabilities are released by then); under recomputation, with the recomputed tensors back.
+    Saved activations shrink and gradients grow linearly as backward moves down the layers, so the
+    largest point is in the last block or in the first: both are evaluated."""
+    parts = layer_backward_parts(d)
+    last = len(replay.blocks) - 1 if recompute != "full" else len(replay.regions) - 1
+    worst = 0.0
+    for i in {0, last}:
+        if recompute == "full":
+            before, peak, alone = replay.regions[i]
+            attn_end, mlp_end, recomputed = before + alone["attention"], before + alone["mlp"], before + peak
+        else:
+            attn_end, mlp_end, recomputed = replay.blocks[i]["attention"], replay.blocks[i]["mlp"], 0.0
+            if recompute == "selective":  # the attention core's tensors are recomputed before its backward
+                before, peak, alone = replay.regions[i]
+                attn_end, recomputed = attn_end + alone["saved"], before + peak
+        if not d.sdpa:
+            attn_end -= 2 * d.p * d.b * d.s * d.q + (d.p * d.b * d.heads * d.s * d.sk if d.p != 4 else 0)
+        # The MLP's temporaries peak once down_proj's backward has run: its input is released and its
+        # weight gradient made.
+        down = d.p * d.b * d.s * d.f
+        down_grad = mlp_grad / (3 if d.swiglu else 2)
+        grads = head_grad + (last - i) * layer_grad
+        worst = max(worst, parts["residual"] + grads + max(
+            mlp_end - down + down_grad + parts["mlp"], attn_end + max(parts["attention"], parts["norm"]) + mlp_grad,
+            recomputed))
+    return worst
+
+
+def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str = "cuda",
+                suggest: bool = True) -> MemoryPlan:
+    """Per-rank memory of training `cfg` on `device` ("cuda" or "cpu": they differ in which attention
+    kernel SDPA picks and in LayerNorm statistics' dtype)."""
+    validate(cfg)
+    if isinstance(device_memory, str):
+        device_memory = parse_bytes(device_memory)
+    par = cfg.parallel
+    stages = [_stage_plan(cfg, i, device) for i in range(par.pp)]
+    worst = max(range(par.pp), key=lambda i: stages[i].memory["total"])
+    notes = []
+    if par.ep > 1:
+        notes.append(f"parallel.ep={par.ep} has no experts to split in a dense model; it changes nothing here")
+    if cfg.model.attention == "sdpa" and scores_materialised(cfg, device):
+        notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
+                     "its s^2 scores are counted as under eager attention")
+    if cfg.train.compile:
+        notes.append("train.compile=true: torch.compile chooses what to save (min-cut partitioning), usually "
+                     "less than eager; the activations here replay the eager model")
+    if par.pp > 1 and cfg.train.grad_accum < par.pp:
+        notes.append(f"train.grad_accum={cfg.train.grad_accum} micro-batches < pp={par.pp}: the pipeline "
+                     f"bubble dominates; use grad_accum >= {par.pp}")
+    summary = {"model": model_name(cfg), "precision": cfg.train.precision, "recompute": cfg.train.recompute,
+               "attention": cfg.model.attention, "micro_batch_size": cfg.train.micro_batch_size,
+               "seq_len": cfg.train.seq_len, "grad_accum": cfg.train.grad_accum,
+               "fp32_grad_accum": cfg.train.fp32_grad_accum, **dataclasses.asdict(par)}
+    plan = MemoryPlan(params=formulas.count_params(cfg.model), active_params=formulas.active_params(cfg.model),
+                      memory=stages[worst].memory, params_per_rank=stages[worst].params, stage=worst,
+                      stages=stages, device=device, device_memory=device_memory, notes=notes, summary=summary)
+    if suggest and plan.fits is False:
+        plan.suggestions = suggest_fixes(cfg, device_memory, device)
+    return plan
+
+
+def model_name(cfg: Config) -> str:
+    """The preset whose shapes the config has (attention kernel and masking aside), else a description."""
+    from fivefold.presets import PRESETS
+    runtime = {"attention", "document_mask", "init_std", "max_seq_len"}
+    mine = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in runtime}
+    for name, preset in PRESETS.items():
+        if {k: v for k, v in dataclasses.asdict(preset).items() if k not in runtime} == mine:
+            return name
+    return f"custom model (h={cfg.model.hidden_size}, L={cfg.model.num_layers})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What to change when it does not fit
+
+
+def _candidates(cfg: Config) -> list[tuple[str, dict[str, object]]]:
+    t, par, m = cfg.train, cfg.parallel, cfg.model
+    out: list[tuple[str, dict[str, object]]] = []
+    for mode in ("selective", "full")[("none", "selective", "full").index(t.recompute):]:
+        if mode != t.recompute:
+            out.append((f"train.recompute={mode}", {"train.recompute": mode}))
+    b = t.micro_batch_size
+    while b > 1:
+        b //= 2
+        factor = t.micro_batch_size // b
+        out.append((f"train.micro_batch_size={b} train.grad_accum={t.grad_accum * factor} (same global batch)",
+                    {"train.micro_batch_size": b, "train.grad_accum": t.grad_accum * factor}))
+    if t.precision == "fp32":
+        out.append(("train.precision=bf16-mixed", {"train.precision": "bf16-mixed"}))
+    if t.optimizer_impl == "foreach":
+        out.append(("train.optimizer_impl=fused (no per-group sqrt(exp_avg_sq) temporaries)",
+                    {"train.optimizer_impl": "fused"}))
+    if par.dp > 1:
+        for z in range(par.zero + 1, 4):
+            out.append((f"parallel.zero={z}", {"parallel.zero": z}))
+    else:
+        for dp in (2, 4, 8):
+            out.append((f"parallel.dp={dp} parallel.zero=3",
+                        {"parallel.dp": dp, "parallel.zero": 3}))
+    for tp in (2, 4, 8):
+        if tp > par.tp and m.num_kv_heads % tp == 0 and m.num_heads % tp == 0:
+            out.append((f"parallel.tp={tp} parallel.sequence_parallel=true",
+                        {"parallel.tp": tp, "parallel.sequence_parallel": True}))
+    for pp in (2, 4, 8, 16):
+        if pp > par.pp and pp <= m.num_layers:
+            out.append((f"parallel.pp={pp} train.grad_accum={max(t.grad_accum, pp)}",
+                        {"parallel.pp": pp, "train.grad_accum": max(t.grad_accum, pp)}))
+    return out
+
+
+def _with(cfg: Config, changes: dict[str, object]) -> Config:
+    new = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(new, section), name, value)
+    return new
+
+
+def _outcome(cfg: Config, new: Config, total: float) -> str:
+    world = new.parallel.world_size
+    return f"{total / 1e9:,.1f} GB" + (f" on {world} GPUs" if world != cfg.parallel.world_size else "")
+
+
+def suggest_fixes(cfg: Config, device_memory: int, device: str, limit: int = 6) -> list[str]:
+    """Single changes that make the plan fit, least disruptive first; else a greedy combination."""
+    fits = []
+    for text, changes in _candidates(cfg):
+        new = _with(cfg, changes)
+        total = plan_memory(new, device=device, suggest=False).memory["total"]
+        if total <= device_memory:
+            fits.append(f"{text}: {_outcome(cfg, new, total)}")
+    if fits:
+        return fits[:limit]
+    current, applied = cfg, []
+    for _ in range(4):  # greedy: take the change that saves the most, until it fits
+        options = [(plan_memory(_with(current, ch), device=device, suggest=False).memory["total"], text, ch)
+                   for text, ch in _candidates(current)]
+        if not options:
+            break
+        total, text, changes = min(options, key=lambda o: o[0])
+        current = _with(current, changes)
+        applied.append(text)
+        if total <= device_memory:
+            return [" + ".join(applied) + f": {_outcome(cfg, current, total)}"]
+    return ["! nothing tried fits: even " + " + ".join(applied) + " is too large; add GPUs (dp with zero=3, "
+            "tp, pp) or shorten train.seq_len"]
+
+
+def sweep(cfg: Config, key: str, values: list[int], device: str = "cuda") -> dict[str, list[float]]:
+    """Activation bytes per rank over train.seq_len or train.micro_batch_size, for eager and SDPA."""
+    field_name = {"seq": "seq_len", "batch": "micro_batch_size"}[key]
+    out: dict[str, list[float]] = {"values": list(values)}
+    for attention in ("eager", "sdpa"):
+        series = []
+        for v in values:
+            new = _with(cfg, {f"train.{field_name}": v, "model.attention": attention})
+            series.append(plan_memory(new, device=device, suggest=False).memory["activations"])
+        out[attention] = series
+    return out

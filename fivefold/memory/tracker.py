@@ -1,0 +1,277 @@
+"""Measured memory of real training steps, by category, op by op.
+
+A TorchDispatchMode sees every tensor an op returns; each new storage is recorded with its size and
+a weak reference, so its release (the weakref callback) is seen too, as in PyTorch's own
+torch.distributed._tools.mem_tracker.MemTracker. After every op the live storages are summed by
+category:
+
+  parameters        the model's parameters (under fp32 they are also the optimizer's masters)
+  gradients         the parameters' .grad and the fp32 main-gradient buffers
+  optimizer_states  Adam's exp_avg / exp_avg_sq / step, and the fp32 master weights under bf16-mixed
+  activations       tensors allocated during forward (model and loss), or during backward with grad
+                    mode on, which is when torch.utils.checkpoint recomputes a region
+  temporary         everything else: gradients of activations, optimizer-step intermediates, the
+                    fp32 copies of bf16 gradients made for the optimizer step, the batch
+
+The categories of parameters, gradients and optimizer states are decided by identity at each sample
+(a storage becomes a gradient when autograd stores it in .grad); the others by when they were
+allocated. On CUDA the caching allocator's own count (torch.cuda.memory_allocated) is sampled too,
+and `cuda_history` records torch.cuda.memory's allocation history for the snapshot viewer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fivefold.config import Config
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live bytes per category after every op; `marks` label where forward/backward/step begin."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None):
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        self.live = WeakIdKeyDictionary()  # untyped storage -> (nbytes, tag, weakref with a free callback)
+        self.by_tag = dict.fromkeys(CATEGORIES, 0)  # live bytes by allocation tag
+        self._tensor_info: dict[int, tuple] = {}
+        self._static, self._states = None, (0, [])
+        self.samples: list[tuple[float, ...]] = []  # one row per op: CATEGORIES..., device_allocated
+        self.marks: list[tuple[int, str]] = []
+        self.phase = "idle"  # "forward" from the model's forward until backward starts
+        self.params = list(model.parameters())
+        self.cuda = any(p.is_cuda for p in self.params)
+        self._hook = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self):
+        self._hook = self.model.register_forward_pre_hook(self._on_forward)
+        for b in self.model.buffers():
+            self._track(b, "temporary")
+        self.sample()  # registers parameters, masters, main gradients and any optimizer state
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+        self.sample()
+        return super().__exit__(*exc)
+
+    def mark(self, label: str) -> None:
+        self.marks.append((len(self.samples), label))
+
+    def _on_forward(self, module, args):
+        self.phase = "forward"
+        self.mark("forward")
+
+    # -- classification ----------------------------------------------------------------------------
+    def _moves(self, tensors, role: str) -> list[tuple[str, str, int]]:
+        """(allocation tag, role, bytes) for each distinct storage of `tensors`."""
+        out, seen = [], set()
+        for t in tensors:
+            info = self._info(t)
+            if info is not None and id(info) not in seen:
+                seen.add(id(info))
+                out.append((info[1], role, info[0]))
+        return out
+
+    def _role_moves(self) -> list[tuple[str, str, int]]:
+        """Storages whose category is known by identity: parameters, fp32 masters and main gradients
+        (fixed), Adam states (fixed once created), and each parameter's current .grad."""
+        opt = self.optimizer
+        if self._static is None:
+            self._static = self._moves(self.params, "parameters")
+            if opt is not None:
+                self._static += self._moves(opt.masters if opt.mixed else (), "optimizer_states")
+                self._static += self._moves(opt.main_grads or (), "gradients")
+        if opt is not None:
+            count = sum(map(len, opt.inner.state.values()))
+            if count != self._states[0]:
+                tensors = [v for st in opt.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+                self._states = (count, self._moves(tensors, "optimizer_states"))
+        grads = self._moves((p.grad for p in self.params if p.grad is not None), "gradients")
+        return self._static + self._states[1] + grads
+
+    def _track(self, t: torch.Tensor, tag: str):
+        if t.device.type == "meta":
+            return None
+        st = t.untyped_storage()
+        info = self.live.get(st)
+        if info is None:  # a new storage: count it under its tag until the weakref says it is freed
+            nbytes = st.nbytes()
+            self.by_tag[tag] += nbytes
+            info = self.live[st] = (nbytes, tag, weakref.ref(st, partial(self._freed, nbytes, tag)))
+        return info
+
+    def _freed(self, nbytes: int, tag: str, ref) -> None:
+        self.by_tag[tag] -= nbytes
+
+    def _info(self, t: torch.Tensor):
+        """_track(t), memoised per tensor object (validated by a weak reference, so nothing is kept alive)."""
+        entry = self._tensor_info.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        info = self._track(t, "temporary")
+        self._tensor_info[id(t)] = (weakref.ref(t), info)
+        return info
+
+    def sample(self) -> None:
+        """Append one row: bytes per category now. Running totals by allocation tag, corrected for
+        the few storages whose role (parameter, gradient, optimizer state) is known by identity."""
+        totals = dict(self.by_tag)
+        for tag, role, nbytes in self._role_moves():
+            totals[tag] -= nbytes
+            totals[role] += nbytes
+        device = torch.cuda.memory_allocated() if self.cuda else 0
+        self.samples.append(tuple(totals[c] for c in CATEGORIES) + (device,))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self.phase == "forward":
+            self.phase = "backward"
+            self.mark("backward")
+        elif not in_backward and self.phase == "backward":
+            self.phase = "idle"
+        if in_backward:  # checkpoint recomputation runs forward ops with grad mode on
+            tag = "activations" if torch.is_grad_enabled() else "temporary"
+        else:
+            tag = "activations" if self.phase == "forward" else "temporary"
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, tag)
+        self.sample()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryTimeline:
+    """Bytes per category after every op of the first steps, with the planner's prediction beside it."""
+    samples: list[tuple[float, ...]]
+    marks: list[tuple[int, str]]
+    steps: int
+    device: str
+    predicted: dict | None = None  # plan_memory(...).memory for the same config and device
+    config: dict = field(default_factory=dict)
+
+    def series(self, category: str) -> list[float]:
+        return [row[CATEGORIES.index(category)] for row in self.samples]
+
+    @property
+    def peaks(self) -> dict[str, float]:
+        peaks = {c: max(self.series(c), default=0) for c in CATEGORIES}
+        peaks["total"] = max((sum(row[:len(CATEGORIES)]) for row in self.samples), default=0)
+        if self.device == "cuda":
+            peaks["device_allocated"] = max(row[-1] for row in self.samples)
+        return peaks
+
+    def comparison(self) -> list[tuple[str, float, float, float]]:
+        """(category, predicted, measured peak, relative error) per category and for the total."""
+        rows = []
+        for name, measured in self.peaks.items():
+            if self.predicted is None or name not in self.predicted:
+                continue
+            predicted = self.predicted[name]
+            error = (predicted - measured) / measured if measured else 0.0
+            rows.append((name, predicted, measured, error))
+        return rows
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "device": self.device, "peaks": self.peaks, "predicted": self.predicted,
+                "comparison": [dict(zip(("category", "predicted", "measured", "error"), r))
+                               for r in self.comparison()],
+                "marks": self.marks, "categories": list(CATEGORIES), "samples": self.samples}
+
+    def table(self) -> str:
+        lines = [f"{'category':18s} {'predicted':>14s} {'measured peak':>14s} {'error':>8s}"]
+        for name, predicted, measured, error in self.comparison():
+            lines.append(f"{name:18s} {predicted:>14,.0f} {measured:>14,.0f} {100 * error:>+7.2f}%")
+        return "\n".join(lines)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+
+class RandomTokens:
+    """Uniform random token windows: memory does not depend on token values (unless the document
+    mask is on, where only eos positions matter), so tests and quick measurements skip the corpus."""
+
+    def __init__(self, vocab_size: int, seq_len: int, items: int = 4096, seed: int = 0):
+        self.vocab_size, self.seq_len, self.items, self.seed = vocab_size, seq_len, items, seed
+
+    def __len__(self) -> int:
+        return self.items
+
+    def batch(self, indices) -> torch.Tensor:
+        rows = [torch.randint(0, self.vocab_size, (self.seq_len + 1,),
+                              generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i)) for i in indices]
+        return torch.stack(rows)
+
+
+@dataclass
+class _Datasets:
+    train: RandomTokens
+    val: RandomTokens
+
+
+def random_datasets(cfg: Config) -> _Datasets:
+    return _Datasets(RandomTokens(cfg.model.vocab_size, cfg.train.seq_len),
+                     RandomTokens(cfg.model.vocab_size, cfg.train.seq_len, items=64, seed=1))
+
+
+def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str | None = None) -> MemoryTimeline:
+    """Run the first `steps` real training steps of `cfg` with the Trainer and record memory by category
+    after every op. `datasets` defaults to the config's data; pass random_datasets(cfg) to skip it.
+    `cuda_history`: a path for torch.cuda.memory's snapshot (open it at pytorch.org/memory_viz)."""
+    from fivefold.memory.planner import plan_memory
+    from fivefold.train.trainer import Trainer
+
+    cfg = copy.deepcopy(cfg)
+    cfg.train.peak_flops = cfg.train.peak_flops or 1.0  # MFU is irrelevant here: skip the matmul benchmark
+    cfg.train.tensorboard = False
+    with tempfile.TemporaryDirectory() as out_dir:
+        trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
+        device = trainer.device.type
+        if cuda_history and device == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        tracker = MemoryTracker(trainer.model, trainer.optimizer)
+        optimizer = trainer.optimizer
+        step, zero_grad = optimizer.step, optimizer.zero_grad
+
+        def marked_step(*args, **kwargs):
+            tracker.mark("optimizer step")
+            return step(*args, **kwargs)
+
+        def marked_zero_grad():
+            tracker.mark("zero_grad")
+            return zero_grad()
+
+        optimizer.step, optimizer.zero_grad = marked_step, marked_zero_grad  # this trainer instance only
+        try:
+            with tracker:
+                for i in range(steps):
+                    tracker.mark(f"step {i + 1}")
+                    trainer.train_step()
+        finally:
+            optimizer.step, optimizer.zero_grad = step, zero_grad
+            if cuda_history and device == "cuda":
+                torch.cuda.memory._dump_snapshot(cuda_history)
+                torch.cuda.memory._record_memory_history(enabled=None)
+    plan = plan_memory(cfg, device=device)
+    return MemoryTimeline(samples=tracker.samples, marks=tracker.marks, steps=steps, device=device,
+                          predicted=plan.memory, config=dataclasses.asdict(cfg))

@@ -1,0 +1,256 @@
+"""The analytical planner: parameter inventory vs the built model, the classic bytes-per-parameter
+numbers, Korthikanti et al.'s activation formula, parallel divisions, scaling laws, and the CLI."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from fivefold.cli import main
+from fivefold.config import Config, ModelConfig, load_config
+from fivefold.memory import formulas
+from fivefold.memory.activations import Shapes, replay_forward
+from fivefold.memory.planner import activation_shapes, parse_bytes, plan_memory
+from fivefold.model import Transformer
+from fivefold.presets import PRESETS
+from fivefold.train.optim import no_decay
+
+GB = 1e9
+
+
+def meta_model(cfg: ModelConfig) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def random_model(rng: random.Random) -> ModelConfig:
+    kv = rng.choice([1, 2, 4])
+    heads = kv * rng.choice([1, 2, 3])
+    gpt2 = rng.random() < 0.3
+    return ModelConfig(
+        vocab_size=rng.randint(50, 500), hidden_size=heads * rng.choice([8, 16]), num_layers=rng.randint(1, 4),
+        num_heads=heads, num_kv_heads=heads if gpt2 else kv, ffn_hidden_size=rng.randint(16, 200),
+        norm="layernorm" if gpt2 else "rmsnorm", activation="gelu" if gpt2 else "swiglu",
+        position="learned" if gpt2 else "rope", max_seq_len=rng.randint(16, 64), head_dim=rng.choice([0, 0, 12]),
+        tie_embeddings=rng.random() < 0.5, qkv_bias=rng.random() < 0.3, linear_bias=gpt2 and rng.random() < 0.7)
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameter_inventory_equals_built_model(name):
+    cfg = PRESETS[name]
+    model = meta_model(cfg)
+    built = [(n, p.numel()) for n, p in model.named_parameters()]
+    assert formulas.parameter_shapes(cfg) == built
+    plan = plan_memory(Config(model=cfg), device="cpu")
+    assert plan.params == plan.active_params == sum(n for _, n in built) == plan.params_per_rank
+
+
+def test_parameter_inventory_and_decay_groups_for_random_shapes():
+    rng = random.Random(0)
+    for _ in range(100):
+        cfg = random_model(rng)
+        model = meta_model(cfg)
+        assert formulas.parameter_shapes(cfg) == [(n, p.numel()) for n, p in model.named_parameters()], cfg
+        # The optimizer-group split the planner sizes temporaries by is the trainer's own rule.
+        assert [formulas.is_no_decay(n) for n, _ in formulas.parameter_shapes(cfg)] == \
+            [no_decay(n, p) for n, p in model.named_parameters()], cfg
+
+
+def test_pipeline_stages_and_tensor_shards_partition_the_model():
+    rng = random.Random(1)
+    for _ in range(40):
+        cfg = random_model(rng)
+        total = formulas.count_params(cfg)
+        for pp in range(1, cfg.num_layers + 1):
+            stages = [formulas.stage_layers(cfg.num_layers, pp, s) for s in range(pp)]
+            assert [i for r in stages for i in r] == list(range(cfg.num_layers))
+            counts = [sum(n for _, n in formulas.parameter_shapes(cfg, 1, r, s == 0, s == pp - 1))
+                      for s, r in enumerate(stages)]
+            tied_copy = cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings and pp > 1 else 0
+            assert sum(counts) == total + tied_copy  # Megatron keeps a copy of a tied head on the last stage
+        tp = cfg.num_kv_heads
+        replicated = sum(n for name, n in formulas.parameter_shapes(cfg)
+                         if "norm" in name or "positions" in name or name.endswith(("o_proj.bias", "down_proj.bias")))
+        local = sum(n for _, n in formulas.parameter_shapes(dataclasses.replace(cfg, ffn_hidden_size=cfg.ffn_hidden_size
+                                                                                * tp), tp))
+        wide = sum(n for _, n in formulas.parameter_shapes(dataclasses.replace(cfg, ffn_hidden_size=cfg.ffn_hidden_size
+                                                                               * tp)))
+        assert tp * (local - replicated) == wide - replicated, cfg
+
+
+# -- the classic bytes-per-parameter numbers (Rajbhandari et al. 2020) ------------------------------
+
+@pytest.mark.parametrize("billions, gigabytes", [(1, 16), (7, 112), (70, 1120), (405, 6480)])
+def test_sixteen_bytes_per_parameter(billions, gigabytes):
+    n = int(billions * 1e9)
+    assert formulas.model_state_bytes(n, "fp32") == gigabytes * GB
+    assert formulas.model_state_bytes(n, "bf16-mixed") == gigabytes * GB
+    assert formulas.model_state_bytes(n, "bf16-mixed", fp32_grad_accum=True) == gigabytes * GB * 20 / 16
+    # ZeRO's K = 12: fp32 masters + two Adam moments are the optimizer states under mixed precision.
+    assert formulas.bytes_per_param("bf16-mixed").optimizer_states == 12
+
+
+def test_gpt2_xl_model_states_are_24_gb():
+    assert formulas.model_state_bytes(int(1.5e9), "bf16-mixed") == 24 * GB  # ZeRO paper, section 3.1
+    cfg = load_config(preset="gpt2-xl", overrides=["train.precision=bf16-mixed"])
+    m = plan_memory(cfg).memory
+    states = m["parameters"] + m["gradients"] + m["optimizer_states"]
+    assert states == 16 * formulas.count_params(cfg.model)
+    assert states == pytest.approx(24 * GB, rel=0.04)  # 1.56e9 real parameters
+
+
+@pytest.mark.parametrize("precision, accum", [("fp32", False), ("bf16-mixed", False), ("bf16-mixed", True)])
+def test_plan_model_states_per_rank_with_zero(precision, accum):
+    cfg = load_config(preset="llama3-8b", overrides=[f"train.precision={precision}", f"train.fp32_grad_accum={accum}",
+                                                     "parallel.dp=8"])
+    n = formulas.count_params(cfg.model)
+    largest = cfg.model.vocab_size * cfg.model.hidden_size
+    bpp = formulas.bytes_per_param(precision, accum)
+    plans = {}
+    for zero in range(4):
+        cfg.parallel.zero = zero
+        plans[zero] = plan_memory(cfg).memory
+    shard = -(-n // 8)
+    grads = (lambda k: 4 * k + 2 * largest) if accum else (lambda k: bpp.gradients * k)
+    assert plans[0]["parameters"] == bpp.parameters * n and plans[0]["optimizer_states"] == bpp.optimizer_states * n
+    assert plans[0]["gradients"] == grads(n)
+    assert plans[1]["optimizer_states"] == bpp.optimizer_states * shard and plans[1]["gradients"] == grads(n)
+    assert plans[2]["gradients"] == grads(shard) and plans[2]["parameters"] == bpp.parameters * n
+    assert plans[3]["parameters"] == bpp.parameters * shard
+    assert plans[3]["activations"] == plans[0]["activations"]
+
+
+# -- activations: Korthikanti et al. 2022 ------------------------------------------------------------
+
+def gpt_layer(b=2, s=64, h=64, a=4, p=2, tp=1, sp=False, sdpa=False) -> Shapes:
+    """A 16-bit GPT-3-style layer: LayerNorm, GELU, f = 4h, multi-head attention, learned positions."""
+    return Shapes(b=b, s=s, sk=s, h=h, q=h // tp, kv=h // tp, heads=a // tp, f=4 * h // tp, vocab=128, head_size=h // a,
+                  p=p, rep=1 / tp if sp else 1.0, rms=False, swiglu=False, sdpa=sdpa, rope=False, groups=1)
+
+
+def per_layer(d: Shapes, recompute="none") -> float:
+    return (replay_forward(d, 2, recompute, embed=False, head=False).saved_bytes
+            - replay_forward(d, 1, recompute, embed=False, head=False).saved_bytes)
+
+
+@pytest.mark.parametrize("b, s, h, a", [(2, 64, 64, 4), (1, 256, 128, 8), (4, 32, 96, 3)])
+def test_gpt_layer_reproduces_korthikanti(b, s, h, a):
+    """Korthikanti et al. 2022, eq. 1: 34sbh + 5as^2b bytes per layer with dropout. Without dropout the
+    same inventory loses its two sbh dropout masks and the as^2b attention-dropout mask + 2as^2b output:
+    32sbh + 2as^2b. fivefold's softmax runs in fp32 and keeps its output beside the bf16 copy (+4as^2b),
+    its masked_fill saves the s^2 boolean causal mask, and each LayerNorm saves mean and rstd (2 x 2bs)."""
+    sbh, as2b = s * b * h, a * s * s * b
+    paper_without_dropout = (34 - 2) * sbh + (5 - 3) * as2b
+    assert per_layer(gpt_layer(b, s, h, a)) == paper_without_dropout + 4 * as2b + s * s + 2 * 2 * 2 * b * s
+    # Selective recomputation drops exactly the s^2 terms (section 4.2: "34sbh" with dropout).
+    assert per_layer(gpt_layer(b, s, h, a), "selective") == (34 - 2) * sbh + 2 * 2 * 2 * b * s
+    # Flash-style SDPA never stores scores: only the 4-byte logsumexp per row and head remains.
+    assert per_layer(gpt_layer(b, s, h, a, sdpa=True)) == (34 - 2) * sbh + 2 * 2 * 2 * b * s + 4 * a * s * b
+    # Full recomputation keeps each layer's input: 2sbh (section 4.1).
+    assert per_layer(gpt_layer(b, s, h, a), "full") == 2 * sbh
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_and_sequence_parallel_divisions(tp):
+    """Korthikanti et al. 2022, eq. 2 and 4: with t-way TP the attention and MLP internals divide by t
+    and the LayerNorm inputs / linear inputs do not (10sbh + 24sbh/t with dropout); sequence
+    parallelism divides those too (34sbh/t)."""
+    s, b, h, a = 64, 2, 64, 4
+    sbh, as2b = s * b * h, a * s * s * b
+    stats = 2 * 2 * 2 * b * s
+    assert per_layer(gpt_layer(tp=tp)) == 8 * sbh + 24 * sbh / tp + 6 * as2b / tp + s * s + stats
+    assert per_layer(gpt_layer(tp=tp, sp=True)) == pytest.approx((32 * sbh + 6 * as2b + stats) / tp + s * s)
+
+
+def test_activations_linear_in_batch_quadratic_in_seq_only_when_scores_are_stored():
+    def act(attention, **train):
+        cfg = load_config(preset="llama3-8b", overrides=["train.precision=bf16-mixed", f"model.attention={attention}",
+                                                         *[f"train.{k}={v}" for k, v in train.items()]])
+        return plan_memory(cfg, suggest=False).memory["activations"]
+
+    for attention in ("eager", "sdpa"):
+        a1, a2, a4 = (act(attention, micro_batch_size=b, seq_len=1024) for b in (1, 2, 4))
+        assert a4 - a2 == pytest.approx(2 * (a2 - a1), rel=1e-9)  # affine in b: linear growth
+    s1, s2, s4 = (act("sdpa", seq_len=s) for s in (1024, 2048, 4096))
+    assert s4 - s2 == pytest.approx(2 * (s2 - s1), rel=1e-9)  # flash: linear in s
+    e1, e2, e4 = (act("eager", seq_len=s) for s in (2048, 4096, 8192))
+    # eager: f(s) = c2 s^2 + c1 s + c0, so the increments grow 4x as s doubles once c2 s dominates
+    assert (e4 - e2) / (e2 - e1) > 3.5
+    assert e4 / s4 > 4
+
+
+# -- pipeline schedules ------------------------------------------------------------------------------
+
+def test_micro_batches_in_flight():
+    assert formulas.micro_batches_in_flight("afab", 4, 0, 8) == 8
+    assert [formulas.micro_batches_in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert formulas.micro_batches_in_flight("1f1b", 4, 0, 2) == 2
+    assert formulas.micro_batches_in_flight("zero-bubble", 4, 0, 8) == 4
+    for p, v in [(4, 2), (8, 4), (2, 3)]:  # Korthikanti et al. 2022, section 4.2.3: p (1 + (p-1)/(p v))
+        inter = formulas.micro_batches_in_flight("interleaved", p, 0, 64, v)
+        assert inter == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_pipeline_plan_most_loaded_stage():
+    cfg = load_config(preset="llama3-8b", overrides=["train.precision=bf16-mixed", "parallel.pp=4",
+                                                     "train.grad_accum=8", "train.seq_len=4096"])
+    plan = plan_memory(cfg)
+    first, last = plan.stages[0], plan.stages[-1]
+    assert first.in_flight == 4 and last.in_flight == 1
+    assert first.layers == last.layers == 8
+    # Stage 0 holds 4 micro-batches of its 8 layers: as much as all 32 layers (no LM head) for one.
+    whole_stack = replay_forward(activation_shapes(cfg), 32, head=False).peak
+    assert first.memory["activations"] == pytest.approx(whole_stack, rel=0.01)
+    assert last.memory["activations"] < first.memory["activations"] / 2
+    assert plan.memory is plan.stages[plan.stage].memory
+    assert plan.memory["total"] == max(s.memory["total"] for s in plan.stages)
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("24e9") == 24 * 10**9
+
+
+def test_plan_json_and_fit_suggestions(capsys):
+    args = ["plan", "--preset", "llama3-8b", "--set", "train.precision=bf16-mixed", "--set", "train.seq_len=8192",
+            "--set", "train.micro_batch_size=1", "--device-memory", "80GB"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == out["active_params"] == 8_030_261_248
+    mem = out["memory"]
+    assert set(mem) >= {"parameters", "gradients", "optimizer_states", "activations", "total"}
+    assert mem["optimizer_states"] == 12 * out["params"] and out["fits"] is False
+    assert mem["total"] >= mem["parameters"] + mem["optimizer_states"] + mem["activations"]
+    assert out["suggestions"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "DOES NOT FIT" in table and "optimizer states" in table and "%" in table
+    # Every suggested single change really fits.
+    cfg = load_config(preset="llama3-8b", overrides=args[4:10:2])
+    from fivefold.memory.planner import _candidates, _with
+    fitting = [t for t, ch in _candidates(cfg) if plan_memory(_with(cfg, ch), suggest=False).memory["total"] <= 80e9]
+    assert [s.rsplit(":", 1)[0] for s in out["suggestions"]] == fitting[:6]
+
+
+def test_sweep_cli_writes_png(tmp_path, capsys):
+    png = tmp_path / "sweep.png"
+    assert main(["plan", "--preset", "llama3-8b", "--set", "train.precision=bf16-mixed", "--set",
+                 "train.micro_batch_size=1", "--sweep", "seq", "--values", "1024,2048,4096,8192",
+                 "--png", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert png.stat().st_size > 10_000
+    assert out["loglog_slope"]["sdpa"] == pytest.approx(1.0, abs=0.01)
+    assert out["loglog_slope"]["eager"] > 1.8
+
+
+def test_cpu_and_cuda_device_models_differ_only_where_kernels_do():
+    cfg = load_config(preset="tiny", overrides=["train.precision=bf16-mixed"])
+    assert activation_shapes(cfg, "cpu").sdpa and activation_shapes(cfg, "cuda").sdpa
+    cfg.train.precision = "fp32"  # no flash kernel on CUDA in fp32, and the efficient one has no GQA
+    assert activation_shapes(cfg, "cpu").sdpa and not activation_shapes(cfg, "cuda").sdpa
