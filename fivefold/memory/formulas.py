@@ -122,6 +122,13 @@ def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers: range | None = None,
     return shapes
 
 
+def step_chunk_key(name: str) -> str:
+    """The unit the optimizer steps together (fivefold.train.optim): `layers.<i>`, else the top-level
+    module (embed_tokens, norm, lm_head). The step's temporaries are sized by the largest unit."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
 def is_no_decay(name: str) -> bool:
     """The trainer's weight-decay rule (fivefold.train.optim.no_decay), on names: norm gains, biases and
     embeddings are not decayed. The optimizer keeps the two groups apart, so its per-group temporaries

@@ -155,8 +155,6 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     shapes = formulas.parameter_shapes(m, par.tp, layers, first, last)
     n = sum(numel for _, numel in shapes)
     largest = max(numel for _, numel in shapes)
-    no_decay = sum(numel for name, numel in shapes if formulas.is_no_decay(name))
-    groups = (n - no_decay, no_decay)
 
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
@@ -185,11 +183,19 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     layer_t = layer_backward_bytes(d) if len(layers) else 0.0
     head_grad = d.p * d.vocab * m.hidden_size if last else 0.0
     tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
+    # The optimizer steps one unit (a block, the embedding, the head) at a time; within a unit, foreach
+    # AdamW makes sqrt(exp_avg_sq) per param group, and bf16-mixed an fp32 copy of the unit's gradients.
+    units: dict[str, list[int]] = {}
+    for name, numel in shapes:
+        units.setdefault(formulas.step_chunk_key(name), [0, 0])[formulas.is_no_decay(name)] += numel
     step = 0.0
-    if t.optimizer_impl == "foreach":  # torch.optim.AdamW(foreach): sqrt(exp_avg_sq) per param group
-        step += 4 * max(shard(g, 1) for g in groups)
-    if mixed and not accum32:  # the optimizer's fp32 copy of every bf16 gradient
-        step += 4 * shard(n, 1)
+    for decay, rest in units.values():
+        unit = 0.0
+        if t.optimizer_impl == "foreach":
+            unit += 4 * max(shard(decay, 1), shard(rest, 1))
+        if mixed and not accum32:
+            unit += 4 * shard(decay + rest, 1)
+        step = max(step, unit)
     gather = 0.0
     if zero == 3 and dp > 1 and len(layers):  # FSDP: current + prefetched layer, and one layer's full grads
         gather = 3 * d.p * formulas.layer_params(m) // par.tp

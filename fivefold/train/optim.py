@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fivefold.config import ConfigError, TrainConfig, parse_batch_schedule
+from fivefold.memory.formulas import step_chunk_key
 
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
@@ -23,11 +24,13 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 class MasterWeightAdamW:
-    def __init__(self, model: nn.Module, cfg: TrainConfig):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None):
+        """`masters`: the fp32 values of the (bf16) parameters, taken before they were rounded to bf16;
+        without them the masters start from the rounded values."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self.mixed = cfg.precision == "bf16-mixed"
         if self.mixed:
-            self.masters = [p.detach().float().clone() for p in self.params]
+            self.masters = masters if masters is not None else [p.detach().float().clone() for p in self.params]
         else:
             self.masters = list(self.params)
         self.main_grads = None
@@ -38,38 +41,50 @@ class MasterWeightAdamW:
         decay = [m for n, p, m in zip(self.names, self.params, self.masters) if not no_decay(n, p)]
         rest = [m for n, p, m in zip(self.names, self.params, self.masters) if no_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+        self.chunks = step_chunks(self.names)
         impl = {"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": True}
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
     @torch.no_grad()
     def step(self, lr: float, grad_clip: float) -> torch.Tensor:
-        """Move gradients onto the masters, clip, update, copy masters back; returns the pre-clip grad norm."""
+        """Clip by the global norm, then update chunk by chunk (embeddings, each block, the head).
+
+        Stepping one chunk at a time bounds the step's temporaries (the fp32 copy of bf16 gradients,
+        foreach AdamW's sqrt(exp_avg_sq)) by the largest chunk instead of the whole model, and frees each
+        chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm."""
         if self.main_grads is not None:
-            for m, g in zip(self.masters, self.main_grads):
-                m.grad = g
-        elif self.mixed:
-            for p, m in zip(self.params, self.masters):
-                m.grad = None if p.grad is None else p.grad.float()
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.masters, grad_clip, norm, foreach=True)
+            grads = list(self.main_grads)
+        else:
+            grads = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None  # from here on `grads` holds the only reference, released chunk by chunk
+        present = [g for g in grads if g is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32)))
+        coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
             group["lr"] = lr
-        self.inner.step()
-        if self.mixed:
-            torch._foreach_copy_(list(self.params), self.masters)
+        for chunk in self.chunks:
+            masters = [self.masters[i] for i in chunk if grads[i] is not None]
+            for i in chunk:
+                if grads[i] is not None:
+                    self.masters[i].grad = grads[i].float() if grads[i].dtype != torch.float32 else grads[i]
+                    grads[i] = None
+            if coef is not None:
+                torch._foreach_mul_([m.grad for m in masters], coef)
+            self.inner.step()  # AdamW skips parameters without a gradient: only this chunk moves
+            if self.mixed:
+                torch._foreach_copy_([self.params[i] for i in chunk if self.masters[i].grad is not None],
+                                     [m for m in masters])
+            for m in masters:
+                m.grad = None
         return norm
 
     def zero_grad(self) -> None:
-        for p in self.params:
+        for p, m in zip(self.params, self.masters):
             p.grad = None
-        if self.mixed:
-            for m in self.masters:
-                m.grad = None
+            m.grad = None
         if self.main_grads is not None:
-            for m, g in zip(self.masters, self.main_grads):
-                m.grad = None
+            for g in self.main_grads:
                 g.zero_()
 
     # -- checkpointing: flat name -> tensor maps (safetensors-friendly, no pickle) -------------------
@@ -96,6 +111,14 @@ class MasterWeightAdamW:
                     state[key] = value.reshape(()) if key == "step" else value.to(m.device).clone()
             if state:
                 self.inner.state[m] = state
+
+
+def step_chunks(names: list[str]) -> list[list[int]]:
+    """Indices of parameters grouped by the unit they are stepped with (one block, or a top-level module)."""
+    chunks: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        chunks.setdefault(step_chunk_key(name), []).append(i)
+    return list(chunks.values())
 
 
 def _accumulate_into(buffer: torch.Tensor):

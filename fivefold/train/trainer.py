@@ -66,12 +66,17 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         torch.manual_seed(cfg.train.seed)
         self.data = datasets or load_datasets(cfg)
-        self.model = build_model(cfg.model, self.device, seed=cfg.train.seed, dtype=compute_dtype(cfg))
+        self.model = build_model(cfg.model, self.device, seed=cfg.train.seed, dtype=torch.float32)
+        masters = None
+        if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
+            masters = [p.detach().clone() for p in self.model.parameters()]
+            self.model.to(compute_dtype(cfg))
+            self.model.reset_buffers()
         apply_recompute(self.model, cfg.train.recompute)
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()  # per block: one compiled graph reused by every layer of the same shape
-        self.optimizer = MasterWeightAdamW(self.model, cfg.train)
+        self.optimizer = MasterWeightAdamW(self.model, cfg.train, masters)
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
