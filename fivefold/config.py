@@ -85,7 +85,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    optimizer_impl: Literal["foreach", "fused"] = "foreach"
+    optimizer_impl: Literal["foreach", "fused"] = "fused"  # fused: one kernel, no per-group temporaries
     compile: bool = False
     log_every: int = 10
     eval_every: int = 100
