@@ -6,35 +6,17 @@ import json
 import random
 
 import pytest
-import torch
 
 from fivefold.cli import main
-from fivefold.config import Config, ModelConfig, load_config
+from fivefold.config import Config, load_config
 from fivefold.memory import formulas
 from fivefold.memory.activations import Shapes, replay_forward
 from fivefold.memory.planner import activation_shapes, parse_bytes, plan_memory
-from fivefold.model import Transformer
 from fivefold.presets import PRESETS
 from fivefold.train.optim import no_decay
+from model_shapes import meta_model, random_model_config
 
 GB = 1e9
-
-
-def meta_model(cfg: ModelConfig) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(cfg)
-
-
-def random_model(rng: random.Random) -> ModelConfig:
-    kv = rng.choice([1, 2, 4])
-    heads = kv * rng.choice([1, 2, 3])
-    gpt2 = rng.random() < 0.3
-    return ModelConfig(
-        vocab_size=rng.randint(50, 500), hidden_size=heads * rng.choice([8, 16]), num_layers=rng.randint(1, 4),
-        num_heads=heads, num_kv_heads=heads if gpt2 else kv, ffn_hidden_size=rng.randint(16, 200),
-        norm="layernorm" if gpt2 else "rmsnorm", activation="gelu" if gpt2 else "swiglu",
-        position="learned" if gpt2 else "rope", max_seq_len=rng.randint(16, 64), head_dim=rng.choice([0, 0, 12]),
-        tie_embeddings=rng.random() < 0.5, qkv_bias=rng.random() < 0.3, linear_bias=gpt2 and rng.random() < 0.7)
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -52,7 +34,7 @@ def test_parameter_inventory_equals_built_model(name):
 def test_parameter_inventory_and_decay_groups_for_random_shapes():
     rng = random.Random(0)
     for _ in range(100):
-        cfg = random_model(rng)
+        cfg = random_model_config(rng)
         model = meta_model(cfg)
         assert formulas.parameter_shapes(cfg) == [(n, p.numel()) for n, p in model.named_parameters()], cfg
         # The optimizer-group split the planner sizes temporaries by is the trainer's own rule.
@@ -63,7 +45,7 @@ def test_parameter_inventory_and_decay_groups_for_random_shapes():
 def test_pipeline_stages_and_tensor_shards_partition_the_model():
     rng = random.Random(1)
     for _ in range(40):
-        cfg = random_model(rng)
+        cfg = random_model_config(rng)
         total = formulas.count_params(cfg)
         for pp in range(1, cfg.num_layers + 1):
             stages = [formulas.stage_layers(cfg.num_layers, pp, s) for s in range(pp)]

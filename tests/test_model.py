@@ -7,13 +7,9 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.memory.formulas import count_params
-from fivefold.model import KVCache, Transformer, build_model, doc_ids_from_tokens, initial_value
+from fivefold.model import KVCache, build_model, doc_ids_from_tokens, initial_value
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
-
-
-def meta_model(cfg):
-    with torch.device("meta"):
-        return Transformer(cfg)
+from model_shapes import meta_model, random_model_config
 
 
 @pytest.mark.parametrize("name", sorted(REAL_PARAM_COUNTS))
@@ -23,23 +19,10 @@ def test_preset_param_counts_equal_real_models(name):
     assert sum(p.numel() for p in meta_model(cfg).parameters()) == REAL_PARAM_COUNTS[name]
 
 
-def random_config(rng: random.Random) -> ModelConfig:
-    kv = rng.choice([1, 2, 4])
-    heads = kv * rng.choice([1, 2, 3])
-    gpt2 = rng.random() < 0.3
-    return ModelConfig(
-        vocab_size=rng.randint(50, 500), hidden_size=heads * rng.choice([8, 16]), num_layers=rng.randint(1, 4),
-        num_heads=heads, num_kv_heads=heads if gpt2 else kv, ffn_hidden_size=rng.randint(16, 200),
-        norm="layernorm" if gpt2 else "rmsnorm", activation="gelu" if gpt2 else "swiglu",
-        position="learned" if gpt2 else "rope", max_seq_len=rng.randint(16, 64),
-        tie_embeddings=rng.random() < 0.5, qkv_bias=rng.random() < 0.3, linear_bias=gpt2 and rng.random() < 0.7,
-        head_dim=rng.choice([0, 0, 12]))
-
-
 def test_param_count_formula_matches_built_model_for_random_shapes():
     rng = random.Random(0)
     for _ in range(60):
-        cfg = random_config(rng)
+        cfg = random_model_config(rng)
         assert count_params(cfg) == sum(p.numel() for p in meta_model(cfg).parameters()), cfg
 
 

@@ -51,12 +51,7 @@ def plot_timeline(timeline, path: str | Path, title: str | None = None) -> Path:
     ax.set_xlim(0, max(1, len(timeline.samples) - 1))
     ax.set_title(title or f"Memory of the first {timeline.steps} training steps ({timeline.device})", pad=16)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_sweep(result: dict, key: str, path: str | Path, title: str) -> Path:
@@ -74,6 +69,10 @@ def plot_sweep(result: dict, key: str, path: str | Path, title: str) -> Path:
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
