@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,6 @@ def memory_bytes(device: torch.device) -> int:
         return torch.cuda.memory_allocated(device)
     try:
         with open("/proc/self/statm") as f:
-            import os
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from fivefold.config import ConfigError, TrainConfig, parse_batch_schedule
+from fivefold.config import TrainConfig, parse_batch_schedule
 from fivefold.memory.formulas import step_chunk_key
 
 
@@ -167,7 +167,3 @@ def grad_accum_at(tokens_seen: int, cfg: TrainConfig) -> int:
             accum = value
     return accum
 
-
-def check_optimizer_impl(cfg: TrainConfig, device: torch.device) -> None:
-    if cfg.optimizer_impl == "fused" and device.type not in ("cuda", "cpu"):
-        raise ConfigError(f"train.optimizer_impl=fused is not available on {device.type}; use foreach")
