@@ -120,6 +120,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: Literal["afab", "1f1b", "interleaved", "zero-bubble"] = "1f1b"
     pp_virtual_stages: int = 1
+    bucket_mb: float = 25.0  # data parallel: gradient all-reduce bucket size (MiB of fp32)
 
     @property
     def world_size(self) -> int:
@@ -307,6 +308,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
     parse_batch_schedule(t.batch_schedule)
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={p.zero} is not valid; choose one of 0, 1, 2, 3")
     if p.tp > 1:

@@ -13,6 +13,9 @@ def register(sub) -> None:
     train = sub.add_parser("train", help="train a model (default: the demo model on the embedded corpus)")
     add_config_args(train)
     train.add_argument("--out", help="run directory (overrides train.out_dir)")
+    train.add_argument("--nproc", type=int, default=0, metavar="N",
+                       help="launch N processes on this machine through torch.distributed.run (torchrun); "
+                            "without an explicit parallel layout they are data parallel (parallel.dp=N)")
     group = train.add_mutually_exclusive_group()
     group.add_argument("--no-resume", dest="resume", action="store_false",
                        help="refuse to continue an existing run in the run directory")
@@ -33,15 +36,49 @@ def register(sub) -> None:
     gen.set_defaults(func=run_generate)
 
 
+def launch(args, argv: list[str]) -> int:
+    """Re-run this same command in N worker processes under torchrun's elastic agent, which also ends the
+    whole job (non-zero exit, naming the failed rank) as soon as one worker dies."""
+    from torch.distributed.run import main as torchrun
+
+    from fivefold.config import validate
+    from fivefold.parallel.mesh import check_supported
+
+    cfg = config_from_args(args)  # fail on a bad config here, before any worker starts
+    if cfg.parallel.dp == 1 and cfg.parallel.world_size == 1:
+        cfg.parallel.dp = args.nproc
+    validate(cfg, world_size=args.nproc)
+    check_supported(cfg)
+    worker_args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            worker_args.append(arg)
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fivefold", *worker_args])
+    except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
+        print(f"fivefold train: a worker failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_train(args) -> int:
+    import os
+
     from fivefold.train.trainer import Trainer
 
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return launch(args, sys.argv[1:])
     cfg = config_from_args(args)
     if args.out:
         cfg.train.out_dir = args.out
     out = Path(cfg.train.out_dir)
-    has_run = (out / "checkpoints" / "latest").is_file()
-    if args.overwrite and out.exists():
+    is_main = os.environ.get("RANK", "0") == "0"
+    has_run = (out / "checkpoints" / "latest").is_file() and not args.overwrite
+    if args.overwrite and out.exists() and is_main:
         for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
             path = out / name
             if path.is_dir():
@@ -54,18 +91,19 @@ def run_train(args) -> int:
               f"or pass --overwrite to start over", file=sys.stderr)
         return 2
     trainer = Trainer(cfg, resume=has_run)
-    print(f"model: {trainer.num_params:,} parameters | global batch {cfg.global_batch_tokens:,} tokens "
+    say = print if trainer.mesh.is_main else (lambda *a, **k: None)
+    say(f"model: {trainer.num_params:,} parameters | global batch {cfg.global_batch_tokens:,} tokens "
           f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x {cfg.train.seq_len}) | "
           f"{cfg.train.precision} | recompute={cfg.train.recompute} | device {trainer.device} | "
           f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s")
     if trainer.step >= cfg.train.steps:
-        print(f"already at step {trainer.step} of train.steps={cfg.train.steps}; nothing to train "
+        say(f"already at step {trainer.step} of train.steps={cfg.train.steps}; nothing to train "
               f"(raise train.steps or pass --overwrite)")
         return 0
     trainer.fit()
     val_loss = trainer.evaluate()
     baseline = trainer.unigram_loss()
-    print(f"done: step {trainer.step}, validation loss {val_loss:.4f} (unigram baseline {baseline:.4f}); "
+    say(f"done: step {trainer.step}, validation loss {val_loss:.4f} (unigram baseline {baseline:.4f}); "
           f"checkpoint in {trainer.checkpoint_root / 'latest'}; metrics in {out / 'metrics.jsonl'}")
     return 0
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fivefold.config import Config, ConfigError, validate
@@ -82,11 +83,19 @@ class Trainer:
         validate(cfg)
         from fivefold.data.dataset import ResumableSampler, load_datasets
 
-        self.cfg, self.quiet = cfg, quiet
+        from fivefold.parallel.mesh import init_mesh, local_device
+
+        self.cfg = cfg
         self.out_dir = Path(out_dir or cfg.train.out_dir)
-        self.device = resolve_device(cfg.train.device)
+        self.device = local_device(resolve_device(cfg.train.device))
+        self.mesh = init_mesh(cfg, self.device)  # validates the layout before any process group starts
+        self.quiet = quiet or not self.mesh.is_main
         torch.manual_seed(cfg.train.seed)
+        if datasets is None and not self.mesh.is_main:
+            self.mesh.barrier()  # let rank 0 build the data cache (corpus, tokenizer, shards) first
         self.data = datasets or load_datasets(cfg)
+        if datasets is None and self.mesh.is_main:
+            self.mesh.barrier()
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed, dtype=torch.float32)
         masters = None
         if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
@@ -98,6 +107,14 @@ class Trainer:
             for block in self.model.layers:
                 block.compile()  # per block: one compiled graph reused by every layer of the same shape
         self.optimizer = MasterWeightAdamW(self.model, cfg.train, masters)
+        self.reducer = None
+        if self.mesh.dp_size > 1:
+            from fivefold.parallel.data_parallel import BucketedAllReduce
+
+            main_grads = dict(zip(self.optimizer.params, self.optimizer.main_grads or []))
+            self.reducer = BucketedAllReduce(list(self.optimizer.params), self.mesh.dp_group,
+                                             lambda p: main_grads.get(p, p.grad),
+                                             bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -111,9 +128,15 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
     def global_batch(self, grad_accum: int) -> torch.Tensor:
-        """The step's global batch, (micro_batch_size * grad_accum, seq_len + 1) token ids."""
-        n = self.cfg.train.micro_batch_size * grad_accum
+        """The step's global batch, (micro_batch_size * grad_accum * dp, seq_len + 1) token ids: the same
+        tokens in the same order whatever the parallel layout."""
+        n = self.cfg.train.micro_batch_size * grad_accum * self.mesh.dp_size
         return self.data.train.batch(self.sampler.take(n)).to(self.device)
+
+    def local_rows(self, rows: int) -> slice:
+        """This data-parallel rank's contiguous share of a global batch of `rows` sequences."""
+        share = rows // self.mesh.dp_size
+        return slice(self.mesh.dp_rank * share, (self.mesh.dp_rank + 1) * share)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor):
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
@@ -125,10 +148,18 @@ class Trainer:
     def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward over a global batch (N, S) in micro-batches; returns the global mean loss
         over the labels that are not IGNORE_INDEX (padding)."""
-        num_tokens = (labels != IGNORE_INDEX).sum()
+        num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
+        mine = self.local_rows(len(inputs))
+        inputs, labels = inputs[mine], labels[mine]
+        micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
         loss = torch.zeros((), device=self.device)
-        for mb in torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size):
+        for i, mb in enumerate(micro_batches):
+            if self.reducer is not None:
+                self.reducer.sync = i == len(micro_batches) - 1  # communicate on the last micro-batch only
             loss += self.forward_backward(inputs[mb], labels[mb], num_tokens)
+        if self.reducer is not None:
+            self.reducer.finish()
+            dist.all_reduce(loss, group=self.mesh.dp_group)
         return loss
 
     def train_step(self) -> dict:
@@ -154,7 +185,7 @@ class Trainer:
         self.tokens_seen += batch_tokens
         tokens_per_sec = batch_tokens / elapsed
         return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / self.peak_flops,
+                "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / (self.peak_flops * self.mesh.world_size),
                 "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
                 "step_time": elapsed}
 
@@ -187,7 +218,7 @@ class Trainer:
         Returns the record of every step run."""
         cfg = self.cfg.train
         until = cfg.steps if until is None else until
-        log = MetricsLog(self.out_dir, cfg.tensorboard, append=self.step > 0)
+        log = MetricsLog(self.out_dir, cfg.tensorboard, append=self.step > 0) if self.mesh.is_main else None
         bar = progress_bar(until, self.step, cfg.progress and not self.quiet)
         history = []
         try:
@@ -201,7 +232,8 @@ class Trainer:
                     record["memory_bytes"] = memory_bytes(self.device)
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                         record["val_loss"] = self.evaluate()
-                    log.log(record)
+                    if log is not None:
+                        log.log(record)
                     self._print(record)
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
@@ -209,7 +241,8 @@ class Trainer:
                 self.save()
         finally:
             bar.close()
-            log.close()
+            if log is not None:
+                log.close()
         return history
 
     def _print(self, r: dict) -> None:
@@ -228,6 +261,14 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save(self) -> Path:
+        """Rank 0 writes (data-parallel states are replicated); every rank waits until it is complete."""
+        path = self.checkpoint_root / f"step_{self.step:08d}"
+        if self.mesh.is_main:
+            self._write_checkpoint()
+        self.mesh.barrier()
+        return path
+
+    def _write_checkpoint(self) -> Path:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
                  "base_batch_tokens": self.base_batch_tokens}
         rng = {"torch_cpu": torch.get_rng_state()}

@@ -1,0 +1,83 @@
+"""The process layout: every process group a run uses and this rank's coordinates, on DeviceMesh.
+
+The config is validated against the launched world size *before* any process group starts, so a
+mismatch is a clear error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fivefold.config import Config, ConfigError, validate
+
+# Collectives that wait longer than this fail (and torchrun tears the job down) instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("FIVEFOLD_COLLECTIVE_TIMEOUT", "120")))
+
+
+@dataclass
+class Mesh:
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
+    device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when distributed
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_supported(cfg: Config) -> None:
+    """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
+    p = cfg.parallel
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
+        if value > 1:
+            raise ConfigError(f"{key}={value} is not implemented yet; this version trains with data parallelism "
+                              f"(parallel.dp) only; `fivefold plan` already plans {key}")
+    if p.zero > 0 and p.dp > 1:
+        raise ConfigError(f"parallel.zero={p.zero} is not implemented yet; use parallel.zero=0 with "
+                          f"parallel.dp={p.dp} (`fivefold plan` already plans ZeRO)")
+
+
+def init_mesh(cfg: Config, device: torch.device) -> Mesh:
+    """Validate against the launched world, then start the process group (gloo on CPU, NCCL on CUDA)."""
+    world = launched_world_size()
+    if world > 1 and cfg.parallel.dp == 1 and cfg.parallel.world_size == 1:
+        cfg.parallel.dp = world  # `--nproc N` with no explicit layout means data parallel over N
+    validate(cfg, world_size=world)
+    check_supported(cfg)
+    if world == 1:
+        return Mesh()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device.type, (cfg.parallel.dp,), mesh_dim_names=("dp",))
+    return Mesh(rank=dist.get_rank(), world_size=world, dp_rank=device_mesh.get_local_rank("dp"),
+                dp_size=cfg.parallel.dp, dp_group=device_mesh.get_group("dp"), device_mesh=device_mesh)
+
+
+def local_device(device: torch.device) -> torch.device:
+    """One GPU per process: cuda:LOCAL_RANK under torchrun."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
