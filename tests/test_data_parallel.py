@@ -67,3 +67,30 @@ def test_layout_errors_come_before_any_worker_starts(data_cache, tmp_path):
     proc = train(tmp_path / "b", data_cache, "--nproc", "2", "--set", "parallel.tp=2", check=False)
     assert proc.returncode == 2 and "parallel.tp=2 is not implemented yet" in proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_killed_rank_ends_the_whole_job(tiny_config, tmp_path):
+    """Rank 1 is SIGKILLed after two steps while rank 0 goes on into the next step's all-reduce: torchrun's
+    agent must end the job with a non-zero exit naming rank 1, well within 60 s, never hang."""
+    import time
+    cfg = tiny_config(**{"train.steps": 50, "parallel.dp": 2})
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import json, os, signal, sys\n"
+        "from fivefold.config import config_from_dict\n"
+        "from fivefold.train.trainer import Trainer\n"
+        f"cfg = config_from_dict(json.loads({json.dumps(json.dumps(cfg.to_dict()))}))\n"
+        "trainer = Trainer(cfg, quiet=True)\n"
+        "trainer.fit(until=2)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "trainer.fit()\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank      : 1" in proc.stderr or "rank: 1" in proc.stderr, proc.stderr[-2000:]
+    assert "Signal 9" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 60, elapsed
