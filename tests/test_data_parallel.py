@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fivefold.train.checkpoint import read_tensors, resolve_checkpoint
+from fivefold.train.compare import compare_runs
 
 COMMON = ["--preset", "tiny", "--set", "train.steps=10", "--set", "train.seq_len=32", "--set", "train.log_every=1",
           "--set", "train.peak_flops=1e11", "--set", "train.eval_every=0", "--set", "train.lr=1e-2",
@@ -26,10 +27,6 @@ def train(out, cache, *extra, check=True):
     return proc
 
 
-def losses(out):
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, data_cache):
     out = tmp_path_factory.mktemp("single")
@@ -43,7 +40,8 @@ def test_data_parallel_matches_one_process(single, data_cache, tmp_path, dp, acc
     micro = GLOBAL_SEQUENCES // (dp * accum)
     train(out, data_cache, "--nproc", str(dp), "--set", f"train.micro_batch_size={micro}",
           "--set", f"train.grad_accum={accum}", "--set", f"parallel.bucket_mb={bucket_mb}")
-    torch.testing.assert_close(losses(out), losses(single), rtol=1e-5, atol=0)
+    result = compare_runs(out, single, rtol=1e-5)
+    assert result.ok and len(result.steps) == 10, result.summary()
     ours = read_tensors(resolve_checkpoint(out) / "model.safetensors")
     ref = read_tensors(resolve_checkpoint(single) / "model.safetensors")
     assert_weights_match(ours, ref)

@@ -23,6 +23,14 @@ def register(sub) -> None:
                        help="delete the run directory's checkpoints and metrics and start over")
     train.set_defaults(func=run_train)
 
+    cmp = sub.add_parser("compare-runs", help="compare two runs' per-step losses (parity check)")
+    cmp.add_argument("run_a", help="run directory, metrics.jsonl, or a golden .json")
+    cmp.add_argument("run_b")
+    cmp.add_argument("--key", default="loss", help="metric to compare (default: loss)")
+    cmp.add_argument("--rtol", type=float, default=1e-5)
+    cmp.add_argument("--atol", type=float, default=0.0)
+    cmp.set_defaults(func=run_compare)
+
     gen = sub.add_parser("generate", help="generate text from a checkpoint")
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest)")
     gen.add_argument("--prompt", required=True)
@@ -106,6 +114,14 @@ def run_train(args) -> int:
     say(f"done: step {trainer.step}, validation loss {val_loss:.4f} (unigram baseline {baseline:.4f}); "
           f"checkpoint in {trainer.checkpoint_root / 'latest'}; metrics in {out / 'metrics.jsonl'}")
     return 0
+
+
+def run_compare(args) -> int:
+    from fivefold.train.compare import compare_runs
+
+    result = compare_runs(args.run_a, args.run_b, args.key, args.rtol, args.atol)
+    print(result.summary())
+    return 0 if result.ok else 1
 
 
 def run_generate(args) -> int:
