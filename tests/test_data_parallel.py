@@ -92,3 +92,19 @@ def test_a_killed_rank_ends_the_whole_job(tiny_config, tmp_path):
     assert "rank      : 1" in proc.stderr or "rank: 1" in proc.stderr, proc.stderr[-2000:]
     assert "Signal 9" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr[-2000:]
     assert elapsed < 60, elapsed
+
+
+def test_a_data_parallel_checkpoint_resumes_in_one_process(data_cache, tmp_path):
+    """Written by dp=2 at step 5, resumed by a single process: steps 6-10 match the dp=2 run's."""
+    import shutil
+    dp_run = tmp_path / "dp"
+    train(dp_run, data_cache, "--nproc", "2", "--set", "train.micro_batch_size=4", "--set", "train.save_every=5",
+          "--set", "train.keep_checkpoints=3")
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(dp_run / "checkpoints" / "step_00000005", resumed / "checkpoints" / "step_00000005")
+    (resumed / "checkpoints" / "latest").write_text("step_00000005\n")
+    proc = train(resumed, data_cache, "--set", f"train.micro_batch_size={GLOBAL_SEQUENCES}")
+    assert "resumed from" in proc.stdout
+    result = compare_runs(resumed, dp_run, rtol=1e-5)
+    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
