@@ -50,6 +50,7 @@ def launch(args, argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun
 
     from fivefold.config import validate
+    from fivefold.parallel.launch import torchrun_args, without_option
     from fivefold.parallel.mesh import check_supported
 
     cfg = config_from_args(args)  # fail on a bad config here, before any worker starts
@@ -57,16 +58,8 @@ def launch(args, argv: list[str]) -> int:
         cfg.parallel.dp = args.nproc
     validate(cfg, world_size=args.nproc)
     check_supported(cfg)
-    worker_args, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            worker_args.append(arg)
     try:
-        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fivefold", *worker_args])
+        torchrun(torchrun_args(args.nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))
     except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
         print(f"fivefold train: a worker failed: {e}", file=sys.stderr)
         return 1
