@@ -29,18 +29,25 @@ class _Bucket:
 
 
 class BucketedAllReduce:
-    def __init__(self, params: list[nn.Parameter], group, grad_of, bucket_bytes: int = 25 * 2**20):
+    def __init__(self, params: list[nn.Parameter], group, grad_of, bucket_bytes: int = 25 * 2**20,
+                 first_bucket_bytes: int = 2**20):
         """`grad_of(param)` returns the tensor holding that parameter's gradient (its .grad, or an fp32
-        accumulation buffer); hooks registered after the optimizer's see the gradient already folded."""
+        accumulation buffer); hooks registered after the optimizer's see the gradient already folded.
+
+        The first bucket (the last layers' gradients, ready first) is kept small, as DDP does, and no
+        bucket holds more than a quarter of all gradients, so that communication starts early in
+        backward and overlaps it even when the whole model would fit one `bucket_bytes` bucket."""
         self.group, self.grad_of = group, grad_of
         self.sync = True
         self.buckets: list[_Bucket] = []
+        total_bytes = 4 * sum(p.numel() for p in params)  # buckets hold fp32
+        bucket_bytes = min(bucket_bytes, max(first_bucket_bytes, total_bytes // 4))
         current: list[nn.Parameter] = []
         size = 0
         for p in reversed(list(params)):
             current.append(p)
             size += p.numel() * 4
-            if size >= bucket_bytes:
+            if size >= (first_bucket_bytes if not self.buckets else bucket_bytes):
                 self.buckets.append(_Bucket(len(self.buckets), current))
                 current, size = [], 0
         if current:

@@ -1,0 +1,309 @@
+"""Data-parallel step time: our Trainer (parallel.dp=N, BucketedAllReduce) against PyTorch's
+DistributedDataParallel on the same model, the same global batch and the same gloo process group.
+
+    python bench/data_parallel.py --nproc 2 --json bench/results/data_parallel_dp2.json
+    python bench/data_parallel.py --nproc 2 --bucket-mb 4            # several buckets: overlap possible
+    torchrun --standalone --nproc-per-node 2 bench/data_parallel.py   # or launch the workers yourself
+
+The script re-launches itself under torch.distributed.run with OMP_NUM_THREADS=--threads (default 1:
+2 ranks on 2 cores). It checks that both sides compute the same first-step loss and gradient norm,
+times them in alternating windows (ours, DDP, ours, DDP, ...), then splits our step into compute,
+flatten, wait and write-back to estimate how much of the all-reduce backward hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+FIRST_STEP_RTOL = 1e-5  # same weights, batch and op order; only DDP's x world / world scaling differs
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
+    p.add_argument("--threads", type=int, default=1, help="torch/OMP threads per rank")
+    p.add_argument("--preset", default="demo", help="demo: 5.3M params (21 MB of fp32 gradients)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per rank per step")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (DDP rebuilds its buckets)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="both sides (parallel.bucket_mb default)")
+    p.add_argument("--breakdown-rounds", type=int, default=10, help="rounds of our step's breakdown")
+    p.add_argument("--json", default="")
+    return p.parse_args(argv)
+
+
+def launch(argv: list[str], args) -> int:
+    """Re-run this file in --nproc workers; OMP_NUM_THREADS must be set before torch starts in them."""
+    from fivefold.parallel.launch import torchrun_args, without_option
+
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           *torchrun_args(args.nproc, [os.path.abspath(__file__), *without_option(argv, "--nproc")])]
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}).returncode
+
+
+def make_config(args, world: int, out_dir: str):
+    from fivefold.config import load_config
+
+    overrides = {"train.seq_len": args.seq_len, "train.micro_batch_size": args.micro_batch,
+                 "train.grad_accum": args.grad_accum, "parallel.dp": world, "parallel.bucket_mb": args.bucket_mb,
+                 "train.peak_flops": 1e11, "train.progress": False, "train.tensorboard": False,
+                 "train.eval_every": 0, "train.steps": 10_000, "train.device": "cpu", "train.out_dir": out_dir}
+    return load_config(preset=args.preset, overrides=[f"{k}={v}" for k, v in overrides.items()] + args.set)
+
+
+class _TimedWork:
+    """Stands in for the async all-reduce handle so that finish()'s wait is timed apart from its copies."""
+
+    def __init__(self, work, sink: list):
+        self.work, self.sink = work, sink
+
+    def wait(self):
+        start = time.perf_counter()
+        self.work.wait()
+        self.sink.append(time.perf_counter() - start)
+
+
+class Ours:
+    """Trainer.train_step, with the reducer's launch (flatten + issue) and finish (wait + write-back) timed."""
+
+    def __init__(self, cfg):
+        from fivefold.train.trainer import Trainer
+
+        self.trainer = Trainer(cfg, quiet=True)
+        reducer = self.reducer = self.trainer.reducer
+        self.launch_s, self.finish_s, self.wait_s = [], [], []
+        launch, finish = reducer._launch, reducer.finish
+
+        def timed_launch(bucket):
+            start = time.perf_counter()
+            launch(bucket)
+            self.launch_s.append(time.perf_counter() - start)
+            bucket.work = _TimedWork(bucket.work, self.wait_s)
+
+        def timed_finish():
+            start = time.perf_counter()
+            finish()
+            self.finish_s.append(time.perf_counter() - start)
+
+        reducer._launch, reducer.finish = timed_launch, timed_finish  # instance attributes: hooks see them
+
+    def step(self) -> tuple[float, float]:
+        record = self.trainer.train_step()
+        return record["loss"], record["grad_norm"]
+
+
+class TorchDDP:
+    """The textbook recipe: DDP(model) + AdamW(fused), no_sync() on all but the last micro-batch, clip 1.0.
+    DDP *averages* gradients over ranks, so each rank's loss (sum / global tokens, our convention) is
+    multiplied by the world size to get the same gradient as our SUM all-reduce."""
+
+    def __init__(self, cfg, data, world: int):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from fivefold.data.dataset import ResumableSampler
+        from fivefold.model import build_model
+        from fivefold.train.optim import no_decay
+
+        t = cfg.train
+        model = build_model(cfg.model, "cpu", seed=t.seed)  # the Trainer's initial weights
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+        groups = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": t.weight_decay},
+                  {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+        impl = {"fused": True} if t.optimizer_impl == "fused" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **impl)
+        self.params = [p for _, p in named]
+        self.data, self.sampler = data.train, ResumableSampler(len(data.train), t.seed)  # our batches
+        self.cfg, self.world, self.rank, self.steps_done = cfg, world, dist.get_rank(), 0
+
+    def step(self) -> tuple[float, float]:
+        from fivefold.train.optim import lr_at
+        from fivefold.train.trainer import IGNORE_INDEX, token_loss_sum
+
+        t = self.cfg.train
+        batch = self.data.batch(self.sampler.take(t.micro_batch_size * t.grad_accum * self.world))
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        num_tokens = (labels != IGNORE_INDEX).sum()
+        share = len(inputs) // self.world  # this rank's contiguous slice, as Trainer.local_rows
+        mine = slice(self.rank * share, (self.rank + 1) * share)
+        inputs, labels = inputs[mine], labels[mine]
+        micro = torch.arange(share).split(t.micro_batch_size)
+        loss = torch.zeros(())
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with (torch.enable_grad() if last else self.ddp.no_sync()):
+                part = token_loss_sum(self.ddp, inputs[mb], labels[mb], self.cfg) / num_tokens
+                (part * self.world).backward()
+            loss += part.detach()
+        dist.all_reduce(loss)  # the global loss, as ours reports it (one tiny collective on both sides)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True).item()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.steps_done, t, batch[:, 1:].numel(), batch[:, 1:].numel())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        return loss.item(), norm
+
+
+def slowest(seconds: float, op=dist.ReduceOp.MAX) -> float:
+    """A data-parallel step ends when its slowest rank does: the max over ranks."""
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def time_alternating(runners: dict, warmup: int, steps: int) -> tuple[dict, dict]:
+    """One-step windows, ours then DDP, each between barriers, so outside load bursts hit both.
+    Also per-step CPU use of this process / wall: above 1 is gloo's threads working beside compute."""
+    for runner in runners.values():
+        for _ in range(warmup):
+            runner.step()
+    times, cpu = {k: [] for k in runners}, {k: [] for k in runners}
+    for _ in range(steps):
+        for name, runner in runners.items():
+            dist.barrier()
+            start, c = time.perf_counter(), time.process_time()
+            runner.step()
+            wall = time.perf_counter() - start
+            cpu[name].append((time.process_time() - c) / wall)
+            times[name].append(slowest(wall))
+    return times, cpu
+
+
+def breakdown(ours: Ours, rounds: int) -> dict:
+    """Per round, on one batch: (a) forward+backward with the all-reduce (Trainer.accumulate_gradients),
+    (b) the same forward+backward with reducer.sync=False and no finish(): compute only, (c) blocking
+    all_reduce of buffers of our bucket sizes, one after another: the communication with nothing to hide
+    behind. exposed = time in finish(); hidden = 1 - exposed / (c)."""
+    tr, red = ours.trainer, ours.reducer
+    keys = ("with_comm", "compute_only", "blocking_allreduce", "launch", "finish", "wait")
+    out = {k: [] for k in keys}
+    for _ in range(rounds):
+        ours.launch_s.clear(), ours.finish_s.clear(), ours.wait_s.clear()
+        batch = tr.global_batch(tr.cfg.train.grad_accum)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        dist.barrier()
+        start = time.perf_counter()
+        tr.accumulate_gradients(inputs, labels)
+        out["with_comm"].append(slowest(time.perf_counter() - start))
+        out["launch"].append(slowest(sum(ours.launch_s)))
+        # A rank that finishes backward first also waits in finish() for its peer's backward: that is
+        # load imbalance, not communication. The rank that arrives last waits for the wire only: MIN.
+        out["finish"].append(slowest(sum(ours.finish_s), dist.ReduceOp.MIN))
+        out["wait"].append(slowest(sum(ours.wait_s), dist.ReduceOp.MIN))
+        tr.optimizer.zero_grad()
+
+        mine = tr.local_rows(len(inputs))
+        num_tokens = (labels != -100).sum()
+        red.sync = False
+        dist.barrier()
+        start = time.perf_counter()
+        for mb in torch.arange(len(inputs))[mine].split(tr.cfg.train.micro_batch_size):
+            tr.forward_backward(inputs[mb], labels[mb], num_tokens)
+        out["compute_only"].append(slowest(time.perf_counter() - start))
+        red.sync = True
+        tr.optimizer.zero_grad()
+
+        buffers = [torch.zeros(b.numel) for b in red.buckets]
+        dist.barrier()
+        start = time.perf_counter()
+        for buf in buffers:
+            dist.all_reduce(buf, group=tr.mesh.dp_group)
+        out["blocking_allreduce"].append(slowest(time.perf_counter() - start))
+    med = {k: statistics.median(v) for k, v in out.items()}
+    # Everything the reducer adds to fwd+bwd (flatten, wait, write-back, CPU that gloo's threads take
+    # from compute), paired within a round so that slow drift of the machine cancels.
+    med["exposed_delta"] = statistics.median(a - b for a, b in zip(out["with_comm"], out["compute_only"]))
+    med["hidden_fraction"] = 1 - med["finish"] / med["blocking_allreduce"]
+    med["hidden_fraction_delta"] = 1 - med["exposed_delta"] / med["blocking_allreduce"]
+    return {"median_s": med, "samples_s": out, "buckets": [b.numel * 4 for b in red.buckets]}
+
+
+def machine_info(args, world: int) -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "ranks": world, "threads_per_rank": torch.get_num_threads(),
+            "backend": dist.get_backend(), "oversubscribed": world * torch.get_num_threads() > (os.cpu_count() or 1)}
+
+
+def worker(args) -> None:
+    torch.set_num_threads(args.threads)
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = make_config(args, world, tempfile.mkdtemp(prefix="fivefold-bench-dp-"))
+    ours = Ours(cfg)  # starts the gloo process group (fivefold.parallel.mesh.init_mesh)
+    ddp = TorchDDP(cfg, ours.trainer.data, world)
+    main = dist.get_rank() == 0
+    (lo, no), (ld, nd) = ours.step(), ddp.step()
+    check = {"loss_ours": lo, "loss_ddp": ld, "loss_rel_diff": abs(lo - ld) / abs(ld),
+             "grad_norm_ours": no, "grad_norm_ddp": nd, "grad_norm_rel_diff": abs(no - nd) / abs(nd)}
+    if main:
+        print(f"first step: loss ours {lo:.7f} DDP {ld:.7f} (rel {check['loss_rel_diff']:.1e}); grad norm "
+              f"ours {no:.6f} DDP {nd:.6f} (rel {check['grad_norm_rel_diff']:.1e})", flush=True)
+    assert check["loss_rel_diff"] < FIRST_STEP_RTOL and check["grad_norm_rel_diff"] < 1e-4, check
+
+    times, cpu = time_alternating({"ours": ours, "ddp": ddp}, args.warmup - 1, args.steps)
+    parts = breakdown(ours, args.breakdown_rounds)
+    if not main:
+        return
+    med = {k: statistics.median(v) for k, v in times.items()}
+    m = parts["median_s"]
+    tokens = cfg.global_batch_tokens
+    try:  # for the record only: DDP's buckets as rebuilt after step 1 in gradient-ready order (private API)
+        ddp_buckets = [b.buffer().numel() * 4 for b in ddp.ddp.reducer._get_zeros_like_grad_buckets()]
+    except Exception:
+        ddp_buckets = []
+    print(f"\n{cfg.model.hidden_size}h x {cfg.model.num_layers}L ({sum(p.numel() for p in ddp.params) / 1e6:.2f}M "
+          f"params), {world} ranks x {args.threads} thread, global batch {tokens} tokens, bucket {args.bucket_mb} MB: "
+          f"buckets ours {len(parts['buckets'])}, DDP {len(ddp_buckets) or '?'}")
+    print(f"{'impl':<5} | {'median ms':>9} | {'best ms':>7} | {'tokens/s':>8} | {'cpu/wall':>8}")
+    for name in times:
+        print(f"{name:<5} | {1e3 * med[name]:>9.1f} | {1e3 * min(times[name]):>7.1f} | {tokens / med[name]:>8.0f} | "
+              f"{statistics.median(cpu[name]):>8.2f}")
+    ratio, best_ratio = med["ours"] / med["ddp"], min(times["ours"]) / min(times["ddp"])
+    print(f"ratio ours/DDP (step time; target <= 1.0): median {ratio:.3f}, best {best_ratio:.3f}")
+    print(f"ours, fwd+bwd of one step (median ms): with all-reduce {1e3 * m['with_comm']:.1f}, compute only "
+          f"{1e3 * m['compute_only']:.1f}; flatten+issue {1e3 * m['launch']:.1f}, finish {1e3 * m['finish']:.1f} "
+          f"(wait {1e3 * m['wait']:.1f}); blocking all-reduce alone {1e3 * m['blocking_allreduce']:.1f}; paired "
+          f"with - without all-reduce {1e3 * m['exposed_delta']:.1f}")
+    print(f"hidden fraction: {m['hidden_fraction']:.2f} (1 - finish / blocking all-reduce); "
+          f"{m['hidden_fraction_delta']:.2f} counting every ms the reducer adds to fwd+bwd")
+    if (os.cpu_count() or 1) < world * args.threads:
+        print(f"note: {world} x {args.threads} threads on {os.cpu_count()} cores is oversubscribed")
+    out = {"machine": machine_info(args, world), "first_step": check, "step_times_s": times, "cpu_per_wall": cpu,
+           "median_step_s": med, "best_step_s": {k: min(v) for k, v in times.items()}, "ratio_ours_over_ddp": ratio,
+           "best_ratio_ours_over_ddp": best_ratio, "ours_breakdown": parts, "ddp_bucket_bytes": ddp_buckets,
+           "settings": {**{k: v for k, v in vars(args).items() if k != "json"}, "world": world,
+                        "global_batch_tokens": tokens, "params": sum(p.numel() for p in ddp.params)}}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    parsed = parse_args()
+    if "LOCAL_RANK" in os.environ:  # a torchrun worker
+        worker(parsed)
+        dist.destroy_process_group()
+    else:
+        sys.exit(launch(sys.argv[1:], parsed))
