@@ -82,7 +82,6 @@ class Trainer:
                  quiet: bool = False, datasets=None):
         validate(cfg)
         from fivefold.data.dataset import ResumableSampler, load_datasets
-
         from fivefold.parallel.mesh import init_mesh, local_device
 
         self.cfg = cfg
