@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -234,14 +233,8 @@ def breakdown(ours: Ours, rounds: int) -> dict:
 
 
 def machine_info(args, world: int) -> dict:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "ranks": world, "threads_per_rank": torch.get_num_threads(),
+    from machine import base_info
+    return {**base_info(), "ranks": world, "threads_per_rank": torch.get_num_threads(),
             "backend": dist.get_backend(), "oversubscribed": world * torch.get_num_threads() > (os.cpu_count() or 1)}
 
 

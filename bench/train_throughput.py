@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -62,16 +61,10 @@ def parse_args(argv=None):
 
 
 def machine_info(threads: int) -> dict:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     import transformers
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "threads": threads}
+    from machine import base_info
+    return {**base_info(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "transformers": transformers.__version__, "threads": threads}
 
 
 def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str):

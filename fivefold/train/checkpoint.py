@@ -113,11 +113,11 @@ def _remove_abandoned(root: Path) -> None:
 
 def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0 only checks; PermissionError still means the process exists
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -27,6 +28,29 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 204
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
+
+
+@functools.lru_cache(maxsize=None)
+def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
+    """Measured matmul peak, remembered across runs as the best ever seen for this device, dtype and
+    thread count: a measurement taken while the machine is busy reads low and would inflate MFU."""
+    from fivefold.data.corpus import cache_dir
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key = f"{name}|{dtype}|{threads}|{torch.__version__}"
+    path = cache_dir() / "peak_flops.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    peak = max(measure_peak_flops(device, dtype), known.get(key, 0.0))
+    if peak != known.get(key):
+        known[key] = peak
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    return peak
 
 
 def _sync(device: torch.device) -> None:

@@ -74,7 +74,7 @@ class MasterWeightAdamW:
             self.inner.step()  # AdamW skips parameters without a gradient: only this chunk moves
             if self.mixed:
                 torch._foreach_copy_([self.params[i] for i in chunk if self.masters[i].grad is not None],
-                                     [m for m in masters])
+                                     masters)
             for m in masters:
                 m.grad = None
         return norm

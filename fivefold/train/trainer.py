@@ -6,7 +6,6 @@ micro-batching, so accumulated gradients equal the big-batch gradients.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from fivefold.config import Config, ConfigError, validate
 from fivefold.memory.formulas import count_params, flops_per_token
 from fivefold.model import build_model, doc_ids_from_tokens
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.metrics import MetricsLog, measure_peak_flops, memory_bytes, progress_bar
+from fivefold.train.metrics import MetricsLog, memory_bytes, peak_flops, progress_bar
 from fivefold.train.optim import MasterWeightAdamW, grad_accum_at, lr_at
 from fivefold.train.recompute import apply_recompute
 
@@ -42,31 +41,6 @@ def resolve_device(name: str) -> torch.device:
 def compute_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else torch.float32
 
-
-@functools.lru_cache(maxsize=None)
-def _peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
-    """Measured matmul peak, remembered across runs as the best ever seen for this device, dtype and
-    thread count: a measurement taken while the machine is busy reads low and would inflate MFU."""
-    import json
-    import os
-
-    from fivefold.data.corpus import cache_dir
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = f"{name}|{dtype}|{threads}|{torch.__version__}"
-    path = cache_dir() / "peak_flops.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    peak = max(measure_peak_flops(device, dtype), known.get(key, 0.0))
-    if peak != known.get(key):
-        known[key] = peak
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)
-    return peak
 
 
 def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -119,8 +93,8 @@ class Trainer:
         self.tokens_seen = 0
         self.base_batch_tokens = cfg.train.base_batch_tokens or cfg.global_batch_tokens
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = cfg.train.peak_flops or _peak_flops(self.device, compute_dtype(cfg),
-                                                              torch.get_num_threads())
+        self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, compute_dtype(cfg),
+                                                             torch.get_num_threads())
         self.num_params = count_params(cfg.model)
         if resume:
             self.load_latest()
