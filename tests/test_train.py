@@ -188,3 +188,15 @@ def test_chunked_master_weight_step_equals_torch_adamw(tiny_config, precision):
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
     for (name, r), m in zip(named, trainer.optimizer.masters):
         torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_evaluation_runs_on_its_own_schedule(tiny_config):
+    """eval_every need not be a multiple of log_every: every evaluation step is logged with val_loss."""
+    import json
+    trainer = Trainer(tiny_config(**{"train.steps": 7, "train.log_every": 3, "train.eval_every": 2}), quiet=True)
+    trainer.fit()
+    records = [json.loads(line) for line in (trainer.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 3, 4, 6, 7]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6, 7]
+    with torch.no_grad():
+        assert records[-1]["val_loss"] == pytest.approx(trainer.evaluate(), rel=1e-6)

@@ -201,9 +201,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
                 last = self.step == until
-                if self.step % cfg.log_every == 0 or last:
+                evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
+                if self.step % cfg.log_every == 0 or last or evaluate:
                     record["memory_bytes"] = memory_bytes(self.device)
-                    if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    if evaluate:
                         record["val_loss"] = self.evaluate()
                     if log is not None:
                         log.log(record)
