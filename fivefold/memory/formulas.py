@@ -47,10 +47,12 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: every layer's linears plus the LM head
-    (input embeddings and norms are lookups / elementwise)."""
-    per_layer = attention_params(cfg) + mlp_params(cfg)
-    return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    """Weights that take part in a matmul per token: every layer's linear weights plus the LM head
+    (embeddings are lookups; norms and biases are elementwise)."""
+    h = cfg.hidden_size
+    attention = 2 * h * cfg.q_size + 2 * h * cfg.kv_size
+    mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden_size
+    return cfg.num_layers * (attention + mlp) + cfg.vocab_size * h
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
