@@ -8,52 +8,73 @@ Distributed", section 3.2). Accumulation micro-batches communicate nothing.
 
 The reduction is a SUM, not a mean: the trainer already divides every micro-batch loss by the token
 count of the whole global batch, so summing over ranks gives the global-mean gradient exactly as one
-process would compute it.
+process would compute it. The sums stay in fp32 and the optimizer reads them from the buckets, so
+bf16 gradients are never rounded back to bf16 after the reduction.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
+def size_buckets(params: list[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int) -> list[list]:
+    """Parameters in reverse registration order, cut into fp32 buckets. The first bucket (the last
+    layers' gradients, ready first) is small, as DDP's is, and none holds more than a quarter of all
+    gradients, so that communication starts early and overlaps backward even when the whole model would
+    fit one `bucket_bytes` bucket."""
+    total_bytes = 4 * sum(p.numel() for p in params)
+    bucket_bytes = min(bucket_bytes, max(first_bucket_bytes, total_bytes // 4))
+    buckets, current, size = [], [], 0
+    for p in reversed(list(params)):
+        current.append(p)
+        size += p.numel() * 4
+        if size >= (first_bucket_bytes if not buckets else bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class TimedWaits:
+    """Waits on collective handles, timed: `wait_seconds` is the communication backward did not hide."""
+
+    def __init__(self):
+        self.wait_seconds = 0.0
+
+    def wait(self, work) -> None:
+        start = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - start
+
+
 class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        self.index = index
+    def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.numel = sum(p.numel() for p in params)
         self.ready = 0
         self.buffer: torch.Tensor | None = None
         self.work = None
 
 
-class BucketedAllReduce:
-    def __init__(self, params: list[nn.Parameter], group, grad_of, bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = 2**20):
-        """`grad_of(param)` returns the tensor holding that parameter's gradient (its .grad, or an fp32
-        accumulation buffer); hooks registered after the optimizer's see the gradient already folded.
+class BucketedAllReduce(TimedWaits):
+    reduces_every_micro_batch = False
 
-        The first bucket (the last layers' gradients, ready first) is kept small, as DDP does, and no
-        bucket holds more than a quarter of all gradients, so that communication starts early in
-        backward and overlaps it even when the whole model would fit one `bucket_bytes` bucket."""
-        self.group, self.grad_of = group, grad_of
+    def __init__(self, params: list[nn.Parameter], group, grad_of=None, bucket_bytes: int = 25 * 2**20,
+                 first_bucket_bytes: int = 2**20):
+        """`grad_of(param)` returns the tensor holding that parameter's gradient (its .grad by default, or
+        an fp32 accumulation buffer whose hook must have been registered before this one's)."""
+        super().__init__()
+        self.params, self.group = list(params), group
+        self.grad_of = grad_of or (lambda p: p.grad)
         self.sync = True
-        self.buckets: list[_Bucket] = []
-        total_bytes = 4 * sum(p.numel() for p in params)  # buckets hold fp32
-        bucket_bytes = min(bucket_bytes, max(first_bucket_bytes, total_bytes // 4))
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(list(params)):
-            current.append(p)
-            size += p.numel() * 4
-            if size >= (first_bucket_bytes if not self.buckets else bucket_bytes):
-                self.buckets.append(_Bucket(len(self.buckets), current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(len(self.buckets), current))
+        self.buckets = [_Bucket(b) for b in size_buckets(self.params, bucket_bytes, first_bucket_bytes)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        for p in params:
+        self.reduced: dict[nn.Parameter, torch.Tensor] = {}
+        for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -69,23 +90,29 @@ class BucketedAllReduce:
         # Parameters that got no gradient this step contribute zeros, so every rank reduces equal shapes.
         bucket.buffer = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
                                    for g, p in zip(grads, bucket.params)])
+        for p in bucket.params:
+            p.grad = None  # the bucket holds it now
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for every bucket (launching any whose gradients did not all arrive) and write the sums back."""
+        """Wait for every bucket (launching any whose gradients did not all arrive); the sums become
+        `local_grads()`."""
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
-            bucket.work.wait()
+            self.wait(bucket.work)
             offset = 0
             for p in bucket.params:
-                n = p.numel()
-                reduced = bucket.buffer[offset:offset + n].view_as(p)
-                grad = self.grad_of(p)
-                if grad is None:
-                    p.grad = reduced.to(p.dtype)
-                else:
-                    grad.copy_(reduced)
-                offset += n
+                self.reduced[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
             bucket.ready, bucket.buffer, bucket.work = 0, None, None
+
+    def local_grads(self) -> list[torch.Tensor | None]:
+        """The reduced fp32 gradients in parameter order; handed over (the reducer keeps no reference)."""
+        grads = [self.reduced.get(p) for p in self.params]
+        self.reduced = {}
+        return grads
+
+    def zero_grad(self) -> None:
+        self.reduced = {}

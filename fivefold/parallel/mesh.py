@@ -29,6 +29,11 @@ class Mesh:
     device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when distributed
 
     @property
+    def dp_mesh(self):
+        """The 1-D DeviceMesh of this rank's data-parallel group (DTensor placements live on it)."""
+        return self.device_mesh["dp"]
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -52,9 +57,10 @@ def check_supported(cfg: Config) -> None:
         if value > 1:
             raise ConfigError(f"{key}={value} is not implemented yet; this version trains with data parallelism "
                               f"(parallel.dp) only; `fivefold plan` already plans {key}")
-    if p.zero > 0 and p.dp > 1:
-        raise ConfigError(f"parallel.zero={p.zero} is not implemented yet; use parallel.zero=0 with "
-                          f"parallel.dp={p.dp} (`fivefold plan` already plans ZeRO)")
+    if p.zero == 3 and p.dp > 1 and cfg.train.compile:
+        raise ConfigError("train.compile=true with parallel.zero=3 is not supported: ZeRO-3 gathers and frees "
+                          "parameters in module hooks around every block; use train.compile=false or "
+                          "parallel.zero=2")
 
 
 def init_mesh(cfg: Config, device: torch.device) -> Mesh:

@@ -1,16 +1,20 @@
-"""Checkpoints: safetensors + JSON only (nothing is unpickled), written atomically.
+"""Checkpoints: safetensors + JSON only (nothing is unpickled), sharded, written atomically.
 
 Layout of one checkpoint directory:
     config.json            the full config tree
-    model.safetensors      fp32 weights (the master copies under bf16-mixed); tied weights stored once
-    optimizer.safetensors  optimizer state tensors, flattened to "<param name>/<state key>"
-    trainer_state.json     step, tokens seen, schedulers, data sampler position, metrics
+    state/*.safetensors    model weights ("model.<name>", fp32: the masters under bf16-mixed) and Adam
+                           moments ("optim.<name>.exp_avg", ".exp_avg_sq"), written by
+                           torch.distributed.checkpoint: each rank writes the rows it owns, with their
+                           offsets in the file header, so any layout (one process, dp=4 with ZeRO-3, ...)
+                           reads back exactly its own rows. Replicated tensors are written once.
+    trainer_state.json     step, tokens seen, schedulers, data sampler position
     tokenizer.json         the tokenizer the model was trained with (so generate needs nothing else)
-    rng.safetensors        torch CPU (and CUDA) RNG states
+    rng.safetensors        torch CPU (and CUDA) RNG states of rank 0
 
-A save writes everything into `<name>.tmp-<pid>` in the same directory, fsyncs it, then renames it
-into place and finally swaps the `latest` pointer with os.replace. A process killed at any moment
-leaves either the old or the new checkpoint complete, never a half-written one under a final name.
+A save writes everything into `<name>.tmp-<pid>` in the same directory (all ranks, on a shared file
+system when multi-node), fsyncs it, then rank 0 renames it into place and finally swaps the `latest`
+pointer with os.replace. A process killed at any moment leaves either the old or the new checkpoint
+complete, never a half-written one under a final name.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from fivefold.config import Config, config_from_dict
@@ -51,27 +57,45 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters by name, each shared (tied) tensor once, as fp32."""
-    return {name: p.detach().float() for name, p in model.named_parameters()}
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def write_checkpoint(root: str | Path, name: str, cfg: Config, weights: dict[str, torch.Tensor],
-                     optimizer: dict[str, torch.Tensor] | None = None, trainer_state: dict | None = None,
-                     rng: dict[str, torch.Tensor] | None = None, keep: int | None = None,
-                     extra_files: dict[str, bytes] | None = None) -> Path:
-    """Atomically write checkpoint `root/name`, point `root/latest` at it, keep the newest `keep`."""
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    return dcp, HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+
+def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str, torch.Tensor],
+                     trainer_state: dict | None = None, rng: dict[str, torch.Tensor] | None = None,
+                     keep: int | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Atomically write checkpoint `root/name`, point `root/latest` at it, keep the newest `keep`.
+
+    Under torch.distributed every rank calls this with its own `tensors` (DTensors for sharded rows,
+    plain tensors for replicated ones); the JSON, RNG and extra files come from rank 0."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    tmp = root / f"{name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    main = not _distributed() or dist.get_rank() == 0
+    tmp = [root / f"{name}.tmp-{os.getpid()}"]
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp[0].exists():
+            shutil.rmtree(tmp[0])
+        tmp[0].mkdir()
+    if _distributed():
+        dist.broadcast_object_list(tmp, src=0)  # every rank writes into rank 0's temporary directory
+    tmp = tmp[0]
+    dcp, _, Writer = _dcp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's notes on its own deprecated collectives, "single process"
+        dcp.save({k: v.detach() for k, v in tensors.items()},
+                 storage_writer=Writer(str(tmp / "state"), save_distributed=True))  # fsyncs each file
+    if not main:
+        dist.barrier()  # rank 0 publishes
+        return final
     _write_json(tmp / "config.json", cfg.to_dict())
-    _save_tensors(tmp / "model.safetensors", weights)
-    if optimizer is not None:
-        _save_tensors(tmp / "optimizer.safetensors", optimizer)
     if rng is not None:
         _save_tensors(tmp / "rng.safetensors", rng)
     if trainer_state is not None:
@@ -81,6 +105,7 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, weights: dict[str
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    _fsync_dir(tmp / "state")
     _fsync_dir(tmp)
     if final.exists():  # re-saving the same step: move the old one aside first, then drop it
         old = root / f"{name}.old-{os.getpid()}"
@@ -97,7 +122,21 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, weights: dict[str
         for stale in list_checkpoints(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
     _remove_abandoned(root)
+    if _distributed():
+        dist.barrier()
     return final
+
+
+def read_state(ckpt: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill `tensors` (name -> plain tensor, or DTensor for this rank's rows) in place from `ckpt`."""
+    dcp, Reader, _ = _dcp()
+    available = set(Reader(str(ckpt / "state")).read_metadata().state_dict_metadata)
+    missing = sorted(set(tensors) - available)
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process", etc.
+        dcp.load(tensors, storage_reader=Reader(str(ckpt / "state")))
 
 
 def _remove_abandoned(root: Path) -> None:
@@ -132,17 +171,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint dir, a checkpoints root (uses `latest`), or a run dir (uses checkpoints/latest)."""
     path = Path(path)
     for root in (path, path / "checkpoints"):
-        if (root / "model.safetensors").is_file() and (root / "config.json").is_file():
+        if (root / "state").is_dir() and (root / "config.json").is_file():
             return root
         pointer = root / "latest"
         if pointer.is_file():
             target = root / pointer.read_text().strip()
-            if (target / "model.safetensors").is_file():
+            if (target / "state").is_dir():
                 return target
         found = list_checkpoints(root)
         if found:
             return found[-1]
-    raise FileNotFoundError(f"no checkpoint found at {str(path)!r} (expected model.safetensors + config.json, "
+    raise FileNotFoundError(f"no checkpoint found at {str(path)!r} (expected state/ + config.json, "
                             f"a 'latest' pointer, or step_* directories)")
 
 
@@ -159,7 +198,7 @@ def read_json(path: Path) -> dict:
 
 
 def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """(config, model) from any checkpoint written by fivefold (training run, import-hf, ...)."""
+    """(config, model) from any checkpoint written by fivefold (training run under any layout, import-hf)."""
     from fivefold.model import Transformer, materialize
 
     ckpt = resolve_checkpoint(path)
@@ -167,7 +206,8 @@ def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float3
     with torch.device("meta"):
         model = Transformer(cfg.model)
     materialize(model, device, seed=0, dtype=torch.float32)
-    load_weights(model, read_tensors(ckpt / "model.safetensors"))
+    with torch.no_grad():
+        read_state(ckpt, {f"model.{n}": p for n, p in model.named_parameters()})
     model.to(dtype)
     model.reset_buffers()
     return cfg, model
@@ -189,4 +229,5 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
 
 def save_model(out_dir: str | Path, cfg: Config, model: torch.nn.Module) -> Path:
     """A weights-only checkpoint (used by import-hf): out_dir/step_00000000, with `latest`."""
-    return write_checkpoint(out_dir, "step_00000000", cfg, model_state(model))
+    weights = {f"model.{n}": p.detach().float() for n, p in model.named_parameters()}
+    return write_checkpoint(out_dir, "step_00000000", cfg, weights)

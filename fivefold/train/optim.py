@@ -24,26 +24,50 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 class MasterWeightAdamW:
-    def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None,
+                 gradients=None, sharding=None):
         """`masters`: the fp32 values of the (bf16) parameters, taken before they were rounded to bf16;
-        without them the masters start from the rounded values."""
+        without them the masters start from the rounded values. `gradients()`: the step's gradient of
+        every parameter, handed over (default: each .grad, or the fp32 accumulation buffer); a
+        data-parallel reducer supplies the reduced ones. `sharding`: a ZeRO engine
+        (fivefold.parallel.zero) that owns the masters of this rank's rows and publishes updates."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self.mixed = cfg.precision == "bf16-mixed"
-        if self.mixed:
+        self.sharding = sharding
+        if sharding is not None:
+            self.masters = list(sharding.masters)
+        elif self.mixed:
             self.masters = masters if masters is not None else [p.detach().float().clone() for p in self.params]
         else:
             self.masters = list(self.params)
         self.main_grads = None
-        if cfg.fp32_grad_accum:
-            self.main_grads = [torch.zeros_like(m) for m in self.masters]
+        if cfg.fp32_grad_accum and (sharding is None or not sharding.reduces_every_micro_batch):
+            # ZeRO-2/3 already accumulate every micro-batch's reduced gradients in fp32 shards.
+            self.main_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+            self._main_grad_of = dict(zip(self.params, self.main_grads))
             for p, buf in zip(self.params, self.main_grads):
                 p.register_post_accumulate_grad_hook(_accumulate_into(buf))
+        self.gradients = gradients or self._own_gradients
         decay = [m for n, p, m in zip(self.names, self.params, self.masters) if not no_decay(n, p)]
         rest = [m for n, p, m in zip(self.names, self.params, self.masters) if no_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         self.chunks = step_chunks(self.names)
         impl = {"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": True}
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """Where parameter p's gradient accumulates: its fp32 buffer, or its .grad."""
+        if self.main_grads is None:
+            return p.grad
+        return self._main_grad_of[p]
+
+    def _own_gradients(self) -> list[torch.Tensor | None]:
+        if self.main_grads is not None:
+            return list(self.main_grads)
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None  # from here on the step holds the only reference, released chunk by chunk
+        return grads
 
     @torch.no_grad()
     def step(self, lr: float, grad_clip: float) -> torch.Tensor:
@@ -52,32 +76,39 @@ class MasterWeightAdamW:
         Stepping one chunk at a time bounds the step's temporaries (the fp32 copy of bf16 gradients,
         foreach AdamW's sqrt(exp_avg_sq)) by the largest chunk instead of the whole model, and frees each
         chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm."""
-        if self.main_grads is not None:
-            grads = list(self.main_grads)
-        else:
-            grads = [p.grad for p in self.params]
-            for p in self.params:
-                p.grad = None  # from here on `grads` holds the only reference, released chunk by chunk
-        present = [g for g in grads if g is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32)))
+        grads = self.gradients()
+        norm = self._global_norm([g for g in grads if g is not None])
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
             group["lr"] = lr
         for chunk in self.chunks:
-            masters = [self.masters[i] for i in chunk if grads[i] is not None]
-            for i in chunk:
-                if grads[i] is not None:
-                    self.masters[i].grad = grads[i].float() if grads[i].dtype != torch.float32 else grads[i]
-                    grads[i] = None
+            stepped = [i for i in chunk if grads[i] is not None]
+            masters = [self.masters[i] for i in stepped]
+            for i in stepped:
+                self.masters[i].grad = grads[i].float() if grads[i].dtype != torch.float32 else grads[i]
+                grads[i] = None
             if coef is not None:
                 torch._foreach_mul_([m.grad for m in masters], coef)
             self.inner.step()  # AdamW skips parameters without a gradient: only this chunk moves
-            if self.mixed:
-                torch._foreach_copy_([self.params[i] for i in chunk if self.masters[i].grad is not None],
-                                     masters)
+            if self.sharding is not None:
+                self.sharding.publish(stepped)
+            elif self.mixed and stepped:
+                torch._foreach_copy_([self.params[i] for i in stepped], masters)
             for m in masters:
                 m.grad = None
+        if self.sharding is not None:
+            self.sharding.finish_publish()
         return norm
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        if self.sharding is None:
+            return torch.linalg.vector_norm(norms)
+        import torch.distributed as dist
+
+        squares = norms.square().sum()  # of this rank's rows; the ranks' rows partition every tensor
+        dist.all_reduce(squares, group=self.sharding.group)
+        return squares.sqrt()
 
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
@@ -87,30 +118,42 @@ class MasterWeightAdamW:
             for g in self.main_grads:
                 g.zero_()
 
-    # -- checkpointing: flat name -> tensor maps (safetensors-friendly, no pickle) -------------------
-    def master_state(self) -> dict[str, torch.Tensor]:
-        return {n: m.detach() for n, m in zip(self.names, self.masters)}
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    # -- checkpointing -----------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """fp32 masters as "model.<name>" and Adam moments as "optim.<name>.exp_avg(_sq)": the tensors
+        themselves (a load writes into them), as global DTensors when ZeRO shards them. Adam's step
+        count, equal for all, is the trainer's step."""
         out = {}
-        for name, m in zip(self.names, self.masters):
-            for key, value in self.inner.state.get(m, {}).items():
-                out[f"{name}/{key}"] = value.detach().reshape(-1) if value.ndim == 0 else value.detach()
+        for i, (name, m) in enumerate(zip(self.names, self.masters)):
+            for key, tensor in ((f"model.{name}", m), (f"optim.{name}.exp_avg", self.moment(m, "exp_avg")),
+                                (f"optim.{name}.exp_avg_sq", self.moment(m, "exp_avg_sq"))):
+                out[key] = tensor if self.sharding is None else self.sharding.as_global(i, tensor)
         return out
 
+    def moment(self, master: torch.Tensor, key: str) -> torch.Tensor:
+        """An Adam moment, created (zero, at step 0) before the first step so a checkpoint can load into it."""
+        state = self.inner.state[master]
+        if not state:
+            state.update(step=self._step_tensor(0, master), exp_avg=torch.zeros_like(master),
+                         exp_avg_sq=torch.zeros_like(master))
+        return state[key]
+
+    def _step_tensor(self, step: int, master: torch.Tensor) -> torch.Tensor:
+        # As torch.optim.AdamW keeps it: a float32 scalar, on the parameter's device when fused.
+        device = master.device if self.inner.defaults.get("fused") else "cpu"
+        return torch.tensor(float(step), dtype=torch.float32, device=device)
+
     @torch.no_grad()
-    def load(self, masters: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
-        for name, p, m in zip(self.names, self.params, self.masters):
-            m.copy_(masters[name])
-            if self.mixed:
-                p.copy_(m)
-            state = {}
-            for key in ("step", "exp_avg", "exp_avg_sq"):
-                value = states.get(f"{name}/{key}")
-                if value is not None:
-                    state[key] = value.reshape(()) if key == "step" else value.to(m.device).clone()
-            if state:
-                self.inner.state[m] = state
+    def loaded(self, step: int) -> None:
+        """Masters and moments were loaded in place: set Adam's step count, make the parameters follow."""
+        for m in self.masters:
+            self.moment(m, "exp_avg")
+            self.inner.state[m]["step"] = self._step_tensor(step, m)
+        if self.sharding is not None:
+            self.sharding.publish(list(range(len(self.masters))))
+            self.sharding.finish_publish()
+        elif self.mixed:
+            torch._foreach_copy_(list(self.params), self.masters)
 
 
 def step_chunks(names: list[str]) -> list[list[int]]:

@@ -79,15 +79,7 @@ class Trainer:
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()  # per block: one compiled graph reused by every layer of the same shape
-        self.optimizer = MasterWeightAdamW(self.model, cfg.train, masters)
-        self.reducer = None
-        if self.mesh.dp_size > 1:
-            from fivefold.parallel.data_parallel import BucketedAllReduce
-
-            main_grads = dict(zip(self.optimizer.params, self.optimizer.main_grads or []))
-            self.reducer = BucketedAllReduce(list(self.optimizer.params), self.mesh.dp_group,
-                                             lambda p: main_grads.get(p, p.grad),
-                                             bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+        self.optimizer, self.reducer = self._build_optimizer(masters)
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -99,6 +91,31 @@ class Trainer:
         if resume:
             self.load_latest()
 
+    def _build_optimizer(self, masters):
+        """The optimizer and, under data parallelism, the gradient reducer feeding it: bucketed
+        all-reduce (parallel.zero=0) or the ZeRO engine, which also owns the sharded masters."""
+        cfg, mesh = self.cfg, self.mesh
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
+        zero = None
+        if mesh.dp_size > 1 and cfg.parallel.zero > 0:
+            from fivefold.parallel.zero import ZeroDataParallel
+
+            zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.dp_mesh,
+                                    mesh.dp_size, mesh.dp_rank, bucket_bytes=bucket_bytes)
+        optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero)
+        reducer = zero
+        if zero is not None:
+            zero.grad_of = optimizer.grad_of
+            zero.register_hooks()  # after the optimizer's: fp32 accumulation folds each gradient first
+        elif mesh.dp_size > 1:
+            from fivefold.parallel.data_parallel import BucketedAllReduce
+
+            reducer = BucketedAllReduce(params, mesh.dp_group, optimizer.grad_of, bucket_bytes=bucket_bytes)
+        if reducer is not None:
+            optimizer.gradients = reducer.local_grads
+        return optimizer, reducer
+
     # ---------------------------------------------------------------------------------------------
     def global_batch(self, grad_accum: int) -> torch.Tensor:
         """The step's global batch, (micro_batch_size * grad_accum * dp, seq_len + 1) token ids: the same
@@ -107,9 +124,10 @@ class Trainer:
         return self.data.train.batch(self.sampler.take(n)).to(self.device)
 
     def local_rows(self, rows: int) -> slice:
-        """This data-parallel rank's contiguous share of a global batch of `rows` sequences."""
-        share = rows // self.mesh.dp_size
-        return slice(self.mesh.dp_rank * share, (self.mesh.dp_rank + 1) * share)
+        """This data-parallel rank's contiguous share of `rows` sequences (equal shares when dp divides
+        rows, as it does for training batches; a ragged evaluation tail may leave a rank none)."""
+        dp, rank = self.mesh.dp_size, self.mesh.dp_rank
+        return slice(rank * rows // dp, (rank + 1) * rows // dp)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor):
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
@@ -128,10 +146,12 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.reducer is not None:
-                self.reducer.sync = i == len(micro_batches) - 1  # communicate on the last micro-batch only
+                # Communicate on the last micro-batch only, except ZeRO-2/3, which keep gradient shards.
+                self.reducer.sync = i == len(micro_batches) - 1 or self.reducer.reduces_every_micro_batch
             loss += self.forward_backward(inputs[mb], labels[mb], num_tokens)
+            if self.reducer is not None and self.reducer.sync:
+                self.reducer.finish()
         if self.reducer is not None:
-            self.reducer.finish()
             dist.all_reduce(loss, group=self.mesh.dp_group)
         return loss
 
@@ -148,6 +168,8 @@ class Trainer:
         lr = lr_at(self.step, cfg, batch_tokens, self.base_batch_tokens)
         grad_norm = self.optimizer.step(lr, cfg.grad_clip).item()
         self.optimizer.zero_grad()
+        if self.reducer is not None:
+            self.reducer.zero_grad()
         if not math.isfinite(grad_norm):
             raise TrainingError(f"gradient norm is {grad_norm} at step {self.step + 1}; lower train.lr "
                                 f"or use train.precision=fp32")
@@ -164,15 +186,25 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean per-token loss on the first `eval_batches` micro-batches of the validation split."""
+        """Mean per-token loss on the first `eval_batches * micro_batch_size` validation sequences,
+        shared out across data-parallel ranks like a training batch."""
         cfg = self.cfg.train
         n = min(len(self.data.val), cfg.eval_batches * cfg.micro_batch_size)
-        total, count = 0.0, 0
-        for first in range(0, n, cfg.micro_batch_size):
-            batch = self.data.val.batch(list(range(first, min(n, first + cfg.micro_batch_size)))).to(self.device)
-            total += token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg).item()
-            count += batch[:, 1:].numel()
-        return total / count
+        per_step = cfg.micro_batch_size * self.mesh.dp_size
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
+        for first in range(0, n, per_step):
+            rows = list(range(first, min(n, first + per_step)))
+            mine = rows[self.local_rows(len(rows))]
+            # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
+            # parameters inside it, collectively), and counts nothing.
+            batch = self.data.val.batch(mine or rows[:1]).to(self.device)
+            loss = token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg)
+            if mine:
+                totals += torch.tensor([loss.item(), batch[:, 1:].numel()], dtype=torch.float64,
+                                       device=self.device)
+        if self.mesh.dp_size > 1:
+            dist.all_reduce(totals, group=self.mesh.dp_group)
+        return (totals[0] / totals[1]).item()
 
     def unigram_loss(self) -> float:
         """Validation loss of the best context-free predictor (train-split token frequencies, add-one
@@ -235,14 +267,7 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save(self) -> Path:
-        """Rank 0 writes (data-parallel states are replicated); every rank waits until it is complete."""
-        path = self.checkpoint_root / f"step_{self.step:08d}"
-        if self.mesh.is_main:
-            self._write_checkpoint()
-        self.mesh.barrier()
-        return path
-
-    def _write_checkpoint(self) -> Path:
+        """Every rank writes the rows it owns (replicated tensors once); rank 0 the rest."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
                  "base_batch_tokens": self.base_batch_tokens}
         rng = {"torch_cpu": torch.get_rng_state()}
@@ -253,7 +278,7 @@ class Trainer:
         if tokenizer_json is not None:
             extra["tokenizer.json"] = tokenizer_json.to_str().encode()
         return ckpt.write_checkpoint(self.checkpoint_root, f"step_{self.step:08d}", self.cfg,
-                                     self.optimizer.master_state(), self.optimizer.state_tensors(), state, rng,
+                                     self.optimizer.checkpoint_tensors(), state, rng,
                                      keep=self.cfg.train.keep_checkpoints, extra_files=extra)
 
     def load_latest(self) -> bool:
@@ -266,9 +291,9 @@ class Trainer:
         if saved.model != self.cfg.model:
             raise ConfigError(f"checkpoint {path} was trained with a different model config; use another "
                               f"train.out_dir or the same model.* settings")
-        self.optimizer.load(ckpt.read_tensors(path / "model.safetensors"),
-                            ckpt.read_tensors(path / "optimizer.safetensors"))
         state = ckpt.read_json(path / "trainer_state.json")
+        ckpt.read_state(path, self.optimizer.checkpoint_tensors())
+        self.optimizer.loaded(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.base_batch_tokens = state["base_batch_tokens"]
         self.sampler.load_state_dict(state["sampler"])

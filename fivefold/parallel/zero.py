@@ -1,0 +1,324 @@
+"""ZeRO stages 1, 2 and 3 over the data-parallel group (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models").
+
+Every parameter is split along dim 0 into dp chunks of ceil(rows / dp) rows, the last ones shorter or
+empty: torch.chunk's rule, which is also DTensor's Shard(0), so a rank's chunk is exactly its local
+tensor in a sharded checkpoint (fivefold.train.checkpoint). Each rank owns the fp32 master weights and
+Adam moments of its chunks only.
+
+    stage 1  gradients are reduce-scattered on the step's last micro-batch; each rank updates its chunks
+             and the new parameters are all-gathered.
+    stage 2  as 1, but every micro-batch's gradients are reduce-scattered as their bucket fills and
+             folded into an fp32 shard, so no rank holds a full set of gradients across micro-batches.
+    stage 3  as 2, and parameters live only as chunks: a block's are all-gathered just before its
+             forward and again before its backward (the next block's gather is prefetched), and freed
+             after use. Embeddings, final norm and head are gathered for the whole forward and backward
+             (they are used at both ends of the model, as FSDP does with its root).
+
+Collectives move groups of parameters at once. A group's buffer holds, in rank order, every rank's
+chunks of the group's parameters back to back, zero-padded to full chunks: the layout reduce-scatter
+consumes and all-gather produces. Gradients are reduced in fp32 whatever the compute dtype, and land in
+fp32 shards the optimizer reads directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.parallel.data_parallel import TimedWaits, size_buckets
+
+# torch 2.13 renamed the flat collectives; older versions only have the former names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def chunk_range(rows: int, dp: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of a dim-0 chunk: torch.chunk's split, the same as DTensor's Shard(0)."""
+    size = math.ceil(rows / dp)
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+class FlatGroup:
+    """Parameters communicated together, with their offsets in a rank's shard of the group."""
+
+    def __init__(self, params: list[nn.Parameter], dp: int, rank: int):
+        self.params, self.dp, self.rank = params, dp, rank
+        self.shapes = [p.shape for p in params]
+        self.row_numel = [math.prod(s[1:]) for s in self.shapes]
+        self.chunk_rows = [math.ceil(s[0] / dp) for s in self.shapes]
+        self.chunk_numel = [r * n for r, n in zip(self.chunk_rows, self.row_numel)]
+        self.offsets = [sum(self.chunk_numel[:i]) for i in range(len(params))]
+        self.shard_numel = sum(self.chunk_numel)
+        self.ranges = [chunk_range(s[0], dp, rank) for s in self.shapes]
+
+    def local(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's own rows, as a view of this rank's (shard_numel,) shard of the group."""
+        start, stop = self.ranges[i]
+        n = (stop - start) * self.row_numel[i]
+        return shard[self.offsets[i]:self.offsets[i] + n].view(stop - start, *self.shapes[i][1:])
+
+    def pack(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """Full tensors -> the (dp * shard_numel,) rank-ordered buffer; None and padding become zeros."""
+        buffer = torch.empty(self.dp, self.shard_numel, dtype=dtype, device=self.params[0].device)
+        for t, shape, off, rows, n in zip(tensors, self.shapes, self.offsets, self.chunk_rows, self.chunk_numel):
+            region = buffer[:, off:off + n]
+            if t is None:
+                region.zero_()
+                continue
+            flat = t.reshape(shape[0], -1)
+            padding = self.dp * rows - shape[0]
+            if padding:
+                flat = torch.cat([flat, flat.new_zeros(padding, flat.shape[1])])
+            region.copy_(flat.view(self.dp, n))
+        return buffer.view(-1)
+
+    def pack_local(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's chunks -> its (shard_numel,) shard, zero-padded."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=tensors[0].device)
+        for i, t in enumerate(tensors):
+            self.local(shard, i).copy_(t)
+        return shard
+
+    def full(self, gathered: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i, reassembled from an all-gathered (dp * shard_numel,) buffer."""
+        off, n, shape = self.offsets[i], self.chunk_numel[i], self.shapes[i]
+        rows = gathered.view(self.dp, self.shard_numel)[:, off:off + n].reshape(-1, *shape[1:])
+        return rows[:shape[0]]
+
+
+class _Bucket:
+    def __init__(self, group: FlatGroup, unit: int):
+        self.group, self.unit = group, unit
+        self.ready = 0
+        self.work = None
+        self.output: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None  # fp32 sum of the reduced micro-batches
+
+
+class ZeroDataParallel(TimedWaits):
+    """Sharded optimizer state (1), gradients (2) and parameters (3) for the optimizer's parameters.
+
+    `params`: the parameters in optimizer order; `fp32_values`: their fp32 values (the masters' initial
+    values; the parameters themselves under fp32). The trainer drives it with `sync` (reduce on this
+    micro-batch) and `finish()` after each reduced micro-batch; the optimizer reads `masters` and
+    `local_grads()` and calls `publish()` after updating masters."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], fp32_values: list[torch.Tensor],
+                 stage: int, device_mesh, dp: int, rank: int, grad_of=None, bucket_bytes: int = 25 * 2**20,
+                 first_bucket_bytes: int = 2**20):
+        super().__init__()
+        self.model, self.params, self.stage = model, list(params), stage
+        self.device_mesh, self.group = device_mesh, device_mesh.get_group()
+        self.dp, self.rank = dp, rank
+        self.grad_of = grad_of or (lambda p: p.grad)
+        self.reduces_every_micro_batch = stage >= 2
+        self.sync = True
+        index = {p: i for i, p in enumerate(self.params)}
+        if stage == 3:
+            self.units = _units(model, self.params)
+            groups = [FlatGroup(u, dp, rank) for u in self.units]
+        else:
+            groups = [FlatGroup(b, dp, rank) for b in size_buckets(self.params, bucket_bytes, first_bucket_bytes)]
+        self.buckets = [_Bucket(g, unit) for unit, g in enumerate(groups)]
+        self.slot = {}  # param -> (bucket, position in its group)
+        for b in self.buckets:
+            for j, p in enumerate(b.group.params):
+                self.slot[p] = (b, j)
+        # Masters: this rank's rows. Under fp32 stages 1-2 they are views of the parameters themselves.
+        mixed = any(v is not p for v, p in zip(fp32_values, self.params))
+        self.masters = []
+        for p, value in zip(self.params, fp32_values):
+            start, stop = chunk_range(p.shape[0], dp, rank)
+            rows = value.detach()[start:stop]
+            self.masters.append(rows.clone() if mixed or stage == 3 else rows)
+        self._index = index
+        self._gathers: dict[int, tuple] = {}
+        self._publishing: list = []
+        if stage == 3:
+            self._shard_parameters()
+
+    def register_hooks(self) -> None:
+        """Called once the optimizer exists: fp32 accumulation hooks, if any, must fold gradients first."""
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        if self.stage == 3:
+            self.model.register_forward_pre_hook(self._before_model_forward)
+            self.model.register_forward_hook(self._after_model_forward)
+            for unit, block in enumerate(self.model.layers, start=1):
+                block.register_forward_pre_hook(self._before_block(unit))
+                block.register_forward_hook(self._after_block(unit))
+
+    # -- gradients --------------------------------------------------------------------------------
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket, _ = self.slot[param]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.group.params):
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        grads = [self.grad_of(p) for p in bucket.group.params]
+        flat = bucket.group.pack(grads, torch.float32)
+        for p in bucket.group.params:
+            if p.grad is not None:
+                p.grad = None  # its reduced rows now live in `flat`: full gradients are not kept (2, 3)
+        bucket.output = torch.empty(bucket.group.shard_numel, dtype=torch.float32, device=flat.device)
+        bucket.work = _reduce_scatter(bucket.output, flat, group=self.group, async_op=True)
+        if self.stage == 3:
+            self._free(bucket.unit)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After a reduced micro-batch's backward: wait for its reduce-scatters, fold them into the fp32
+        gradient shards."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._reduce(bucket)  # parameters that got no gradient still take part, as zeros
+            self.wait(bucket.work)
+            if bucket.grad_shard is None:
+                bucket.grad_shard = bucket.output
+            else:
+                bucket.grad_shard += bucket.output
+            bucket.ready, bucket.work, bucket.output = 0, None, None
+
+    def local_grads(self) -> list[torch.Tensor | None]:
+        """fp32 gradients of this rank's rows, aligned with `masters`; one reference each: the optimizer
+        releases them as it goes."""
+        out = []
+        for p in self.params:
+            bucket, j = self.slot[p]
+            out.append(None if bucket.grad_shard is None else bucket.group.local(bucket.grad_shard, j))
+        return out
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad_shard = None
+
+    def as_global(self, i: int, local: torch.Tensor):
+        """This rank's rows of parameter i (or of a tensor shaped like its masters) as a DTensor sharded
+        along dim 0 over the dp mesh: what torch.distributed.checkpoint saves and reshards."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = self.params[i].shape
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+    # -- parameters after the optimizer step --------------------------------------------------------
+    @torch.no_grad()
+    def publish(self, indices: list[int]) -> None:
+        """The masters at `indices` were updated: make the parameters follow (stage 3: the local chunks;
+        stages 1-2: every rank's full parameters, by an all-gather that overlaps the next chunk's step)."""
+        if self.stage == 3:
+            for i in indices:
+                bucket, j = self.slot[self.params[i]]
+                local = bucket.group.local(bucket.shard, j)
+                if local.data_ptr() != self.masters[i].data_ptr():
+                    local.copy_(self.masters[i])
+            return
+        params = [self.params[i] for i in indices]
+        group = FlatGroup(params, self.dp, self.rank)
+        shard = group.pack_local([self.masters[i] for i in indices], params[0].dtype)
+        gathered = torch.empty(self.dp * group.shard_numel, dtype=shard.dtype, device=shard.device)
+        work = _all_gather(gathered, shard, group=self.group, async_op=True)
+        self._publishing.append((group, gathered, work))
+
+    @torch.no_grad()
+    def finish_publish(self) -> None:
+        for group, gathered, work in self._publishing:
+            self.wait(work)
+            for i, p in enumerate(group.params):
+                p.copy_(group.full(gathered, i))
+        self._publishing = []
+
+    # -- stage 3: parameters gathered around use --------------------------------------------------
+    @torch.no_grad()
+    def _shard_parameters(self) -> None:
+        """Keep this rank's chunks in one persistent shard per unit; release the full parameters'
+        storage (its size is restored, and refilled, at every gather)."""
+        for unit, bucket in enumerate(self.buckets):
+            params = bucket.group.params
+            bucket.shard = bucket.group.pack_local([p.detach()[slice(*r)] for p, r in
+                                                    zip(params, bucket.group.ranges)], params[0].dtype)
+            if params[0].dtype == torch.float32:  # fp32: the masters are the chunks themselves
+                for j, p in enumerate(params):
+                    self.masters[self._index[p]] = bucket.group.local(bucket.shard, j)
+            for p in params:
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            bucket.gathered = False
+            self._free(unit)
+
+    def _free(self, unit: int) -> None:
+        for p in self.buckets[unit].group.params:
+            p.untyped_storage().resize_(0)
+        self.buckets[unit].gathered = False
+
+    def _gather(self, unit: int, wait: bool) -> None:
+        """Start gathering `unit` unless it is gathered or on its way; with `wait`, complete it."""
+        if unit >= len(self.buckets) or unit < 0:
+            return
+        bucket = self.buckets[unit]
+        if not bucket.gathered and unit not in self._gathers:
+            gathered = torch.empty(self.dp * bucket.group.shard_numel, dtype=bucket.shard.dtype,
+                                   device=bucket.shard.device)
+            self._gathers[unit] = (gathered, _all_gather(gathered, bucket.shard, group=self.group, async_op=True))
+        if wait and unit in self._gathers:
+            gathered, work = self._gathers.pop(unit)
+            self.wait(work)
+            with torch.no_grad():
+                for j, p in enumerate(bucket.group.params):
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                    p.data.copy_(bucket.group.full(gathered, j))  # via .data: autograd's saved views stay valid
+            bucket.gathered = True
+
+    def _before_block(self, unit: int):
+        def hook(module, args):
+            self._gather(unit, wait=True)
+            if not _in_backward():
+                self._gather(unit + 1, wait=False)  # prefetch: the next block's gather overlaps this one
+        return hook
+
+    def _after_block(self, unit: int):
+        def hook(module, args, output):
+            if _in_backward():
+                return output
+            self._free(unit)
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(self._before_block_backward(unit))
+            return output
+        return hook
+
+    def _before_block_backward(self, unit: int):
+        def hook(grad):
+            self._gather(unit, wait=True)
+            if unit > 1:
+                self._gather(unit - 1, wait=False)
+        return hook
+
+    def _before_model_forward(self, module, args):
+        self._gather(0, wait=False)
+        self._gather(1, wait=False)
+        self._gather(0, wait=True)
+
+    def _after_model_forward(self, module, args, output):
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            self._free(0)  # evaluation: no backward will need the root
+        return output
+
+
+def _units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Stage 3's gather units: the root (everything outside the blocks), then each block in order."""
+    in_blocks = [list(block.parameters()) for block in model.layers]
+    owned = {p for block in in_blocks for p in block}
+    wanted = set(params)
+    return [[p for p in params if p not in owned]] + [[p for p in block if p in wanted] for block in in_blocks]
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs (e.g. a recomputed forward inside backward)."""
+    return torch._C._current_graph_task_id() != -1
