@@ -277,6 +277,7 @@ def breakdown(ours: OursTimedReducer, rounds: int) -> dict:
         out["finish"].append(slowest(sum(ours.finish_s), dist.ReduceOp.MIN))
         out["wait"].append(slowest(sum(ours.wait_s), dist.ReduceOp.MIN))
         tr.optimizer.zero_grad()
+        red.zero_grad()
 
         mine = tr.local_rows(len(inputs))
         num_tokens = (labels != -100).sum()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import sys
 
 from fivefold.cli import add_config_args, config_from_args
 
@@ -31,6 +33,9 @@ def register(sub) -> None:
     mem.add_argument("--json", action="store_true", help="print one JSON object (peaks, comparison, samples)")
     mem.add_argument("--synthetic", action="store_true",
                      help="random tokens instead of the configured dataset (memory does not depend on them)")
+    mem.add_argument("--nproc", type=int, default=0, metavar="N",
+                     help="measure under torchrun with N processes (e.g. parallel.dp=N with parallel.zero=3); "
+                          "rank 0 reports its own memory")
     mem.add_argument("--cuda-history", metavar="FILE",
                      help="on CUDA, also dump torch.cuda.memory's allocation history (pytorch.org/memory_viz)")
     mem.set_defaults(func=run_memory)
@@ -98,8 +103,14 @@ def run_memory(args) -> int:
     cfg = config_from_args(args)
     if args.steps < 1:
         raise SystemExit("fivefold memory: --steps must be at least 1")
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from fivefold.parallel.launch import launch_workers
+
+        return launch_workers(cfg, args.nproc, sys.argv[1:], "memory")
     datasets = random_datasets(cfg) if args.synthetic else None
     timeline = measure_memory(cfg, steps=args.steps, datasets=datasets, cuda_history=args.cuda_history)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     if args.png:
         from fivefold.memory.planner import model_name
         t = cfg.train
@@ -109,8 +120,9 @@ def run_memory(args) -> int:
     if args.json:
         print(timeline.dumps())
         return 0
-    print(f"measured {args.steps} steps on {timeline.device}: {len(timeline.samples)} ops; predicted = fivefold "
-          f"plan --device {timeline.device}")
+    rank = f" (rank 0 of {os.environ['WORLD_SIZE']})" if "WORLD_SIZE" in os.environ else ""
+    print(f"measured {args.steps} steps on {timeline.device}{rank}: {len(timeline.samples)} ops; predicted = "
+          f"fivefold plan --device {timeline.device}")
     print(timeline.table())
     if args.png:
         print(f"wrote {args.png}")

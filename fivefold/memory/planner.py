@@ -159,11 +159,8 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
 
-    memory = {"parameters": bpp.parameters * shard(n, 3)}
-    if accum32:  # fp32 buffers, plus the bf16 .grad the post-accumulate hook is folding in
-        memory["gradients"] = bpp.main_gradients * shard(n, 2) + bpp.gradients * largest
-    else:
-        memory["gradients"] = bpp.gradients * shard(n, 2)
+    memory = {"parameters": bpp.parameters * shard(n, 3),
+              "gradients": _gradients(cfg, shapes, bpp, largest)}
     memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
 
     d = activation_shapes(cfg, device)
@@ -219,6 +216,42 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), n, memory, in_flight, detail)
+
+
+def _gradients(cfg: Config, shapes: list[tuple[str, int]], bpp, largest: int) -> float:
+    """Peak gradient memory. One process: every .grad (or the fp32 accumulation buffers plus the one
+    bf16 .grad being folded in). Data parallel (fivefold.parallel): the reduction is in fp32 and its
+    result is what the optimizer reads, so ZeRO-0 ends backward with 4 bytes per parameter and ZeRO-1
+    with 4 per parameter of its shard, beside the full gradients held until the last micro-batch's
+    reduction. ZeRO-2/3 keep persistent fp32 gradient shards, plus the full gradients of the bucket
+    (ZeRO-2) or gather unit (ZeRO-3: a block, or the embeddings + head root) still being filled."""
+    t, par = cfg.train, cfg.parallel
+    n = sum(numel for _, numel in shapes)
+    full = bpp.gradients * n
+    if t.fp32_grad_accum:
+        full = bpp.main_gradients * n + bpp.gradients * largest
+    if par.dp == 1:
+        return full
+    shard = math.ceil(n / par.dp)
+    if par.zero <= 1:
+        reduced = 4 * (n if par.zero == 0 else shard)
+        # fp32 buffers stay beside the reduced gradients; the bf16 .grad being folded in is gone by then.
+        return bpp.main_gradients * n + reduced if t.fp32_grad_accum else max(full, reduced)
+    if par.zero == 2:
+        from fivefold.parallel.data_parallel import size_buckets
+
+        numels = [numel for _, numel in shapes]
+        filling = max(sum(numels[i] for i in b) for b in size_buckets(numels, int(par.bucket_mb * 2**20)))
+    else:
+        units: dict[str, int] = {}
+        for name, numel in shapes:
+            key = formulas.step_chunk_key(name)
+            units[key if key.startswith("layers.") else "root"] = units.get(key if key.startswith("layers.")
+                                                                            else "root", 0) + numel
+        head = sum(numel for name, numel in shapes if name.startswith("lm_head."))
+        blocks = [v for k, v in units.items() if k != "root"]
+        filling = max(units.get("root", 0), head + max(blocks, default=0))
+    return 4 * shard + bpp.gradients * filling
 
 
 def _block_backward(replay, d: Shapes, recompute: str, head_grad: float, mlp_grad: float,

@@ -42,9 +42,11 @@ CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "tem
 class MemoryTracker(TorchDispatchMode):
     """Live bytes per category after every op; `marks` label where forward/backward/step begin."""
 
-    def __init__(self, model: torch.nn.Module, optimizer=None):
+    def __init__(self, model: torch.nn.Module, optimizer=None, reducer=None):
+        """`reducer`: a data-parallel gradient reducer (fivefold.parallel), whose buffers hold the reduced
+        gradients and, under ZeRO-3, the parameter shards."""
         super().__init__()
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.reducer = model, optimizer, reducer
         self.live = WeakIdKeyDictionary()  # untyped storage -> (nbytes, tag, weakref with a free callback)
         self.by_tag = dict.fromkeys(CATEGORIES, 0)  # live bytes by allocation tag
         self._tensor_info: dict[int, tuple] = {}
@@ -91,7 +93,10 @@ class MemoryTracker(TorchDispatchMode):
         """Storages whose category is known by identity: parameters, fp32 masters and main gradients
         (fixed), Adam states (fixed once created), and each parameter's current .grad."""
         opt = self.optimizer
+        roles = self.reducer.memory_roles() if self.reducer is not None else {}
         if self._static is None:
+            # Under ZeRO-3 the parameters' own storages are empty here (they are filled only while gathered,
+            # counted by _gathered_bytes); the persistent shards come from the reducer's roles.
             self._static = self._moves(self.params, "parameters")
             if opt is not None:
                 self._static += self._moves(opt.masters if opt.mixed else (), "optimizer_states")
@@ -102,7 +107,16 @@ class MemoryTracker(TorchDispatchMode):
                 tensors = [v for st in opt.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
                 self._states = (count, self._moves(tensors, "optimizer_states"))
         grads = self._moves((p.grad for p in self.params if p.grad is not None), "gradients")
-        return self._static + self._states[1] + grads
+        dynamic = [move for role in ("parameters", "gradients") for move in self._moves(roles.get(role, ()), role)]
+        return self._static + self._states[1] + grads + dynamic
+
+    def _gathered_bytes(self) -> int:
+        """ZeRO-3's gathered parameters: storages resized outside any op, so not seen by the dispatch."""
+        if self.reducer is None:
+            return 0
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in self.reducer.memory_roles().get("gathered", ())}
+        return sum(storages.values())
 
     def _track(self, t: torch.Tensor, tag: str):
         if t.device.type == "meta":
@@ -134,6 +148,7 @@ class MemoryTracker(TorchDispatchMode):
         for tag, role, nbytes in self._role_moves():
             totals[tag] -= nbytes
             totals[role] += nbytes
+        totals["temporary"] += self._gathered_bytes()
         device = torch.cuda.memory_allocated() if self.cuda else 0
         self.samples.append(tuple(totals[c] for c in CATEGORIES) + (device,))
 
@@ -249,7 +264,7 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
         device = trainer.device.type
         if cuda_history and device == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        tracker = MemoryTracker(trainer.model, trainer.optimizer)
+        tracker = MemoryTracker(trainer.model, trainer.optimizer, trainer.reducer)
         optimizer = trainer.optimizer
         step, zero_grad = optimizer.step, optimizer.zero_grad
 

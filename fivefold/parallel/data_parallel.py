@@ -21,17 +21,19 @@ import torch.distributed as dist
 from torch import nn
 
 
-def size_buckets(params: list[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int) -> list[list]:
-    """Parameters in reverse registration order, cut into fp32 buckets. The first bucket (the last
-    layers' gradients, ready first) is small, as DDP's is, and none holds more than a quarter of all
-    gradients, so that communication starts early and overlaps backward even when the whole model would
-    fit one `bucket_bytes` bucket."""
-    total_bytes = 4 * sum(p.numel() for p in params)
+def size_buckets(numels: list[int], bucket_bytes: int, first_bucket_bytes: int = 2**20) -> list[list[int]]:
+    """Indices of parameters (given by element count, in registration order) cut into fp32 buckets, in
+    reverse order: roughly the order backward makes their gradients. The first bucket (the last layers'
+    gradients, ready first) is small, as DDP's is, and none holds more than a quarter of all gradients,
+    so that communication starts early and overlaps backward even when the whole model would fit one
+    `bucket_bytes` bucket. The memory planner sizes ZeRO-2's in-flight gradients with this too."""
+    total_bytes = 4 * sum(numels)
+    first_bucket_bytes = min(first_bucket_bytes, bucket_bytes)
     bucket_bytes = min(bucket_bytes, max(first_bucket_bytes, total_bytes // 4))
     buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        current.append(p)
-        size += p.numel() * 4
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        size += numels[i] * 4
         if size >= (first_bucket_bytes if not buckets else bucket_bytes):
             buckets.append(current)
             current, size = [], 0
@@ -71,7 +73,8 @@ class BucketedAllReduce(TimedWaits):
         self.params, self.group = list(params), group
         self.grad_of = grad_of or (lambda p: p.grad)
         self.sync = True
-        self.buckets = [_Bucket(b) for b in size_buckets(self.params, bucket_bytes, first_bucket_bytes)]
+        self.buckets = [_Bucket([self.params[i] for i in b])
+                        for b in size_buckets([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.reduced: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.params:
@@ -116,3 +119,8 @@ class BucketedAllReduce(TimedWaits):
 
     def zero_grad(self) -> None:
         self.reduced = {}
+
+    def memory_roles(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors the memory tracker should count by role: the fp32 reduced gradients."""
+        in_flight = [b.buffer for b in self.buckets if b.buffer is not None]
+        return {"gradients": in_flight + list(self.reduced.values())}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def without_option(argv: list[str], name: str) -> list[str]:
     """argv minus `name VALUE` / `name=VALUE`: what the workers must not see again (e.g. --nproc)."""
@@ -20,3 +22,24 @@ def torchrun_args(nproc: int, target: list[str]) -> list[str]:
     """Arguments for torch.distributed.run: one machine, a free rendezvous port, `target` per worker
     (e.g. ["-m", "fivefold", "train", ...] or [script.py, ...])."""
     return ["--standalone", f"--nproc-per-node={nproc}", *target]
+
+
+def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
+    """Re-run this same fivefold command in `nproc` workers under torchrun's elastic agent, which also
+    ends the whole job (non-zero exit, naming the failed rank) as soon as one worker dies. The config is
+    checked against the layout first, so a bad one fails here, before any worker starts."""
+    from torch.distributed.run import main as torchrun
+
+    from fivefold.config import validate
+    from fivefold.parallel.mesh import check_supported
+
+    if cfg.parallel.dp == 1 and cfg.parallel.world_size == 1:
+        cfg.parallel.dp = nproc
+    validate(cfg, world_size=nproc)
+    check_supported(cfg)
+    try:
+        torchrun(torchrun_args(nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))
+    except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
+        print(f"fivefold {command}: a worker failed: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -98,6 +98,8 @@ class _Bucket:
         self.work = None
         self.output: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None  # fp32 sum of the reduced micro-batches
+        self.shard: torch.Tensor | None = None  # stage 3: this rank's chunks of the parameters
+        self.gathered = False
 
 
 class ZeroDataParallel(TimedWaits):
@@ -123,8 +125,12 @@ class ZeroDataParallel(TimedWaits):
             self.units = _units(model, self.params)
             groups = [FlatGroup(u, dp, rank) for u in self.units]
         else:
-            groups = [FlatGroup(b, dp, rank) for b in size_buckets(self.params, bucket_bytes, first_bucket_bytes)]
+            buckets = size_buckets([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
+            groups = [FlatGroup([self.params[i] for i in b], dp, rank) for b in buckets]
         self.buckets = [_Bucket(g, unit) for unit, g in enumerate(groups)]
+        if self.reduces_every_micro_batch:  # persistent fp32 gradient shards, zeroed after each step
+            for b in self.buckets:
+                b.grad_shard = torch.zeros(b.group.shard_numel, dtype=torch.float32, device=self.params[0].device)
         self.slot = {}  # param -> (bucket, position in its group)
         for b in self.buckets:
             for j, p in enumerate(b.group.params):
@@ -198,7 +204,20 @@ class ZeroDataParallel(TimedWaits):
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
-            bucket.grad_shard = None
+            if self.reduces_every_micro_batch:
+                bucket.grad_shard.zero_()
+            else:
+                bucket.grad_shard = None  # stage 1: the next step's reduce-scatter output replaces it
+
+    def memory_roles(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors the memory tracker should count by role: the fp32 gradient shards (reduce-scatter
+        buffers in flight are temporaries); under stage 3 the persistent parameter shards, and the
+        parameters currently gathered in full (transient)."""
+        roles = {"gradients": [b.grad_shard for b in self.buckets if b.grad_shard is not None]}
+        if self.stage == 3:
+            roles["parameters"] = [b.shard for b in self.buckets]
+            roles["gathered"] = [p for b in self.buckets if b.gathered for p in b.group.params]
+        return roles
 
     def as_global(self, i: int, local: torch.Tensor):
         """This rank's rows of parameter i (or of a tensor shaped like its masters) as a DTensor sharded

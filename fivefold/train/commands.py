@@ -44,35 +44,15 @@ def register(sub) -> None:
     gen.set_defaults(func=run_generate)
 
 
-def launch(args, argv: list[str]) -> int:
-    """Re-run this same command in N worker processes under torchrun's elastic agent, which also ends the
-    whole job (non-zero exit, naming the failed rank) as soon as one worker dies."""
-    from torch.distributed.run import main as torchrun
-
-    from fivefold.config import validate
-    from fivefold.parallel.launch import torchrun_args, without_option
-    from fivefold.parallel.mesh import check_supported
-
-    cfg = config_from_args(args)  # fail on a bad config here, before any worker starts
-    if cfg.parallel.dp == 1 and cfg.parallel.world_size == 1:
-        cfg.parallel.dp = args.nproc
-    validate(cfg, world_size=args.nproc)
-    check_supported(cfg)
-    try:
-        torchrun(torchrun_args(args.nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))
-    except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
-        print(f"fivefold train: a worker failed: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def run_train(args) -> int:
     import os
 
     from fivefold.train.trainer import Trainer
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return launch(args, sys.argv[1:])
+        from fivefold.parallel.launch import launch_workers
+
+        return launch_workers(config_from_args(args), args.nproc, sys.argv[1:], "train")
     cfg = config_from_args(args)
     if args.out:
         cfg.train.out_dir = args.out

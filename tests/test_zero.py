@@ -1,0 +1,126 @@
+"""Data parallelism with ZeRO-0/1/2/3 under torchrun (gloo, tiny fp32 model): every step's loss equals
+the single process's with the same seed and global batch, the final weights match, sharded checkpoints
+resume under another layout, and the measured per-rank model-state memory is what `fivefold plan` says.
+
+All layouts of one world size train in turn inside a single torchrun launch (tests/run_layouts.py),
+so the matrix costs two launches."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.train.compare import compare_runs
+from fivefold.train.trainer import Trainer
+from parity import assert_weights_match, final_weights, launch_layouts
+
+STEPS, GLOBAL_SEQUENCES = 10, 8
+BASE = {"train.seq_len": 32, "train.steps": STEPS, "train.lr": 1e-2, "train.warmup_steps": 2,
+        "train.peak_flops": 1e11, "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
+        "train.log_every": 1, "train.save_every": 5, "train.keep_checkpoints": 3}
+LAYOUTS = [(dp, zero, accum) for dp in (2, 4) for zero in (0, 1, 2, 3) for accum in (1, 2)]
+
+
+def config(cache, out, **overrides) -> dict:
+    values = {**BASE, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
+
+
+def layout(dp, zero, accum) -> dict:
+    return {"parallel.dp": dp, "parallel.zero": zero, "train.grad_accum": accum,
+            "train.micro_batch_size": GLOBAL_SEQUENCES // (dp * accum)}
+
+
+def copy_checkpoint(src_run, dst_run, step: int) -> None:
+    name = f"step_{step:08d}"
+    (dst_run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src_run / "checkpoints" / name, dst_run / "checkpoints" / name)
+    (dst_run / "checkpoints" / "latest").write_text(name + "\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    from fivefold.config import config_from_dict
+
+    root = tmp_path_factory.mktemp("layouts")
+    Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
+            quiet=True).fit()
+    copy_checkpoint(root / "single", root / "single_to_dp2_zero2", 5)
+    for dp in (2, 4):
+        todo = [{"config": config(data_cache, root / f"dp{dp}_zero{z}_accum{a}", **layout(dp, z, a))}
+                for d, z, a in LAYOUTS if d == dp]
+        if dp == 2:  # a one-process checkpoint, resumed with sharded optimizer states and gradients
+            todo.append({"config": config(data_cache, root / "single_to_dp2_zero2", **layout(2, 2, 1)),
+                         "resume": True})
+        launch_layouts(dp, todo, root / f"dp{dp}.json")
+    return root
+
+
+@pytest.mark.parametrize("dp, zero, accum", LAYOUTS)
+def test_every_step_matches_one_process(runs, dp, zero, accum):
+    run = runs / f"dp{dp}_zero{zero}_accum{accum}"
+    result = compare_runs(run, runs / "single", rtol=1e-5)
+    assert result.ok and len(result.steps) == STEPS, result.summary()
+    assert_weights_match(final_weights(run), final_weights(runs / "single"))
+
+
+def test_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, data_cache):
+    """Written by dp=4 ZeRO-3 at step 5 (each rank its rows), resumed by one process: steps 6-10 match."""
+    from fivefold.config import config_from_dict
+
+    resumed = runs / "dp4_zero3_to_single"
+    copy_checkpoint(runs / "dp4_zero3_accum1", resumed, 5)
+    trainer = Trainer(config_from_dict(config(data_cache, resumed, **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
+                      resume=True, quiet=True)
+    assert trainer.step == 5
+    trainer.fit()
+    result = compare_runs(resumed, runs / "dp4_zero3_accum1", rtol=1e-5)
+    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+
+
+def test_one_process_checkpoint_resumes_under_zero2(runs):
+    result = compare_runs(runs / "single_to_dp2_zero2", runs / "single", rtol=1e-5)
+    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+
+
+def test_each_rank_writes_only_its_rows(runs):
+    """ZeRO-3 with 4 ranks: four shard files, together about one copy of the states, not four."""
+    state = runs / "dp4_zero3_accum1" / "checkpoints" / "step_00000010" / "state"
+    sharded = sorted(p.stat().st_size for p in state.iterdir())
+    single = sum(p.stat().st_size for p in (runs / "single" / "checkpoints" / "step_00000010" / "state").iterdir())
+    assert len(sharded) == 4 and sum(sharded) == pytest.approx(single, rel=0.02)
+    assert max(sharded) < 0.3 * single
+
+
+MODEL_STATES = ("parameters", "gradients", "optimizer_states")
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.zero=0", "train.precision=bf16-mixed"),
+    ("parallel.zero=1", "train.precision=bf16-mixed", "train.fp32_grad_accum=true", "train.grad_accum=2"),
+    ("parallel.zero=2", "train.grad_accum=2", "parallel.bucket_mb=0.05"),
+    ("parallel.zero=3", "train.precision=bf16-mixed"),
+])
+def test_measured_model_states_per_rank_match_the_plan(overrides):
+    """`fivefold memory --nproc 2`: rank 0's measured parameters, gradients and optimizer states within
+    1% of `fivefold plan` for the same layout; the ZeRO division shows in them."""
+    cmd = [sys.executable, "-m", "fivefold", "memory", "--preset", "tiny", "--synthetic", "--steps", "2", "--json",
+           "--nproc", "2", "--set", "train.seq_len=64", "--set", "train.micro_batch_size=2"]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1",
+                                                                                  **__import__("os").environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = {row["category"]: row for row in report["comparison"]}
+    for name in MODEL_STATES:
+        assert abs(rows[name]["error"]) <= 0.01, rows[name]
+    zero = int(overrides[0].split("=")[1])
+    params = 139_584  # the tiny preset
+    bytes_per = 2 if "train.precision=bf16-mixed" in overrides else 4
+    assert rows["parameters"]["measured"] == bytes_per * params // (2 if zero == 3 else 1)
+    if zero >= 1:
+        assert rows["optimizer_states"]["measured"] < (12 if bytes_per == 2 else 8) * params * 0.51
