@@ -313,10 +313,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={p.zero} is not valid; choose one of 0, 1, 2, 3")
     if p.tp > 1:
-        for key, n in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
+        # Whole heads per rank, and vocabulary / FFN rows split evenly.
+        sizes = (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                 ("model.vocab_size", m.vocab_size), ("model.ffn_hidden_size", m.ffn_hidden_size))
+        for key, n in sizes:
             if n % p.tp:
-                valid = [d for d in _divisors(m.num_heads) if m.num_kv_heads % d == 0]
+                valid = [d for d in _divisors(m.num_heads) if all(v % d == 0 for _, v in sizes)]
                 raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={n}; choose tp in {valid}")
+        if p.sequence_parallel and t.seq_len % p.tp:
+            raise ConfigError(f"parallel.sequence_parallel splits train.seq_len={t.seq_len} across tp={p.tp} "
+                              f"ranks; choose seq_len divisible by {p.tp}")
     if p.pp > m.num_layers:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
     if world_size is not None and world_size != p.world_size:

@@ -11,6 +11,20 @@ import torch
 from fivefold.train.checkpoint import load_model
 
 WORKER = Path(__file__).parent / "run_layouts.py"
+# Tiny fp32 runs of 10 steps, saving at step 5 (to resume under another layout) and at the end.
+BASE = {"train.seq_len": 32, "train.steps": 10, "train.lr": 1e-2, "train.warmup_steps": 2,
+        "train.peak_flops": 1e11, "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
+        "train.log_every": 1, "train.save_every": 5, "train.keep_checkpoints": 3}
+
+
+def copy_checkpoint(src_run: Path, dst_run: Path, step: int) -> None:
+    """dst_run starts from src_run's checkpoint at `step`, as if it had written it."""
+    import shutil
+
+    name = f"step_{step:08d}"
+    (dst_run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src_run / "checkpoints" / name, dst_run / "checkpoints" / name)
+    (dst_run / "checkpoints" / "latest").write_text(name + "\n")
 
 
 def launch_layouts(nproc: int, runs: list[dict], spec: Path, timeout: int = 900) -> None:

@@ -6,7 +6,6 @@ All layouts of one world size train in turn inside a single torchrun launch (tes
 so the matrix costs two launches."""
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -15,12 +14,9 @@ import pytest
 from fivefold.config import load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import assert_weights_match, final_weights, launch_layouts
+from parity import BASE, assert_weights_match, copy_checkpoint, final_weights, launch_layouts
 
-STEPS, GLOBAL_SEQUENCES = 10, 8
-BASE = {"train.seq_len": 32, "train.steps": STEPS, "train.lr": 1e-2, "train.warmup_steps": 2,
-        "train.peak_flops": 1e11, "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
-        "train.log_every": 1, "train.save_every": 5, "train.keep_checkpoints": 3}
+STEPS, GLOBAL_SEQUENCES = BASE["train.steps"], 8
 LAYOUTS = [(dp, zero, accum) for dp in (2, 4) for zero in (0, 1, 2, 3) for accum in (1, 2)]
 
 
@@ -32,13 +28,6 @@ def config(cache, out, **overrides) -> dict:
 def layout(dp, zero, accum) -> dict:
     return {"parallel.dp": dp, "parallel.zero": zero, "train.grad_accum": accum,
             "train.micro_batch_size": GLOBAL_SEQUENCES // (dp * accum)}
-
-
-def copy_checkpoint(src_run, dst_run, step: int) -> None:
-    name = f"step_{step:08d}"
-    (dst_run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src_run / "checkpoints" / name, dst_run / "checkpoints" / name)
-    (dst_run / "checkpoints" / "latest").write_text(name + "\n")
 
 
 @pytest.fixture(scope="module")

@@ -56,10 +56,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, d)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # Heads and length from the projections, not the config or x: a sharded projection may return
+        # fewer heads, or a longer (gathered) sequence.
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, d)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:

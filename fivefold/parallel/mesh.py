@@ -26,7 +26,10 @@ class Mesh:
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: dist.ProcessGroup | None = None
-    device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when distributed
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp") when distributed
 
     @property
     def dp_mesh(self):
@@ -53,10 +56,15 @@ def launched_world_size() -> int:
 def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
+    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
         if value > 1:
-            raise ConfigError(f"{key}={value} is not implemented yet; this version trains with data parallelism "
-                              f"(parallel.dp) only; `fivefold plan` already plans {key}")
+            raise ConfigError(f"{key}={value} is not implemented yet; this version trains with data (parallel.dp, "
+                              f"parallel.zero) and tensor parallelism (parallel.tp); `fivefold plan` already "
+                              f"plans {key}")
+    if p.tp > 1 and cfg.train.compile:
+        raise ConfigError("train.compile=true with parallel.tp>1 is not supported yet: the tensor-parallel "
+                          "collectives are autograd functions torch.compile would have to trace; use "
+                          "train.compile=false")
     if p.zero == 3 and p.dp > 1 and cfg.train.compile:
         raise ConfigError("train.compile=true with parallel.zero=3 is not supported: ZeRO-3 gathers and frees "
                           "parameters in module hooks around every block; use train.compile=false or "
@@ -77,9 +85,12 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
         dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh(device.type, (cfg.parallel.dp,), mesh_dim_names=("dp",))
+    # tp innermost: a tensor-parallel group is consecutive ranks, on one machine when it fits.
+    device_mesh = init_device_mesh(device.type, (cfg.parallel.dp, cfg.parallel.tp), mesh_dim_names=("dp", "tp"))
     return Mesh(rank=dist.get_rank(), world_size=world, dp_rank=device_mesh.get_local_rank("dp"),
-                dp_size=cfg.parallel.dp, dp_group=device_mesh.get_group("dp"), device_mesh=device_mesh)
+                dp_size=cfg.parallel.dp, dp_group=device_mesh.get_group("dp"),
+                tp_rank=device_mesh.get_local_rank("tp"), tp_size=cfg.parallel.tp,
+                tp_group=device_mesh.get_group("tp"), device_mesh=device_mesh)
 
 
 def local_device(device: torch.device) -> torch.device:

@@ -220,13 +220,13 @@ class ZeroDataParallel(TimedWaits):
         return roles
 
     def as_global(self, i: int, local: torch.Tensor):
-        """This rank's rows of parameter i (or of a tensor shaped like its masters) as a DTensor sharded
-        along dim 0 over the dp mesh: what torch.distributed.checkpoint saves and reshards."""
-        from torch.distributed.tensor import DTensor, Shard
+        """This rank's rows of parameter i (or of a tensor shaped like its masters), placed in the full
+        parameter: what torch.distributed.checkpoint saves and reshards."""
+        from fivefold.train.checkpoint import Piece
 
-        shape = self.params[i].shape
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+        shape, offsets = global_layout(self.params[i])
+        start, _ = chunk_range(self.params[i].shape[0], self.dp, self.rank)
+        return Piece(local, shape, (offsets[0] + start, *offsets[1:]))
 
     # -- parameters after the optimizer step --------------------------------------------------------
     @torch.no_grad()
@@ -328,6 +328,12 @@ class ZeroDataParallel(TimedWaits):
         if not (torch.is_grad_enabled() and output.requires_grad):
             self._free(0)  # evaluation: no backward will need the root
         return output
+
+
+def global_layout(param: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]]:
+    """(full shape, offsets of this tensor in it): set by tensor parallelism on its shards."""
+    layout = getattr(param, "tp_layout", None)
+    return (layout.global_shape, layout.offsets) if layout is not None else (param.shape, (0,) * param.ndim)
 
 
 def _units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

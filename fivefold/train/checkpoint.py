@@ -68,12 +68,51 @@ def _dcp():
     return dcp, HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 
+class Piece(torch.Tensor):
+    """A rank's rectangular piece of a larger tensor: a view of the local tensor that also knows the
+    global shape and where the piece sits in it. torch.distributed.checkpoint saves each piece under its
+    offsets and reads back, for any other layout's pieces, exactly the overlapping regions, through the
+    same three hooks DTensor implements. Pieces are what ZeRO rows of tensor-parallel shards are; an
+    arbitrary (shard dim, then rows) nesting that DTensor placements cannot express."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, global_shape, offsets):
+        # A wrapper (no storage of its own) whose size is the global one, as DCP's planners check.
+        piece = torch.Tensor._make_wrapper_subclass(cls, torch.Size(global_shape), dtype=local.dtype,
+                                                    device=local.device)
+        piece.global_shape, piece.offsets = torch.Size(global_shape), torch.Size(offsets)
+        piece.local = local.detach()
+        return piece
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"a checkpoint Piece only carries a shard for saving and loading, not for {func}")
+
+    def __create_write_items__(self, fqn: str, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape),
+                              properties=TensorProperties.create_from_tensor(self.local),
+                              size=self.global_shape))]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)]
+
+    def __get_tensor_shard__(self, index):
+        return self.local
+
+
 def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str, torch.Tensor],
                      trainer_state: dict | None = None, rng: dict[str, torch.Tensor] | None = None,
                      keep: int | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Atomically write checkpoint `root/name`, point `root/latest` at it, keep the newest `keep`.
 
-    Under torch.distributed every rank calls this with its own `tensors` (DTensors for sharded rows,
+    Under torch.distributed every rank calls this with its own `tensors` (Pieces for sharded ones,
     plain tensors for replicated ones); the JSON, RNG and extra files come from rank 0."""
     root = Path(root)
     final = root / name
@@ -90,7 +129,7 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str
     dcp, _, Writer = _dcp()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's notes on its own deprecated collectives, "single process"
-        dcp.save({k: v.detach() for k, v in tensors.items()},
+        dcp.save({k: v if isinstance(v, Piece) else v.detach() for k, v in tensors.items()},
                  storage_writer=Writer(str(tmp / "state"), save_distributed=True))  # fsyncs each file
     if not main:
         dist.barrier()  # rank 0 publishes
@@ -128,7 +167,7 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str
 
 
 def read_state(ckpt: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill `tensors` (name -> plain tensor, or DTensor for this rank's rows) in place from `ckpt`."""
+    """Fill `tensors` (name -> plain tensor, or a Piece of this rank's) in place from `ckpt`."""
     dcp, Reader, _ = _dcp()
     available = set(Reader(str(ckpt / "state")).read_metadata().state_dict_metadata)
     missing = sorted(set(tensors) - available)

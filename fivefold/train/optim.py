@@ -25,15 +25,16 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
 
 class MasterWeightAdamW:
     def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None,
-                 gradients=None, sharding=None):
+                 gradients=None, sharding=None, tp_group=None):
         """`masters`: the fp32 values of the (bf16) parameters, taken before they were rounded to bf16;
         without them the masters start from the rounded values. `gradients()`: the step's gradient of
         every parameter, handed over (default: each .grad, or the fp32 accumulation buffer); a
         data-parallel reducer supplies the reduced ones. `sharding`: a ZeRO engine
-        (fivefold.parallel.zero) that owns the masters of this rank's rows and publishes updates."""
+        (fivefold.parallel.zero) that owns the masters of this rank's rows and publishes updates.
+        `tp_group`: parameters marked as tensor-parallel shards count in the norm across that group."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self.mixed = cfg.precision == "bf16-mixed"
-        self.sharding = sharding
+        self.sharding, self.tp_group = sharding, tp_group
         if sharding is not None:
             self.masters = list(sharding.masters)
         elif self.mixed:
@@ -77,7 +78,7 @@ class MasterWeightAdamW:
         foreach AdamW's sqrt(exp_avg_sq)) by the largest chunk instead of the whole model, and frees each
         chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm."""
         grads = self.gradients()
-        norm = self._global_norm([g for g in grads if g is not None])
+        norm = self._global_norm(grads)
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
             group["lr"] = lr
@@ -100,15 +101,24 @@ class MasterWeightAdamW:
             self.sharding.finish_publish()
         return norm
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
-        if self.sharding is None:
+    def _global_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32))
+        if self.sharding is None and self.tp_group is None:
             return torch.linalg.vector_norm(norms)
         import torch.distributed as dist
 
-        squares = norms.square().sum()  # of this rank's rows; the ranks' rows partition every tensor
-        dist.all_reduce(squares, group=self.sharding.group)
-        return squares.sqrt()
+        # Squares summed separately for tensor-parallel shards (each rank holds a different part) and
+        # whole tensors (every tp rank holds the same); ZeRO rows partition both across dp.
+        sharded = torch.tensor([getattr(self.params[i], "tp_layout", None) is not None for i in present],
+                               device=norms.device)
+        squares = norms.square()
+        parts = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
+        if self.sharding is not None:
+            dist.all_reduce(parts, group=self.sharding.group)
+        if self.tp_group is not None:
+            dist.all_reduce(parts[:1], group=self.tp_group)
+        return parts.sum().sqrt()
 
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
@@ -127,8 +137,20 @@ class MasterWeightAdamW:
         for i, (name, m) in enumerate(zip(self.names, self.masters)):
             for key, tensor in ((f"model.{name}", m), (f"optim.{name}.exp_avg", self.moment(m, "exp_avg")),
                                 (f"optim.{name}.exp_avg_sq", self.moment(m, "exp_avg_sq"))):
-                out[key] = tensor if self.sharding is None else self.sharding.as_global(i, tensor)
+                out[key] = self._placed(i, tensor)
         return out
+
+    def _placed(self, i: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter i's full tensor, with where it sits (ZeRO rows and/or a
+        tensor-parallel shard), or the tensor itself when every rank holds all of it."""
+        if self.sharding is not None:
+            return self.sharding.as_global(i, tensor)
+        layout = getattr(self.params[i], "tp_layout", None)
+        if layout is None:
+            return tensor
+        from fivefold.train.checkpoint import Piece
+
+        return Piece(tensor, layout.global_shape, layout.offsets)
 
     def moment(self, master: torch.Tensor, key: str) -> torch.Tensor:
         """An Adam moment, created (zero, at step 0) before the first step so a checkpoint can load into it."""

@@ -43,10 +43,16 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 
 
 
-def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32."""
+def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config, tp_group=None) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32. Under
+    tensor parallelism (`tp_group`) the logits are this rank's vocabulary shard and stay sharded."""
     doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id) if cfg.model.document_mask else None
-    logits = model(inputs, doc_ids=doc_ids)  # (B, S, V)
+    logits = model(inputs, doc_ids=doc_ids)  # (B, S, V), or (B, S, V / tp)
+    if tp_group is not None:
+        from fivefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), model.vocab_start, tp_group,
+                                            IGNORE_INDEX).sum()
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
@@ -70,6 +76,12 @@ class Trainer:
         if datasets is None and self.mesh.is_main:
             self.mesh.barrier()
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed, dtype=torch.float32)
+        self.tp_group = None
+        if self.mesh.tp_size > 1:
+            from fivefold.parallel.tensor_parallel import apply_tensor_parallel
+
+            self.tp_group = self.mesh.tp_group
+            apply_tensor_parallel(self.model, self.tp_group, cfg.parallel.sequence_parallel)
         masters = None
         if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
             masters = [p.detach().clone() for p in self.model.parameters()]
@@ -103,7 +115,7 @@ class Trainer:
 
             zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.dp_mesh,
                                     mesh.dp_size, mesh.dp_rank, bucket_bytes=bucket_bytes)
-        optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero)
+        optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero, tp_group=self.tp_group)
         reducer = zero
         if zero is not None:
             zero.grad_of = optimizer.grad_of
@@ -132,7 +144,7 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor):
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
         gradients yields the gradient of the global mean."""
-        loss = token_loss_sum(self.model, inputs, labels, self.cfg) / num_tokens
+        loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group) / num_tokens
         loss.backward()
         return loss.detach()
 
@@ -198,7 +210,7 @@ class Trainer:
             # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
             # parameters inside it, collectively), and counts nothing.
             batch = self.data.val.batch(mine or rows[:1]).to(self.device)
-            loss = token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg)
+            loss = token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg, self.tp_group)
             if mine:
                 totals += torch.tensor([loss.item(), batch[:, 1:].numel()], dtype=torch.float64,
                                        device=self.device)

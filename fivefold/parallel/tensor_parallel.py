@@ -1,0 +1,290 @@
+"""Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM") with sequence parallelism (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models"), applied from outside the model by
+swapping its nn.Linear / nn.Embedding modules for sharded ones.
+
+    attention   q, k, v column-parallel (whole heads per rank: tp divides num_heads and num_kv_heads),
+                o row-parallel
+    MLP         gate, up column-parallel, down row-parallel
+    embedding   vocabulary-parallel (rows); LM head column-parallel over the vocabulary, its logits stay
+                sharded into a vocabulary-parallel cross-entropy that never gathers them
+
+Without sequence parallelism, a column-parallel linear's input enters through `copy_to_tp` (forward
+identity, backward all-reduce: Megatron's f) and a row-parallel linear's partial outputs leave through
+`reduce_from_tp` (forward all-reduce, backward identity: g). With it, the norms and residual stream are
+split along the sequence: column-parallel inputs are all-gathered along the sequence (backward
+reduce-scatter) and row-parallel outputs reduce-scattered (backward all-gather), which moves the same
+bytes as the all-reduce and divides the norm/residual activations by tp. Every communication is one
+autograd.Function below, forward and backward side by side.
+
+Parameters that stay whole on every rank (norm gains, row-parallel biases, learned positions) see only
+their rank's part of the sequence under SP, so their gradients are summed over the tp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.parallel.zero import _all_gather, _reduce_scatter
+
+
+# -- communication, each with its backward ------------------------------------------------------------
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce of the input gradient backward (each rank used the input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce of partial sums forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, s, ...) per rank -> (B, tp * s, ...), ranks in order along the sequence."""
+    tp = dist.get_world_size(group)
+    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather(out, x.contiguous(), group=group)  # rank-major along dim 0, as the collective requires
+    return out.view(tp, *x.shape).movedim(0, 1).flatten(1, 2)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, S, ...) partial sums on every rank -> this rank's (B, S / tp, ...) of the sum."""
+    tp = dist.get_world_size(group)
+    b, s = x.shape[:2]
+    chunks = x.reshape(b, tp, s // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # rank-major
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter(out, chunks.flatten(0, 1), group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """SP into a column-parallel linear: all-gather along the sequence; backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """SP out of a row-parallel linear: reduce-scatter along the sequence; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Into the SP region from a replicated tensor: keep this rank's part; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(tp, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+# -- sharded layers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Where a parameter shard sits in the full parameter (`tp_layout` attribute on the Parameter)."""
+    global_shape: torch.Size
+    offsets: tuple[int, ...]
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
+    size = full.shape[dim] // tp
+    param = nn.Parameter(full.detach().narrow(dim, rank * size, size).clone())
+    offsets = [0] * full.ndim
+    offsets[dim] = rank * size
+    param.tp_layout = TPLayout(full.shape, tuple(offsets))
+    return param
+
+
+def _whole(full: torch.Tensor, in_sequence_region: bool = True) -> nn.Parameter:
+    """A parameter every rank holds whole. Inside the sequence-parallel region (norms, row-parallel
+    biases) each rank's gradient covers only its part of the sequence under SP."""
+    param = nn.Parameter(full.detach())
+    param.tp_partial_grad = in_sequence_region
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows (and b) split across ranks: each rank makes its slice of y."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+        super().__init__()
+        rank, tp = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard(linear.weight, 0, rank, tp)
+        self.bias = _shard(linear.bias, 0, rank, tp) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _GatherSequence.apply(x, self.group) if self.sequence_parallel else _CopyToTP.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split: each rank's partial product is summed across ranks
+    (all-reduce, or reduce-scatter along the sequence under SP); b is whole, added after the sum."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+        super().__init__()
+        rank, tp = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard(linear.weight, 1, rank, tp)
+        self.bias = _whole(linear.bias) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = _ReduceScatterSequence.apply(y, self.group) if self.sequence_parallel else _ReduceFromTP.apply(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary: a rank looks up the tokens in its range, zeros elsewhere,
+    and the all-reduce assembles every token's vector."""
+
+    def __init__(self, embedding: nn.Embedding, group):
+        super().__init__()
+        rank, tp = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.weight = _shard(embedding.weight, 0, rank, tp)
+        self.start = rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return _ReduceFromTP.apply(x.masked_fill(outside[..., None], 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocabulary-sharded logits (N, V / tp): the max, the softmax
+    denominator and the target's logit are each one all-reduce of N numbers; the logits are never
+    gathered. Backward: softmax minus one-hot, on the local shard."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, start, ignore_index, group):
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least, as F.cross_entropy
+        max_logit = logits.max(dim=-1).values
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - max_logit[:, None]
+        local = labels - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        rows = torch.arange(len(labels), device=logits.device)
+        target = torch.where(mine, shifted[rows, local.clamp(0, logits.shape[-1] - 1)], 0.0)
+        exp = shifted.exp()
+        denominator = exp.sum(dim=-1)
+        both = torch.stack([target, denominator])
+        dist.all_reduce(both, group=group)
+        target, denominator = both
+        keep = labels != ignore_index
+        loss = torch.where(keep, denominator.log() - target, 0.0)
+        exp /= denominator[:, None]  # softmax, in place: saved for backward
+        ctx.save_for_backward(exp, local, mine & keep, keep)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, hit, keep = ctx.saved_tensors
+        rows = torch.arange(len(local), device=softmax.device)
+        grad_logits = softmax
+        grad_logits[rows[hit], local[hit]] -= 1.0
+        grad_logits *= (grad * keep)[:, None]
+        return grad_logits, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, start: int, group,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token losses (0 where labels == ignore_index) of (N, V / tp) logits whose first column is
+    vocabulary id `start`."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, start, ignore_index, group)
+
+
+# -- applying it to a model -----------------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
+    """Swap the model's linears and embedding for their sharded versions, in place. Parameters keep
+    their names (checkpoints and the name-seeded init are unchanged); each shard is a slice of the
+    full initial tensor, so every layout starts from the single-process weights."""
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, sequence_parallel))
+        attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel)
+        for name in ("gate_proj", "up_proj"):
+            if hasattr(mlp, name):
+                setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, sequence_parallel))
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, group)
+    head = ColumnParallelLinear(model.lm_head, group, sequence_parallel)
+    if tied:
+        head.weight = model.embed_tokens.weight
+    model.lm_head = head
+    model.vocab_start = model.embed_tokens.start
+    for module in [*(m for block in model.layers for m in (block.attn_norm, block.mlp_norm)), model.norm]:
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, _whole(p))
+    if sequence_parallel:
+        # The residual stream enters the SP region at the first block and leaves it at the LM head's
+        # all-gather; replicated parameters inside it sum their gradients over the tp group.
+        model.layers[0].register_forward_pre_hook(
+            lambda module, args: (_SplitSequence.apply(args[0], group), *args[1:]))
+        for p in model.parameters():
+            if getattr(p, "tp_partial_grad", False):
+                p.register_hook(_all_reduce_hook(group))
+
+
+def _all_reduce_hook(group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+    return hook
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    return getattr(param, "tp_layout", None) is not None

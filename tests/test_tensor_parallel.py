@@ -1,0 +1,90 @@
+"""Tensor parallelism with and without sequence parallelism, under torchrun (gloo).
+
+Layers: each sharded layer, the vocabulary-parallel cross-entropy and whole models (Llama-style with
+GQA, GPT-2 style) against their unsharded selves in float64, outputs and gradients within 1e-10
+(tests/tp_layers_worker.py). Training: tp 2 and 4, with and without SP, alone and with dp=2 (and
+ZeRO): every step's loss equals the single process's over 10 steps (fp32, rtol 1e-5), and a
+tensor-parallel checkpoint resumes in one process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.train.compare import compare_runs
+from fivefold.train.trainer import Trainer
+from parity import BASE, copy_checkpoint, launch_layouts
+
+HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}  # whole heads for tp up to 4, still GQA
+GLOBAL_SEQUENCES = 8
+
+
+def config(cache, out, **overrides) -> dict:
+    values = {**BASE, **HEADS, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
+
+
+def layout(tp, sp, dp=1, zero=0) -> dict:
+    return {"parallel.tp": tp, "parallel.sequence_parallel": sp, "parallel.dp": dp, "parallel.zero": zero,
+            "train.micro_batch_size": GLOBAL_SEQUENCES // dp}
+
+
+LAUNCHES = {
+    2: [(2, False), (2, True)],
+    4: [(4, False), (4, True), (2, False, 2), (2, True, 2), (2, True, 2, 3)],
+    8: [(4, True, 2), (4, False, 2, 1)],
+}
+
+
+def name(tp, sp, dp=1, zero=0) -> str:
+    return f"tp{tp}_sp{int(sp)}_dp{dp}_zero{zero}"
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_layers_and_models_match_unsharded_in_float64(nproc):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(Path(__file__).parent / "tp_layers_worker.py"), "tiny", "tiny-gpt2"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "all tensor-parallel checks passed" in proc.stdout, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("tp")
+    Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
+            quiet=True).fit()
+    for nproc, layouts in LAUNCHES.items():
+        launch_layouts(nproc, [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts],
+                       root / f"tp_{nproc}.json")
+    return root
+
+
+@pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
+def test_every_step_matches_one_process(runs, lay):
+    result = compare_runs(runs / name(*lay), runs / "single", rtol=1e-5)
+    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+
+
+def test_tensor_parallel_checkpoint_resumes_in_one_process(runs, data_cache):
+    """Written by tp=2 with SP at step 5 (each rank its shards), resumed by one process: steps 6-10 match."""
+    resumed = runs / "tp2_to_single"
+    copy_checkpoint(runs / name(2, True), resumed, 5)
+    trainer = Trainer(config_from_dict(config(data_cache, resumed, **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
+                      resume=True, quiet=True)
+    trainer.fit()
+    result = compare_runs(resumed, runs / name(2, True), rtol=1e-5)
+    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.tp": 3}, "parallel.tp=3 does not divide model.num_heads=8; choose tp in [1, 2, 4]"),
+    ({"parallel.tp": 8}, "parallel.tp=8 does not divide model.num_kv_heads=4; choose tp in [1, 2, 4]"),
+    ({"parallel.tp": 2, "parallel.sequence_parallel": True, "train.seq_len": 33},
+     "splits train.seq_len=33 across tp=2"),
+])
+def test_invalid_tensor_parallel_layouts_are_rejected(tiny_config, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tiny_config(**HEADS, **overrides)
