@@ -32,7 +32,10 @@ def check_linears(group, rank, tp, sp):
         ref = nn.Linear(full_in if kind == "column" else hidden, out if kind == "column" else full_in,
                         bias=True, dtype=torch.float64)
         x = torch.randn(2, 4 * tp, ref.in_features, dtype=torch.float64)
-        layer = (tpl.ColumnParallelLinear if kind == "column" else tpl.RowParallelLinear)(ref, group, sp)
+        if kind == "column":
+            layer = tpl.ColumnParallelLinear(ref, group, "gather" if sp else "copy")
+        else:
+            layer = tpl.RowParallelLinear(ref, group, sp)
         if kind == "row":  # its input is the column-parallel output: this rank's feature slice
             mine = x.chunk(tp, dim=-1)[rank]
         else:

@@ -47,7 +47,7 @@ class MemoryTracker(TorchDispatchMode):
         gradients and, under ZeRO-3, the parameter shards."""
         super().__init__()
         self.model, self.optimizer, self.reducer = model, optimizer, reducer
-        self.live = WeakIdKeyDictionary()  # untyped storage -> (nbytes, tag, weakref with a free callback)
+        self.live = WeakIdKeyDictionary()  # untyped storage -> [nbytes, tag, weakref with a free callback]
         self.by_tag = dict.fromkeys(CATEGORIES, 0)  # live bytes by allocation tag
         self._tensor_info: dict[int, tuple] = {}
         self._static, self._states = None, (0, [])
@@ -63,6 +63,11 @@ class MemoryTracker(TorchDispatchMode):
         self._hook = self.model.register_forward_pre_hook(self._on_forward)
         for b in self.model.buffers():
             self._track(b, "temporary")
+        if "parameters" in self._roles():
+            # ZeRO-3: the reducer's shards are the parameters; the model's own parameter storages are
+            # empty except while gathered, which is transient.
+            for p in self.params:
+                self._track(p, "temporary")
         self.sample()  # registers parameters, masters, main gradients and any optimizer state
         return super().__enter__()
 
@@ -93,11 +98,9 @@ class MemoryTracker(TorchDispatchMode):
         """Storages whose category is known by identity: parameters, fp32 masters and main gradients
         (fixed), Adam states (fixed once created), and each parameter's current .grad."""
         opt = self.optimizer
-        roles = self.reducer.memory_roles() if self.reducer is not None else {}
+        roles = self._roles()
         if self._static is None:
-            # Under ZeRO-3 the parameters' own storages are empty here (they are filled only while gathered,
-            # counted by _gathered_bytes); the persistent shards come from the reducer's roles.
-            self._static = self._moves(self.params, "parameters")
+            self._static = self._moves(self.params, "parameters") if "parameters" not in roles else []
             if opt is not None:
                 self._static += self._moves(opt.masters if opt.mixed else (), "optimizer_states")
                 self._static += self._moves(opt.main_grads or (), "gradients")
@@ -110,13 +113,8 @@ class MemoryTracker(TorchDispatchMode):
         dynamic = [move for role in ("parameters", "gradients") for move in self._moves(roles.get(role, ()), role)]
         return self._static + self._states[1] + grads + dynamic
 
-    def _gathered_bytes(self) -> int:
-        """ZeRO-3's gathered parameters: storages resized outside any op, so not seen by the dispatch."""
-        if self.reducer is None:
-            return 0
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                    for p in self.reducer.memory_roles().get("gathered", ())}
-        return sum(storages.values())
+    def _roles(self) -> dict:
+        return self.reducer.memory_roles() if self.reducer is not None else {}
 
     def _track(self, t: torch.Tensor, tag: str):
         if t.device.type == "meta":
@@ -124,13 +122,23 @@ class MemoryTracker(TorchDispatchMode):
         st = t.untyped_storage()
         info = self.live.get(st)
         if info is None:  # a new storage: count it under its tag until the weakref says it is freed
-            nbytes = st.nbytes()
-            self.by_tag[tag] += nbytes
-            info = self.live[st] = (nbytes, tag, weakref.ref(st, partial(self._freed, nbytes, tag)))
+            info = [st.nbytes(), tag, None]
+            info[2] = weakref.ref(st, partial(self._freed, info))
+            self.by_tag[tag] += info[0]
+            self.live[st] = info
         return info
 
-    def _freed(self, nbytes: int, tag: str, ref) -> None:
-        self.by_tag[tag] -= nbytes
+    def _freed(self, info: list, ref) -> None:
+        self.by_tag[info[1]] -= info[0]
+
+    def _resync(self) -> None:
+        """Storages resized in place (ZeRO-3 parameters, SP's re-gathered inputs are released and
+        refilled with untyped_storage().resize_, which no op dispatch shows): count their size now."""
+        for st, info in self.live.items():
+            nbytes = st.nbytes()
+            if nbytes != info[0]:
+                self.by_tag[info[1]] += nbytes - info[0]
+                info[0] = nbytes
 
     def _info(self, t: torch.Tensor):
         """_track(t), memoised per tensor object (validated by a weak reference, so nothing is kept alive)."""
@@ -144,11 +152,11 @@ class MemoryTracker(TorchDispatchMode):
     def sample(self) -> None:
         """Append one row: bytes per category now. Running totals by allocation tag, corrected for
         the few storages whose role (parameter, gradient, optimizer state) is known by identity."""
+        self._resync()
         totals = dict(self.by_tag)
         for tag, role, nbytes in self._role_moves():
             totals[tag] -= nbytes
             totals[role] += nbytes
-        totals["temporary"] += self._gathered_bytes()
         device = torch.cuda.memory_allocated() if self.cuda else 0
         self.samples.append(tuple(totals[c] for c in CATEGORIES) + (device,))
 

@@ -150,17 +150,24 @@ def _whole(full: torch.Tensor, in_sequence_region: bool = True) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows (and b) split across ranks: each rank makes its slice of y."""
+    """y = x W^T + b with W's output rows (and b) split across ranks: each rank makes its slice of y.
 
-    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+    `input`: how x arrives. "copy": whole on every rank (f: backward all-reduce); "gather": split along
+    the sequence (SP: all-gathered here, backward reduce-scatter); "gathered": already all-gathered by
+    the enclosing module (SequenceGatheredInput), so nothing to do here."""
+
+    def __init__(self, linear: nn.Linear, group, input: str = "copy"):
         super().__init__()
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.input = group, input
         self.weight = _shard(linear.weight, 0, rank, tp)
         self.bias = _shard(linear.bias, 0, rank, tp) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _GatherSequence.apply(x, self.group) if self.sequence_parallel else _CopyToTP.apply(x, self.group)
+        if self.input == "copy":
+            x = _CopyToTP.apply(x, self.group)
+        elif self.input == "gather":
+            x = _GatherSequence.apply(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -209,12 +216,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least, as F.cross_entropy
         max_logit = logits.max(dim=-1).values
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - max_logit[:, None]
         local = labels - start
         mine = (local >= 0) & (local < logits.shape[-1])
         rows = torch.arange(len(labels), device=logits.device)
-        target = torch.where(mine, shifted[rows, local.clamp(0, logits.shape[-1] - 1)], 0.0)
-        exp = shifted.exp()
+        target = torch.where(mine, logits[rows, local.clamp(0, logits.shape[-1] - 1)] - max_logit, 0.0)
+        exp = (logits - max_logit[:, None]).exp_()  # one (N, V / tp) buffer: becomes the saved softmax
         denominator = exp.sum(dim=-1)
         both = torch.stack([target, denominator])
         dist.all_reduce(both, group=group)
@@ -245,22 +251,62 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, sta
 # -- applying it to a model -----------------------------------------------------------------------------
 
 
+class SequenceGatheredInput:
+    """Under SP, the input of an attention, MLP or LM head is all-gathered along the sequence once, at
+    the module's entrance, for all its column-parallel linears. Those linears save the gathered tensor
+    for their weight gradients; its storage is released after the module's forward and gathered again
+    just before the module's backward, so between the two only this rank's sequence shard is kept
+    (Korthikanti et al. 2022, section 4.2.2: one extra all-gather in backward for 1/tp of the memory)."""
+
+    def __init__(self, module: nn.Module, group):
+        self.group = group
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._leave)
+        self._pending = None
+
+    def _enter(self, module, args):
+        x_local = args[0]
+        x_full = _GatherSequence.apply(x_local, self.group)
+        from fivefold.parallel.zero import _in_backward
+
+        # Inside backward (a recomputed forward) the gathered input is used at once: nothing to release.
+        keep = torch.is_grad_enabled() and x_full.requires_grad and not _in_backward()
+        self._pending = (x_local.detach(), x_full) if keep else None
+        return (x_full, *args[1:])
+
+    def _leave(self, module, args, output):
+        if self._pending is None:
+            return output
+        x_local, x_full = self._pending
+        self._pending = None
+        x_full.untyped_storage().resize_(0)
+        group = self.group
+
+        def regather(grad):
+            x_full.untyped_storage().resize_(x_full.numel() * x_full.element_size())
+            with torch.no_grad():
+                x_full.data.copy_(_gather_seq(x_local, group))  # via .data: autograd's saved reference stays valid
+        output.register_hook(regather)
+        return output
+
+
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
     """Swap the model's linears and embedding for their sharded versions, in place. Parameters keep
     their names (checkpoints and the name-seeded init are unchanged); each shard is a slice of the
     full initial tensor, so every layout starts from the single-process weights."""
+    column_input = "gathered" if sequence_parallel else "copy"
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, sequence_parallel))
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, column_input))
         attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel)
         for name in ("gate_proj", "up_proj"):
             if hasattr(mlp, name):
-                setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, sequence_parallel))
+                setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, column_input))
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel)
     tied = model.lm_head.weight is model.embed_tokens.weight
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, group)
-    head = ColumnParallelLinear(model.lm_head, group, sequence_parallel)
+    head = ColumnParallelLinear(model.lm_head, group, column_input)
     if tied:
         head.weight = model.embed_tokens.weight
     model.lm_head = head
@@ -273,6 +319,8 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
         # all-gather; replicated parameters inside it sum their gradients over the tp group.
         model.layers[0].register_forward_pre_hook(
             lambda module, args: (_SplitSequence.apply(args[0], group), *args[1:]))
+        for module in [*(m for block in model.layers for m in (block.attn, block.mlp)), model.lm_head]:
+            SequenceGatheredInput(module, group)
         for p in model.parameters():
             if getattr(p, "tp_partial_grad", False):
                 p.register_hook(_all_reduce_hook(group))

@@ -211,12 +211,11 @@ class ZeroDataParallel(TimedWaits):
 
     def memory_roles(self) -> dict[str, list[torch.Tensor]]:
         """Tensors the memory tracker should count by role: the fp32 gradient shards (reduce-scatter
-        buffers in flight are temporaries); under stage 3 the persistent parameter shards, and the
-        parameters currently gathered in full (transient)."""
+        buffers in flight are temporaries) and, under stage 3, the persistent parameter shards (the
+        parameters gathered in full around a block's use are temporaries)."""
         roles = {"gradients": [b.grad_shard for b in self.buckets if b.grad_shard is not None]}
         if self.stage == 3:
             roles["parameters"] = [b.shard for b in self.buckets]
-            roles["gathered"] = [p for b in self.buckets if b.gathered for p in b.group.params]
         return roles
 
     def as_global(self, i: int, local: torch.Tensor):
