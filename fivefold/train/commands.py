@@ -75,7 +75,8 @@ def run_train(args) -> int:
     say = print if trainer.mesh.is_main else (lambda *a, **k: None)
     say(f"model: {trainer.num_params:,} parameters | global batch {cfg.global_batch_tokens:,} tokens "
           f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x dp {cfg.parallel.dp} x {cfg.train.seq_len}) | "
-          f"{cfg.train.precision} | recompute={cfg.train.recompute} | zero={cfg.parallel.zero} | "
+          f"{cfg.train.precision} | recompute={cfg.train.recompute} | zero={cfg.parallel.zero} | tp={cfg.parallel.tp}"
+          f"{'+sp' if cfg.parallel.sequence_parallel else ''} | "
           f"device {trainer.device} | "
           f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s")
     if trainer.step >= cfg.train.steps:
