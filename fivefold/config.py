@@ -120,6 +120,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: Literal["afab", "1f1b", "interleaved", "zero-bubble"] = "1f1b"
     pp_virtual_stages: int = 1
+    pp_layers: str = ""  # layers per (virtual) stage, e.g. "3,5"; empty = balanced
     bucket_mb: float = 25.0  # data parallel: gradient all-reduce bucket size (MiB of fp32)
 
     @property
@@ -323,8 +324,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if p.sequence_parallel and t.seq_len % p.tp:
             raise ConfigError(f"parallel.sequence_parallel splits train.seq_len={t.seq_len} across tp={p.tp} "
                               f"ranks; choose seq_len divisible by {p.tp}")
-    if p.pp > m.num_layers:
-        raise ConfigError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
+    if p.pp * p.pp_virtual_stages > m.num_layers:
+        raise ConfigError(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} stages exceed "
+                          f"model.num_layers={m.num_layers}; each stage needs a layer")
+    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule=interleaved")
+    if p.pp > 1 and p.pp_schedule == "interleaved":
+        accums = [t.grad_accum] + [a for _, a in parse_batch_schedule(t.batch_schedule)]
+        if any(a % p.pp for a in accums):
+            raise ConfigError(f"the interleaved schedule runs micro-batches in groups of pp={p.pp}: make "
+                              f"train.grad_accum (and every batch_schedule value) a multiple of {p.pp}")
+    if p.pp_layers:
+        try:
+            counts = [int(c) for c in p.pp_layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must be comma-separated layer counts") from None
+        stages = p.pp * p.pp_virtual_stages
+        if len(counts) != stages or sum(counts) != m.num_layers or min(counts) < 1:
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must give {stages} stages of >= 1 layer "
+                              f"summing to model.num_layers={m.num_layers}")
     if world_size is not None and world_size != p.world_size:
         raise ConfigError(
             f"world size {world_size} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size}; "

@@ -62,21 +62,37 @@ class Transformer(nn.Module):
         positions (B, S): absolute positions (default 0..S-1, offset by the cache length when decoding).
         doc_ids (B, S): document index of each token; when given, tokens attend only within their document.
         """
-        b, s = input_ids.shape
         past = kv_cache.length if kv_cache is not None else 0
-        if positions is None:
-            positions = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
-        x = self.embed_tokens(input_ids)  # (B, S, h)
-        rope = None
-        if self.cfg.position == "learned":
-            x = x + self.embed_positions(positions)
-        else:
-            rope = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
-        mask = attention_mask(s, past, doc_ids, input_ids.device)
+        positions = self.positions(input_ids, positions, past)
+        x = self.embed(input_ids, positions)
+        rope, mask = self.context(input_ids, positions, doc_ids, x.dtype, past)
         for layer in self.layers:
             x = layer(x, rope, mask, kv_cache)
         if kv_cache is not None:
-            kv_cache.advance(s)
+            kv_cache.advance(input_ids.shape[1])
+        return self.head(x)
+
+    # The pieces of forward, so that a pipeline stage can run only its own (fivefold.parallel.pipeline).
+    @staticmethod
+    def positions(input_ids: torch.Tensor, positions: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:
+        b, s = input_ids.shape
+        if positions is None:
+            positions = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
+        return positions
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (B, S, h)
+        if self.cfg.position == "learned":
+            x = x + self.embed_positions(positions)
+        return x
+
+    def context(self, input_ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None,
+                dtype: torch.dtype, past: int = 0):
+        """What every block needs besides its input: RoPE's (cos, sin) in `dtype` and the attention mask."""
+        rope = rope_cos_sin(self.rope_inv_freq, positions, dtype) if self.cfg.position == "rope" else None
+        return rope, attention_mask(input_ids.shape[1], past, doc_ids, input_ids.device)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))
 
 

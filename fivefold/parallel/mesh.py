@@ -29,6 +29,9 @@ class Mesh:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: dist.ProcessGroup | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: dist.ProcessGroup | None = None
     device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp") when distributed
 
     @property
@@ -56,11 +59,17 @@ def launched_world_size() -> int:
 def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
-    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
+    for key, value in (("parallel.cp", p.cp), ("parallel.ep", p.ep)):
         if value > 1:
             raise ConfigError(f"{key}={value} is not implemented yet; this version trains with data (parallel.dp, "
-                              f"parallel.zero) and tensor parallelism (parallel.tp); `fivefold plan` already "
-                              f"plans {key}")
+                              f"parallel.zero), tensor (parallel.tp) and pipeline parallelism (parallel.pp); "
+                              f"`fivefold plan` already plans {key}")
+    if p.pp > 1 and p.zero >= 2 and p.dp > 1:
+        raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp} is not supported: a pipeline runs each "
+                          f"micro-batch's backward at a different time on each stage; use parallel.zero=1 "
+                          f"(optimizer states sharded) or 0")
+    if p.pp > 1 and cfg.train.compile:
+        raise ConfigError("train.compile=true with parallel.pp>1 is not supported yet; use train.compile=false")
     if p.tp > 1 and cfg.train.compile:
         raise ConfigError("train.compile=true with parallel.tp>1 is not supported yet: the tensor-parallel "
                           "collectives are autograd functions torch.compile would have to trace; use "
@@ -85,12 +94,14 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
         dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
 
-    # tp innermost: a tensor-parallel group is consecutive ranks, on one machine when it fits.
-    device_mesh = init_device_mesh(device.type, (cfg.parallel.dp, cfg.parallel.tp), mesh_dim_names=("dp", "tp"))
+    # tp innermost (a tensor-parallel group is consecutive ranks, on one machine when it fits), pp outermost.
+    p = cfg.parallel
+    device_mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
     return Mesh(rank=dist.get_rank(), world_size=world, dp_rank=device_mesh.get_local_rank("dp"),
-                dp_size=cfg.parallel.dp, dp_group=device_mesh.get_group("dp"),
-                tp_rank=device_mesh.get_local_rank("tp"), tp_size=cfg.parallel.tp,
-                tp_group=device_mesh.get_group("tp"), device_mesh=device_mesh)
+                dp_size=p.dp, dp_group=device_mesh.get_group("dp"),
+                tp_rank=device_mesh.get_local_rank("tp"), tp_size=p.tp, tp_group=device_mesh.get_group("tp"),
+                pp_rank=device_mesh.get_local_rank("pp"), pp_size=p.pp, pp_group=device_mesh.get_group("pp"),
+                device_mesh=device_mesh)
 
 
 def local_device(device: torch.device) -> torch.device:

@@ -25,16 +25,19 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
 
 class MasterWeightAdamW:
     def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None,
-                 gradients=None, sharding=None, tp_group=None):
+                 gradients=None, sharding=None, tp_group=None, pp_group=None):
         """`masters`: the fp32 values of the (bf16) parameters, taken before they were rounded to bf16;
         without them the masters start from the rounded values. `gradients()`: the step's gradient of
         every parameter, handed over (default: each .grad, or the fp32 accumulation buffer); a
         data-parallel reducer supplies the reduced ones. `sharding`: a ZeRO engine
         (fivefold.parallel.zero) that owns the masters of this rank's rows and publishes updates.
-        `tp_group`: parameters marked as tensor-parallel shards count in the norm across that group."""
+        `tp_group`: parameters marked as tensor-parallel shards count in the norm across that group;
+        `pp_group`: each pipeline stage holds different parameters, all of which count."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self.mixed = cfg.precision == "bf16-mixed"
-        self.sharding, self.tp_group = sharding, tp_group
+        self.sharding, self.tp_group, self.pp_group = sharding, tp_group, pp_group
+        self.syncs: list[tuple[int, object]] = []  # (parameter index, group summing its gradient)
+        self.uncounted: set[int] = set()  # copies of a parameter counted elsewhere in the norm
         if sharding is not None:
             self.masters = list(sharding.masters)
         elif self.mixed:
@@ -78,6 +81,11 @@ class MasterWeightAdamW:
         foreach AdamW's sqrt(exp_avg_sq)) by the largest chunk instead of the whole model, and frees each
         chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm."""
         grads = self.gradients()
+        for i, group in self.syncs:
+            if grads[i] is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(grads[i], group=group)
         norm = self._global_norm(grads)
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
@@ -102,9 +110,9 @@ class MasterWeightAdamW:
         return norm
 
     def _global_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        present = [i for i, g in enumerate(grads) if g is not None]
+        present = [i for i, g in enumerate(grads) if g is not None and i not in self.uncounted]
         norms = torch.stack(torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32))
-        if self.sharding is None and self.tp_group is None:
+        if self.sharding is None and self.tp_group is None and self.pp_group is None:
             return torch.linalg.vector_norm(norms)
         import torch.distributed as dist
 
@@ -116,9 +124,19 @@ class MasterWeightAdamW:
         parts = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
         if self.sharding is not None:
             dist.all_reduce(parts, group=self.sharding.group)
+        if self.pp_group is not None:
+            dist.all_reduce(parts, group=self.pp_group)
         if self.tp_group is not None:
             dist.all_reduce(parts[:1], group=self.tp_group)
         return parts.sum().sqrt()
+
+    def sync_gradient(self, param: torch.Tensor, group, counted: bool) -> None:
+        """Sum `param`'s gradient over `group` before each step (copies of one tied parameter on several
+        ranks); `counted`: whether this copy counts in the gradient norm (exactly one should)."""
+        i = next(k for k, p in enumerate(self.params) if p is param)
+        self.syncs.append((i, group))
+        if not counted:
+            self.uncounted.add(i)
 
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):

@@ -47,7 +47,11 @@ def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Confi
     """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32. Under
     tensor parallelism (`tp_group`) the logits are this rank's vocabulary shard and stay sharded."""
     doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id) if cfg.model.document_mask else None
-    logits = model(inputs, doc_ids=doc_ids)  # (B, S, V), or (B, S, V / tp)
+    return logits_loss_sum(model, model(inputs, doc_ids=doc_ids), labels, tp_group)
+
+
+def logits_loss_sum(model, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Summed cross-entropy of (B, S, V) logits, or of this rank's (B, S, V / tp) vocabulary shard."""
     if tp_group is not None:
         from fivefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -82,6 +86,11 @@ class Trainer:
 
             self.tp_group = self.mesh.tp_group
             apply_tensor_parallel(self.model, self.tp_group, cfg.parallel.sequence_parallel)
+        self.pipeline = None
+        if self.mesh.pp_size > 1:  # keeps only this rank's stages
+            from fivefold.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.model, cfg, self.mesh, compute_dtype(cfg), lambda: self.reducer)
         masters = None
         if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
             masters = [p.detach().clone() for p in self.model.parameters()]
@@ -115,7 +124,15 @@ class Trainer:
 
             zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.dp_mesh,
                                     mesh.dp_size, mesh.dp_rank, bucket_bytes=bucket_bytes)
-        optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero, tp_group=self.tp_group)
+        optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero, tp_group=self.tp_group,
+                                      pp_group=self.mesh.pp_group if self.pipeline else None)
+        if self.pipeline is not None and cfg.model.tie_embeddings:
+            from fivefold.parallel.pipeline import tied_group
+
+            group = tied_group(mesh, cfg.parallel.pp)  # every rank takes part in creating the groups
+            tied = self.pipeline.tied_parameter()
+            if tied is not None:  # the first and last stages' copies of the matrix take the summed gradient
+                optimizer.sync_gradient(tied, group, counted=self.pipeline.first)
         reducer = zero
         if zero is not None:
             zero.grad_of = optimizer.grad_of
@@ -148,12 +165,23 @@ class Trainer:
         loss.backward()
         return loss.detach()
 
+    def _loss_of_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return logits_loss_sum(self.model, logits, labels, self.tp_group)
+
     def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward over a global batch (N, S) in micro-batches; returns the global mean loss
         over the labels that are not IGNORE_INDEX (padding)."""
         num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
         mine = self.local_rows(len(inputs))
         inputs, labels = inputs[mine], labels[mine]
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
+            if self.reducer is not None:
+                self.reducer.finish()
+            dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
+            if self.reducer is not None:
+                dist.all_reduce(loss, group=self.mesh.dp_group)
+            return loss
         micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
@@ -210,7 +238,11 @@ class Trainer:
             # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
             # parameters inside it, collectively), and counts nothing.
             batch = self.data.val.batch(mine or rows[:1]).to(self.device)
-            loss = token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg, self.tp_group)
+            if self.pipeline is not None:
+                loss = self.pipeline.forward_only(batch[:, :-1], batch[:, 1:], self._loss_of_logits)
+                dist.all_reduce(loss, group=self.mesh.pp_group)
+            else:
+                loss = token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg, self.tp_group)
             if mine:
                 totals += torch.tensor([loss.item(), batch[:, 1:].numel()], dtype=torch.float64,
                                        device=self.device)

@@ -1,0 +1,266 @@
+"""Pipeline parallelism: the model's blocks partitioned into stages, micro-batches streamed through them
+by an explicit per-rank action list (fivefold.parallel.pipeline_schedules).
+
+The pipeline's micro-batches are the step's gradient-accumulation micro-batches, so the global batch and
+the loss convention are unchanged. Stage `chunk * pp + rank` holds a contiguous range of blocks; the first
+also the embeddings, the last the final norm, the LM head and the loss. With tied embeddings the last
+stage keeps its own copy of the shared matrix (still named embed_tokens.weight), and the two copies'
+gradients are summed before every optimizer step, so they stay equal.
+
+Activations and their gradients move by point-to-point isend/irecv, batched per action with
+dist.batch_isend_irecv: the receive an action needs, together with the sends the previous action made.
+Sends never block, and every schedule is a valid dependency order, so no rank can wait on a rank that
+waits on it. Zero-bubble's W passes come from linears whose weight gradient is deferred: backward (B)
+stashes (input, output gradient) and W computes the weight gradient from them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.parallel.pipeline_schedules import build_schedule, stage_of
+
+
+def partition(num_layers: int, stages: int, override: str = "") -> list[range]:
+    """Layers of each (virtual) stage: `override` "3,5" gives them explicitly; otherwise balanced, the
+    first stages taking one more when the count does not divide (the last stage also runs the head)."""
+    if override:
+        counts = [int(c) for c in override.split(",")]
+    else:
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (i < extra) for i in range(stages)]
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [range(start, start + n) for start, n in zip(starts, counts)]
+
+
+class _DeferredWeightLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward returns the input and bias gradients only, and leaves the weight
+    gradient for a later W pass (zero-bubble)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stash):
+        ctx.save_for_backward(x, weight)
+        ctx.stash, ctx.has_bias = stash, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.stash.defer(weight, x, grad)
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad @ weight, None, grad_bias, None
+
+
+class WeightGradStash:
+    """Deferred weight-gradient work, by (micro-batch, chunk)."""
+
+    def __init__(self):
+        self.key = None
+        self.work: dict[tuple[int, int], list] = {}
+
+    def defer(self, weight, x, grad) -> None:
+        self.work.setdefault(self.key, []).append((weight, x, grad))
+
+    def run(self, key) -> None:
+        for weight, x, grad in self.work.pop(key, []):
+            grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
+            # Through autograd, so that accumulation into .grad and its hooks (data parallel) happen as usual.
+            torch.autograd.backward([weight], [grad_weight])
+
+
+class _DeferredLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, stash: WeightGradStash):
+        super().__init__()
+        self.weight, self.bias, self.stash = linear.weight, linear.bias, stash
+
+    def forward(self, x):
+        return _DeferredWeightLinear.apply(x, self.weight, self.bias, self.stash)
+
+
+class Pipeline:
+    """This rank's stages of `model` (pruned in place) and the executor of its action list."""
+
+    def __init__(self, model: nn.Module, cfg, mesh, dtype: torch.dtype, reducer_of=lambda: None):
+        par = cfg.parallel
+        self.model, self.cfg, self.dtype, self.reducer_of = model, cfg, dtype, reducer_of
+        self.pp, self.rank, self.v = par.pp, mesh.pp_rank, par.pp_virtual_stages
+        self.group, self.ranks = mesh.pp_group, dist.get_process_group_ranks(mesh.pp_group)
+        self.num_stages = self.pp * self.v
+        ranges = partition(cfg.model.num_layers, self.num_stages, par.pp_layers)
+        self.chunks = [ranges[stage_of(self.rank, c, self.pp)] for c in range(self.v)]
+        self.first = self.rank == 0  # holds stage 0 (chunk 0)
+        self.last = self.rank == self.pp - 1  # holds the last stage (chunk v-1)
+        self.tied = cfg.model.tie_embeddings
+        self._prune()
+        self.stash = WeightGradStash()
+        if par.pp_schedule == "zero-bubble":
+            for i in self._own_layers():
+                for module in list(model.layers[i].modules()):
+                    for name, child in list(module.named_children()):
+                        if type(child) is nn.Linear:
+                            setattr(module, name, _DeferredLinear(child, self.stash))
+        self._schedules: dict[int, list] = {}
+
+    def _own_layers(self) -> list[int]:
+        return [i for chunk in self.chunks for i in chunk]
+
+    def _prune(self) -> None:
+        """Drop what other stages hold (their memory is freed; parameter names stay global)."""
+        model, own = self.model, set(self._own_layers())
+        for i in range(len(model.layers)):
+            if i not in own:
+                model.layers[i] = nn.Identity()
+        if not self.first:
+            if not (self.last and self.tied):  # the last stage's copy of a tied matrix keeps its name
+                model.embed_tokens = None
+            if hasattr(model, "embed_positions"):
+                model.embed_positions = None
+        if not self.last:
+            model.norm, model.lm_head = None, None
+        elif self.tied and not self.first:
+            # Untie from the first stage's copy: a parameter of this stage, named embed_tokens.weight.
+            model.lm_head.weight = model.embed_tokens.weight
+
+    def tied_parameter(self) -> nn.Parameter | None:
+        """The shared embedding/head matrix when this rank holds one of its two copies."""
+        if self.tied and self.pp > 1 and (self.first or self.last):
+            return self.model.embed_tokens.weight
+        return None
+
+    # -- one training step ---------------------------------------------------------------------------
+    def schedule(self, m: int) -> list:
+        if m not in self._schedules:
+            self._schedules[m] = build_schedule(self.cfg.parallel.pp_schedule, self.pp, m, self.v)[self.rank]
+        return self._schedules[m]
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor, loss_fn):
+        """Forward and backward of every micro-batch of (N, S) inputs; returns this rank's summed loss
+        (non-zero on the last stage only). `loss_fn(logits, labels)` is the summed token loss."""
+        micro = self.cfg.train.micro_batch_size
+        batches = list(zip(inputs.split(micro), labels.split(micro)))
+        m = len(batches)
+        held: dict[tuple[int, int], tuple] = {}
+        sends: list = []  # made by the previous action: batched with the next action's receive
+        pending: list = []  # all send handles, waited at the end of the step
+        loss_sum = torch.zeros((), device=inputs.device)
+        reducer = self.reducer_of()
+        for action in self.schedule(m):
+            stage = stage_of(self.rank, action.chunk, self.pp)
+            receives = (action.kind == "F" and stage > 0) or (action.kind == "B" and stage < self.num_stages - 1)
+            if not receives:  # nothing to batch the previous action's sends with: they go now
+                pending = self._flush(sends, pending)
+            if reducer is not None:
+                reducer.sync = action.mb == m - 1 or reducer.reduces_every_micro_batch
+            if action.kind == "F":
+                ids, lab = batches[action.mb]
+                x = ids if stage == 0 else self._receive(sends, pending, "F", action.mb, stage - 1, ids)
+                out = self.forward_chunk(action.chunk, x, ids)
+                if stage == self.num_stages - 1:
+                    out = loss_fn(out, lab) / num_tokens
+                    loss_sum += out.detach()
+                else:
+                    sends.append((out.detach(), self._peer(stage + 1), self._tag("F", action.mb, stage)))
+                held[(action.mb, action.chunk)] = (x, out)
+            elif action.kind == "B":
+                x, out = held.pop((action.mb, action.chunk))
+                self.stash.key = (action.mb, action.chunk)
+                if stage == self.num_stages - 1:
+                    out.backward()
+                else:
+                    grad = self._receive(sends, pending, "B", action.mb, stage + 1, out)
+                    torch.autograd.backward(out, grad)
+                if stage > 0:
+                    sends.append((x.grad, self._peer(stage - 1), self._tag("B", action.mb, stage)))
+            else:
+                self.stash.run((action.mb, action.chunk))
+        pending += self._flush(sends, [])
+        for work in pending:
+            work.wait()
+        return loss_sum
+
+    @torch.no_grad()
+    def forward_only(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Tensor:
+        """Summed token loss of (N, S) inputs, micro-batch by micro-batch through every stage in turn
+        (evaluation); non-zero on the last stage only."""
+        total = torch.zeros((), device=inputs.device)
+        micro = self.cfg.train.micro_batch_size
+        for mb, (ids, lab) in enumerate(zip(inputs.split(micro), labels.split(micro))):
+            x = ids
+            for chunk in range(self.v):
+                stage = stage_of(self.rank, chunk, self.pp)
+                if stage > 0:
+                    x = self._receive([], [], "E", mb, stage - 1, ids)
+                out = self.forward_chunk(chunk, x, ids)
+                if stage == self.num_stages - 1:
+                    total += loss_fn(out, lab)
+                else:
+                    for work in self._flush([(out, self._peer(stage + 1), self._tag("E", mb, stage))], []):
+                        work.wait()
+        return total
+
+    # -- pieces ----------------------------------------------------------------------------------------
+    def forward_chunk(self, chunk: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks of one chunk; the embeddings before them on stage 0, the head after on the last."""
+        model, stage = self.model, stage_of(self.rank, chunk, self.pp)
+        positions = model.positions(ids)
+        if stage == 0:
+            x = model.embed(ids, positions)
+        doc_ids = None
+        if self.cfg.model.document_mask:
+            from fivefold.model import doc_ids_from_tokens
+
+            doc_ids = doc_ids_from_tokens(ids, self.cfg.model.eos_token_id)
+        rope, mask = model.context(ids, positions, doc_ids, self.dtype)
+        for i in self.chunks[chunk]:
+            x = model.layers[i](x, rope, mask)
+        return model.head(x) if stage == self.num_stages - 1 else x
+
+    def activation_shape(self, ids: torch.Tensor) -> tuple[int, ...]:
+        seq = ids.shape[1]
+        if self.cfg.parallel.sequence_parallel and self.cfg.parallel.tp > 1:
+            seq //= self.cfg.parallel.tp
+        return (ids.shape[0], seq, self.cfg.model.hidden_size)
+
+    def _peer(self, stage: int) -> int:
+        return self.ranks[stage % self.pp]
+
+    def _tag(self, kind: str, mb: int, stage: int) -> int:
+        return (("FBE".index(kind) * 4096 + mb) * self.num_stages + stage) % (2**31 - 1)
+
+    def _receive(self, sends: list, pending: list, kind: str, mb: int, from_stage: int, like: torch.Tensor):
+        """Receive (batched with the sends waiting to go) the activation or gradient `from_stage` sent."""
+        shape = self.activation_shape(like) if kind != "B" else like.shape
+        buffer = torch.empty(shape, dtype=self.dtype, device=like.device)
+        recv = dist.P2POp(dist.irecv, buffer, self._peer(from_stage), tag=self._tag(kind, mb, from_stage))
+        works = dist.batch_isend_irecv([*self._ops(sends), recv])
+        pending += works[:-1]
+        works[-1].wait()
+        sends.clear()
+        return buffer.requires_grad_(kind == "F")
+
+    def _flush(self, sends: list, pending: list) -> list:
+        works = dist.batch_isend_irecv(self._ops(sends)) if sends else []
+        sends.clear()
+        return pending + works
+
+    @staticmethod
+    def _ops(sends: list) -> list:
+        return [dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag) for t, peer, tag in sends]
+
+
+def tied_group(mesh, pp: int):
+    """Process groups joining each first-stage rank with the last-stage rank of the same (dp, tp)
+    coordinates; returns this rank's (None when it holds neither end). Every rank creates every group,
+    in the same order, as torch.distributed requires."""
+    mine = None
+    layout = mesh.device_mesh.mesh  # (pp, dp, tp) global ranks
+    for dp_rank in range(layout.shape[1]):
+        for tp_rank in range(layout.shape[2]):
+            ranks = [int(layout[0, dp_rank, tp_rank]), int(layout[pp - 1, dp_rank, tp_rank])]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine

@@ -1,0 +1,221 @@
+"""Pipeline schedules as explicit per-rank action lists: what each rank runs, in order. The same lists
+are executed by fivefold.parallel.pipeline, simulated here (unit costs) for the theoretical bubble, and
+drawn by `fivefold pipeline`.
+
+    F(mb, chunk)  forward of micro-batch mb through the rank's model chunk (one chunk unless interleaved)
+    B(mb, chunk)  backward; under zero-bubble only the input gradient
+    W(mb, chunk)  zero-bubble only: the weight gradients of that backward
+
+Virtual stage `chunk * pp + rank` holds the chunk's layers (Megatron-LM's interleaved layout), so
+activations flow rank 0 -> pp-1, then back to rank 0 for the next chunk. Receives and sends are implied
+by the actions: F of a stage > 0 receives its input from the stage before, B of a stage < last receives
+its output gradient from the stage after.
+
+    afab         all forwards, then all backwards (GPipe, Huang et al. 2019): m micro-batches in flight
+    1f1b         pp - rank - 1 warm-up forwards, then one forward one backward (PipeDream-Flush,
+                 Narayanan et al. 2021): at most pp - rank in flight, bubble (pp-1)/m
+    interleaved  v chunks per rank, Megatron-LM's order (Narayanan et al. 2021): bubble (pp-1)/(v m)
+    zero-bubble  1F1B's order with backward split into B and W (ZB-H1, Qi et al. 2023): each rank fills
+                 the time it would wait for a gradient with pending W passes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F", "B" or "W"
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def stage_of(rank: int, chunk: int, pp: int) -> int:
+    return chunk * pp + rank
+
+
+def build_schedule(name: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+    """The action list of every rank."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "afab":
+        return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(pp)]
+    if name == "interleaved":
+        return [_interleaved(pp, m, v, r) for r in range(pp)]
+    lists = [_one_f_one_b(pp, m, r) for r in range(pp)]
+    return _insert_weight_passes(lists, pp, m) if name == "zero-bubble" else lists
+
+
+def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
+    warmup = min(pp - rank - 1, m)
+    out = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        out += [Action("F", warmup + i), Action("B", i)]
+    return out + [Action("B", i) for i in range(m - warmup, m)]
+
+
+def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: micro-batches go through the chunks in groups of pp; rank r warms
+    up with 2(pp - r - 1) + (v - 1) pp chunk-forwards."""
+    total = m * v
+
+    def forward(k: int) -> Action:
+        return Action("F", (k // (pp * v)) * pp + k % pp, (k // pp) % v)
+
+    def backward(k: int) -> Action:
+        return Action("B", (k // (pp * v)) * pp + k % pp, v - 1 - (k // pp) % v)
+
+    warmup = min(2 * (pp - rank - 1) + (v - 1) * pp, total)
+    out = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        out += [forward(warmup + k), backward(k)]
+    return out + [backward(k) for k in range(total - warmup, total)]
+
+
+def _insert_weight_passes(lists: list[list[Action]], pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1: keep 1F1B's forwards and (input-gradient) backwards in order, and put each W pass where
+    its rank would otherwise wait for a dependency, simulated with unit costs; leftovers at the end. A
+    rank holds at most pp - rank micro-batches whose W is pending, as 1F1B holds activations."""
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    position = [0] * pp
+    pending: list[list[Action]] = [[] for _ in range(pp)]
+    free = [0.0] * pp
+    done: dict[tuple[str, int, int], float] = {}
+    while any(position[r] < len(lists[r]) or pending[r] for r in range(pp)):
+        progressed = False
+        for r in sorted(range(pp), key=lambda r: free[r]):
+            nxt = lists[r][position[r]] if position[r] < len(lists[r]) else None
+            ready = _ready_time(nxt, r, pp, 1, done) if nxt is not None else None
+            if nxt is not None and ready is not None and (ready <= free[r] or not pending[r]) \
+                    and not (nxt.kind == "F" and len(pending[r]) >= pp - r):
+                start = max(free[r], ready)
+                action = nxt
+                position[r] += 1
+                if nxt.kind == "B":
+                    pending[r].append(Action("W", nxt.mb, nxt.chunk))
+            elif pending[r]:
+                start, action = free[r], pending[r].pop(0)
+            else:
+                continue
+            free[r] = start + 1
+            done[(action.kind, action.mb, stage_of(r, action.chunk, pp))] = free[r]
+            out[r].append(action)
+            progressed = True
+        if not progressed:
+            raise RuntimeError("zero-bubble schedule construction stalled")
+    return out
+
+
+def _ready_time(action: Action, rank: int, pp: int, chunks: int, done: dict) -> float | None:
+    """When the cross-rank input of `action` is available (None: not yet known), for stages
+    0..pp*chunks-1."""
+    stage, last = stage_of(rank, action.chunk, pp), pp * chunks - 1
+    if action.kind == "F":
+        return 0.0 if stage == 0 else done.get(("F", action.mb, stage - 1))
+    if action.kind == "B":
+        return done.get(("F", action.mb, stage)) if stage == last else done.get(("B", action.mb, stage + 1))
+    return done.get(("B", action.mb, stage))
+
+
+# -- simulation: the theoretical timeline -------------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    """(rank, action, start, end) for every action; time in units of one chunk-forward."""
+    events: list[tuple[int, Action, float, float]]
+    pp: int
+
+    @property
+    def makespan(self) -> float:
+        return max(end for *_, end in self.events) - min(start for _, _, start, _ in self.events)
+
+    def busy(self, rank: int) -> float:
+        return sum(end - start for r, _, start, end in self.events if r == rank)
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over useful time, the rank with the most work: (p-1)/m for 1F1B."""
+        busy = max(self.busy(r) for r in range(self.pp))
+        return (self.makespan - busy) / busy
+
+
+def simulate(lists: list[list[Action]], costs: dict[str, float] | None = None) -> Timeline:
+    """Run the lists with fixed costs (default F=1, B=2, or B=W=1 when W passes exist), each action as
+    soon as its rank is free and its input has arrived. Raises if the lists deadlock."""
+    pp = len(lists)
+    split = any(a.kind == "W" for lst in lists for a in lst)
+    costs = costs or {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+    chunks = 1 + max(a.chunk for lst in lists for a in lst)
+    position, free = [0] * pp, [0.0] * pp
+    done: dict[tuple[str, int, int], float] = {}
+    events = []
+    while any(position[r] < len(lists[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(lists[r]):
+                action = lists[r][position[r]]
+                ready = _ready_time(action, r, pp, chunks, done)
+                if ready is None:
+                    break
+                start = max(free[r], ready)
+                free[r] = start + costs[action.kind]
+                done[(action.kind, action.mb, stage_of(r, action.chunk, pp))] = free[r]
+                events.append((r, action, start, free[r]))
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(lists[r][position[r]]) for r in range(pp) if position[r] < len(lists[r])}
+            raise RuntimeError(f"pipeline schedule deadlocks; waiting actions: {stuck}")
+    return Timeline(events, pp)
+
+
+def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
+    """The textbook bubble: (p-1)/m for afab and 1f1b, (p-1)/(v m) for interleaved."""
+    return (pp - 1) / (m * (v if name == "interleaved" else 1))
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Most micro-batch-chunks whose forward ran and whose backward has not (activations held)."""
+    live = peak = 0
+    for a in actions:
+        live += a.kind == "F"
+        live -= a.kind == "B"
+        peak = max(peak, live)
+    return peak
+
+
+def draw(timeline: Timeline, path: str, title: str) -> str:
+    """The familiar pipeline picture: one row per rank, a box per action, forwards light and backwards
+    dark, numbered by micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"F": "#8ecae6", "B": "#fb8500", "W": "#90be6d"}
+    fig, ax = plt.subplots(figsize=(max(8, timeline.makespan * 0.35), 0.6 * timeline.pp + 1.2))
+    for rank, action, start, end in timeline.events:
+        shade = 1.0 - 0.25 * action.chunk
+        ax.barh(rank, end - start, left=start, color=colors[action.kind], alpha=max(0.4, shade),
+                edgecolor="black", linewidth=0.5)
+        ax.text((start + end) / 2, rank, str(action.mb), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in colors.items()
+               if any(a.kind == k for _, a, _, _ in timeline.events)]
+    labels = [{"F": "forward", "B": "backward", "W": "weight grad"}[k] for k in colors
+              if any(a.kind == k for _, a, _, _ in timeline.events)]
+    ax.legend(handles, labels, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
