@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "fivefold.data.commands",       # prepare
     "fivefold.interop.commands",    # import-hf, export-hf
     "fivefold.memory.commands",     # plan, memory
+    "fivefold.parallel.commands",   # pipeline
 ]
 
 

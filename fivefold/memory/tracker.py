@@ -56,11 +56,13 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "idle"  # "forward" from the model's forward until backward starts
         self.params = list(model.parameters())
         self.cuda = any(p.is_cuda for p in self.params)
-        self._hook = None
+        self._hooks = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self):
-        self._hook = self.model.register_forward_pre_hook(self._on_forward)
+        # The model's forward, or, for a pipeline stage that runs only some blocks, any block's.
+        modules = [self.model, *(b for b in getattr(self.model, "layers", []) if hasattr(b, "attn"))]
+        self._hooks = [m.register_forward_pre_hook(self._on_forward) for m in modules]
         for b in self.model.buffers():
             self._track(b, "temporary")
         if "parameters" in self._roles():
@@ -72,7 +74,8 @@ class MemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self.sample()
         return super().__exit__(*exc)
 
@@ -80,8 +83,9 @@ class MemoryTracker(TorchDispatchMode):
         self.marks.append((len(self.samples), label))
 
     def _on_forward(self, module, args):
-        self.phase = "forward"
-        self.mark("forward")
+        if self.phase != "forward" and torch._C._current_graph_task_id() == -1:
+            self.phase = "forward"
+            self.mark("forward")
 
     # -- classification ----------------------------------------------------------------------------
     def _moves(self, tensors, role: str) -> list[tuple[str, str, int]]:
@@ -269,7 +273,7 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
     cfg.train.tensorboard = False
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
-        device = trainer.device.type
+        device, stage = trainer.device.type, trainer.mesh.pp_rank
         if cuda_history and device == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         tracker = MemoryTracker(trainer.model, trainer.optimizer, trainer.reducer)
@@ -296,5 +300,7 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
                 torch.cuda.memory._dump_snapshot(cuda_history)
                 torch.cuda.memory._record_memory_history(enabled=None)
     plan = plan_memory(cfg, device=device)
+    # A pipeline rank is compared with its own stage's plan (plan.memory is the most loaded stage's).
+    predicted = plan.stages[stage].memory if cfg.parallel.pp > 1 else plan.memory
     return MemoryTimeline(samples=tracker.samples, marks=tracker.marks, steps=steps, device=device,
-                          predicted=plan.memory, config=dataclasses.asdict(cfg))
+                          predicted=predicted, config=dataclasses.asdict(cfg))

@@ -16,6 +16,8 @@ stashes (input, output gradient) and W computes the weight gradient from them.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -41,17 +43,20 @@ class _DeferredWeightLinear(torch.autograd.Function):
     gradient for a later W pass (zero-bubble)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stash):
+    def forward(ctx, x, weight, bias, stash, owner):
+        # `weight` is owner.weight detached, and the owner module is no tensor argument: autograd must not
+        # reach the parameter's gradient accumulator here (it would run, and fire the data-parallel hooks,
+        # with nothing to accumulate).
         ctx.save_for_backward(x, weight)
-        ctx.stash, ctx.has_bias = stash, bias is not None
+        ctx.stash, ctx.owner, ctx.has_bias = stash, owner, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        ctx.stash.defer(weight, x, grad)
+        ctx.stash.defer(ctx.owner.weight, x, grad)
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad @ weight, None, grad_bias, None
+        return grad @ weight, None, grad_bias, None, None
 
 
 class WeightGradStash:
@@ -77,7 +82,7 @@ class _DeferredLinear(nn.Module):
         self.weight, self.bias, self.stash = linear.weight, linear.bias, stash
 
     def forward(self, x):
-        return _DeferredWeightLinear.apply(x, self.weight, self.bias, self.stash)
+        return _DeferredWeightLinear.apply(x, self.weight.detach(), self.bias, self.stash, self)
 
 
 class Pipeline:
@@ -103,6 +108,8 @@ class Pipeline:
                         if type(child) is nn.Linear:
                             setattr(module, name, _DeferredLinear(child, self.stash))
         self._schedules: dict[int, list] = {}
+        self.timeline: list = []
+        self._waited = 0.0
 
     def _own_layers(self) -> list[int]:
         return [i for chunk in self.chunks for i in chunk]
@@ -147,7 +154,10 @@ class Pipeline:
         pending: list = []  # all send handles, waited at the end of the step
         loss_sum = torch.zeros((), device=inputs.device)
         reducer = self.reducer_of()
+        self.timeline = []  # (action, start, end) in seconds from the step's start: the measured picture
+        step_start = time.perf_counter()
         for action in self.schedule(m):
+            start = time.perf_counter() - step_start
             stage = stage_of(self.rank, action.chunk, self.pp)
             receives = (action.kind == "F" and stage > 0) or (action.kind == "B" and stage < self.num_stages - 1)
             if not receives:  # nothing to batch the previous action's sends with: they go now
@@ -176,6 +186,9 @@ class Pipeline:
                     sends.append((x.grad, self._peer(stage - 1), self._tag("B", action.mb, stage)))
             else:
                 self.stash.run((action.mb, action.chunk))
+            # Waiting for a receive counts as idle: the action starts when its input is here.
+            self.timeline.append((action, start + self._waited, time.perf_counter() - step_start))
+            self._waited = 0.0
         pending += self._flush(sends, [])
         for work in pending:
             work.wait()
@@ -237,7 +250,9 @@ class Pipeline:
         recv = dist.P2POp(dist.irecv, buffer, self._peer(from_stage), tag=self._tag(kind, mb, from_stage))
         works = dist.batch_isend_irecv([*self._ops(sends), recv])
         pending += works[:-1]
+        start = time.perf_counter()
         works[-1].wait()
+        self._waited += time.perf_counter() - start
         sends.clear()
         return buffer.requires_grad_(kind == "F")
 

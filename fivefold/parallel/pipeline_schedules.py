@@ -214,7 +214,7 @@ def draw(timeline: Timeline, path: str, title: str) -> str:
                if any(a.kind == k for _, a, _, _ in timeline.events)]
     labels = [{"F": "forward", "B": "backward", "W": "weight grad"}[k] for k in colors
               if any(a.kind == k for _, a, _, _ in timeline.events)]
-    ax.legend(handles, labels, loc="upper right", fontsize=8)
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -153,8 +153,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows (and b) split across ranks: each rank makes its slice of y.
 
     `input`: how x arrives. "copy": whole on every rank (f: backward all-reduce); "gather": split along
-    the sequence (SP: all-gathered here, backward reduce-scatter); "gathered": already all-gathered by
-    the enclosing module (SequenceGatheredInput), so nothing to do here."""
+    the sequence (SP: all-gathered here, backward reduce-scatter); "ready": the enclosing module already
+    did either, once for all its column-parallel linears (apply_tensor_parallel)."""
 
     def __init__(self, linear: nn.Linear, group, input: str = "copy"):
         super().__init__()
@@ -294,7 +294,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
     """Swap the model's linears and embedding for their sharded versions, in place. Parameters keep
     their names (checkpoints and the name-seeded init are unchanged); each shard is a slice of the
     full initial tensor, so every layout starts from the single-process weights."""
-    column_input = "gathered" if sequence_parallel else "copy"
+    # q/k/v (and gate/up, and the head) share one input: its f / all-gather runs once, at the module's
+    # entrance, not once per linear.
+    column_input = "ready"
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -324,6 +326,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
         for p in model.parameters():
             if getattr(p, "tp_partial_grad", False):
                 p.register_hook(_all_reduce_hook(group))
+    else:
+        for module in [*(m for block in model.layers for m in (block.attn, block.mlp)), model.lm_head]:
+            module.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
 
 
 def _all_reduce_hook(group):

@@ -1,0 +1,173 @@
+"""Pipeline parallelism: the schedules as action lists (complete, deadlock-free, the textbook bubbles and
+in-flight counts the planner uses), the picture, and training under torchrun (gloo, fp32): pp 2 and 4
+with every schedule, alone, with dp=2 and with tp=2, equal the single process's losses over 10 steps."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.memory.formulas import micro_batches_in_flight
+from fivefold.parallel.pipeline import partition
+from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max_in_flight, simulate,
+                                                  theoretical_bubble)
+from fivefold.train.compare import compare_runs
+from fivefold.train.trainer import Trainer
+from parity import BASE, copy_checkpoint, launch_layouts
+
+GRID = [(pp, m) for pp in (2, 3, 4) for m in (4, 8, 12) if m % pp == 0]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp, m", GRID)
+def test_every_action_once_and_no_deadlock(schedule, pp, m):
+    v = 2 if schedule == "interleaved" else 1
+    lists = build_schedule(schedule, pp, m, v)
+    kinds = "FBW" if schedule == "zero-bubble" else "FB"
+    for actions in lists:
+        assert sorted((a.kind, a.mb, a.chunk) for a in actions) == sorted(
+            (k, mb, c) for k in kinds for mb in range(m) for c in range(v))
+    simulate(lists)  # raises on a deadlock
+
+
+@pytest.mark.parametrize("pp, m", GRID)
+def test_simulated_bubbles_are_the_textbook_ones(pp, m):
+    bubbles = {s: simulate(build_schedule(s, pp, m, 2 if s == "interleaved" else 1)).bubble for s in SCHEDULES}
+    assert bubbles["afab"] == pytest.approx((pp - 1) / m)
+    assert bubbles["1f1b"] == pytest.approx((pp - 1) / m)
+    assert bubbles["interleaved"] == pytest.approx(theoretical_bubble("interleaved", pp, m, 2))
+    assert bubbles["zero-bubble"] < bubbles["1f1b"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp, m", GRID)
+def test_in_flight_micro_batches_are_what_the_planner_assumes(schedule, pp, m):
+    v = 2 if schedule == "interleaved" else 1
+    for rank, actions in enumerate(build_schedule(schedule, pp, m, v)):
+        assert max_in_flight(actions) == micro_batches_in_flight(schedule, pp, rank, m, v) * v
+
+
+def test_partition_balances_and_takes_overrides():
+    assert [len(r) for r in partition(10, 4)] == [3, 3, 2, 2]
+    assert [list(r) for r in partition(8, 2, "3,5")] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.pp": 2, "parallel.pp_layers": "1,2"}, "must give 2 stages of >= 1 layer summing to"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual_stages": 2,
+      "train.grad_accum": 3, "model.num_layers": 4}, "multiple of 2"),
+    ({"parallel.pp": 2, "parallel.pp_virtual_stages": 2, "model.num_layers": 4},
+     "needs parallel.pp_schedule=interleaved"),
+    ({"parallel.pp": 4, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual_stages": 2,
+      "train.grad_accum": 4}, "stages exceed model.num_layers=2"),
+])
+def test_invalid_pipeline_layouts_are_rejected(tiny_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(**overrides)
+
+
+def test_pipeline_picture_from_the_action_lists(tmp_path, capsys):
+    png = tmp_path / "pp.png"
+    assert main(["pipeline", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--png", str(png),
+                 "--actions", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 3: F0 B0 F1 B1" in out and png.stat().st_size > 10_000
+    report = json.loads(out[out.index("{"):])
+    assert report["bubble_simulated"] == pytest.approx(3 / 8) == report["bubble_theory"]
+
+
+def test_measured_timeline_of_a_real_run(tmp_path):
+    png = tmp_path / "measured.png"
+    proc = subprocess.run([sys.executable, "-m", "fivefold", "pipeline", "--measure", "--preset", "tiny",
+                           "--set", "model.num_layers=4", "--set", "train.seq_len=32", "--set", "parallel.pp=2",
+                           "--schedule", "1f1b", "--microbatches", "4", "--steps", "2", "--png", str(png), "--json"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert 0 < report["bubble_measured"] < 2 and report["step_seconds"] > 0 and png.stat().st_size > 10_000
+
+
+# -- training parity ---------------------------------------------------------------------------------
+
+MODEL = {"model.num_layers": 8}  # pp=4 with 2 virtual stages needs 8
+
+
+def config(cache, out, **overrides) -> dict:
+    values = {**BASE, **MODEL, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
+
+
+def layout(pp, schedule, dp=1, tp=1) -> dict:
+    return {"parallel.pp": pp, "parallel.pp_schedule": schedule, "parallel.dp": dp, "parallel.tp": tp,
+            "parallel.pp_virtual_stages": 2 if schedule == "interleaved" else 1,
+            "parallel.zero": 1 if dp > 1 else 0, "train.grad_accum": 4, "train.micro_batch_size": 2 // dp,
+            **({"model.num_heads": 8, "model.num_kv_heads": 4} if tp > 1 else {})}
+
+
+def name(pp, schedule, dp=1, tp=1) -> str:
+    return f"pp{pp}_{schedule}_dp{dp}_tp{tp}"
+
+
+LAUNCHES = {
+    2: [(2, s) for s in SCHEDULES],
+    4: [(4, s) for s in SCHEDULES] + [(2, s, 2) for s in SCHEDULES] + [(2, s, 1, 2) for s in SCHEDULES],
+    8: [(4, s, 2) for s in ("1f1b", "interleaved")] + [(4, s, 1, 2) for s in ("afab", "zero-bubble")],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("pp")
+    for ref, extra in (("single", {}), ("single_gqa", {"model.num_heads": 8, "model.num_kv_heads": 4}),
+                       ("single_tied", {"model.tie_embeddings": True})):
+        Trainer(config_from_dict(config(data_cache, root / ref, **{"train.micro_batch_size": 8}, **extra)),
+                quiet=True).fit()
+    for nproc, layouts in LAUNCHES.items():
+        todo = [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts]
+        if nproc == 2:  # a tied embedding split between the first and the last stage
+            todo.append({"config": config(data_cache, root / "tied", **layout(2, "1f1b"),
+                                          **{"model.tie_embeddings": True})})
+        launch_layouts(nproc, todo, root / f"pp_{nproc}.json")
+    return root
+
+
+@pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
+def test_every_step_matches_one_process(runs, lay):
+    reference = runs / ("single_gqa" if len(lay) > 3 and lay[3] > 1 else "single")
+    result = compare_runs(runs / name(*lay), reference, rtol=1e-5)
+    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+
+
+def test_tied_embeddings_across_first_and_last_stage(runs):
+    result = compare_runs(runs / "tied", runs / "single_tied", rtol=1e-5)
+    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+
+
+def test_pipeline_checkpoint_resumes_in_one_process(runs, data_cache):
+    resumed = runs / "pp_to_single"
+    copy_checkpoint(runs / name(4, "interleaved"), resumed, 5)
+    trainer = Trainer(config_from_dict(config(data_cache, resumed, **{"train.micro_batch_size": 8})),
+                      resume=True, quiet=True)
+    trainer.fit()
+    result = compare_runs(resumed, runs / name(4, "interleaved"), rtol=1e-5)
+    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "afab"])
+def test_measured_stage_memory_matches_the_plan(schedule):
+    """Rank 0 (the first stage) against its stage's plan: model states within 1%, activations (its
+    in-flight micro-batches: 2 under 1F1B, all 4 under AFAB) within 5%."""
+    cmd = [sys.executable, "-m", "fivefold", "memory", "--preset", "tiny", "--synthetic", "--steps", "2", "--json",
+           "--nproc", "2", "--set", "model.num_layers=4", "--set", "train.seq_len=64", "--set",
+           "train.micro_batch_size=2", "--set", "train.grad_accum=4", "--set", "parallel.pp=2",
+           "--set", f"parallel.pp_schedule={schedule}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["category"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["comparison"]}
+    for category, tolerance in (("parameters", 0.01), ("gradients", 0.01), ("optimizer_states", 0.01),
+                                ("activations", 0.05)):
+        assert abs(rows[category]["error"]) <= tolerance, rows[category]
