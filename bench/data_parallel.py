@@ -56,12 +56,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def launch(argv: list[str], args) -> int:
-    """Re-run this file in --nproc workers; OMP_NUM_THREADS must be set before torch starts in them."""
+def launch(argv: list[str], args, script: str = __file__) -> int:
+    """Re-run `script` (this file by default) in --nproc workers; OMP_NUM_THREADS must be set before torch
+    starts in them."""
     from fivefold.parallel.launch import torchrun_args, without_option
 
     cmd = [sys.executable, "-m", "torch.distributed.run",
-           *torchrun_args(args.nproc, [os.path.abspath(__file__), *without_option(argv, "--nproc")])]
+           *torchrun_args(args.nproc, [os.path.abspath(script), *without_option(argv, "--nproc")])]
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}).returncode
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_parallel import Ours, TorchReference, first_step, machine_info, time_alternating
+from data_parallel import Ours, TorchReference, first_step, launch, machine_info, time_alternating
 
 
 def parse_args(argv=None):
@@ -54,15 +54,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one is the check)")
     p.add_argument("--json", default="")
     return p.parse_args(argv)
-
-
-def launch(argv: list[str], args) -> int:
-    """Re-run this file in --nproc workers; OMP_NUM_THREADS must be set before torch starts in them."""
-    from fivefold.parallel.launch import torchrun_args, without_option
-
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           *torchrun_args(args.nproc, [os.path.abspath(__file__), *without_option(argv, "--nproc")])]
-    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}).returncode
 
 
 def make_config(args, world: int, out_dir: str):
@@ -442,4 +433,4 @@ if __name__ == "__main__":
         worker(parsed)
         dist.destroy_process_group()
     else:
-        sys.exit(launch(sys.argv[1:], parsed))
+        sys.exit(launch(sys.argv[1:], parsed, __file__))
