@@ -334,6 +334,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if any(a % p.pp for a in accums):
             raise ConfigError(f"the interleaved schedule runs micro-batches in groups of pp={p.pp}: make "
                               f"train.grad_accum (and every batch_schedule value) a multiple of {p.pp}")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} cuts train.seq_len={t.seq_len} into 2 x cp = {2 * p.cp} chunks "
+                          f"(zig-zag load balance); choose seq_len divisible by {2 * p.cp}")
     if p.pp_layers:
         try:
             counts = [int(c) for c in p.pp_layers.split(",")]

@@ -32,12 +32,15 @@ class Mesh:
     pp_rank: int = 0
     pp_size: int = 1
     pp_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: dist.ProcessGroup | None = None
+    # Gradients are summed over dp x cp (context-parallel ranks hold different tokens of the same rows).
+    grad_rank: int = 0
+    grad_size: int = 1
+    grad_group: dist.ProcessGroup | None = None
+    grad_mesh: object = None
     device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp") when distributed
-
-    @property
-    def dp_mesh(self):
-        """The 1-D DeviceMesh of this rank's data-parallel group (DTensor placements live on it)."""
-        return self.device_mesh["dp"]
 
     @property
     def is_main(self) -> bool:
@@ -59,11 +62,21 @@ def launched_world_size() -> int:
 def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
-    for key, value in (("parallel.cp", p.cp), ("parallel.ep", p.ep)):
-        if value > 1:
-            raise ConfigError(f"{key}={value} is not implemented yet; this version trains with data (parallel.dp, "
-                              f"parallel.zero), tensor (parallel.tp) and pipeline parallelism (parallel.pp); "
-                              f"`fivefold plan` already plans {key}")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep} is not implemented yet; this version trains with data (parallel.dp, "
+                          f"parallel.zero), tensor (parallel.tp), pipeline (parallel.pp) and context parallelism "
+                          f"(parallel.cp); `fivefold plan` already plans parallel.ep")
+    if p.cp > 1:
+        if cfg.model.document_mask:
+            raise ConfigError("model.document_mask with parallel.cp>1 is not supported: ring attention is plain "
+                              "causal; use model.document_mask=false")
+        if p.pp > 1:
+            raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet; use one of them")
+        if p.sequence_parallel and p.tp > 1:
+            raise ConfigError("parallel.sequence_parallel with parallel.cp>1 is not supported: the sequence is "
+                              "already split by cp; use parallel.sequence_parallel=false")
+        if cfg.train.compile:
+            raise ConfigError("train.compile=true with parallel.cp>1 is not supported yet; use train.compile=false")
     if p.pp > 1 and p.zero >= 2 and p.dp > 1:
         raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp} is not supported: a pipeline runs each "
                           f"micro-batch's backward at a different time on each stage; use parallel.zero=1 "
@@ -96,12 +109,15 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
 
     # tp innermost (a tensor-parallel group is consecutive ranks, on one machine when it fits), pp outermost.
     p = cfg.parallel
-    device_mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
+    device_mesh = init_device_mesh(device.type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    grad_mesh = device_mesh["dp"] if p.cp == 1 else device_mesh["dp", "cp"]._flatten("dp_cp")
     return Mesh(rank=dist.get_rank(), world_size=world, dp_rank=device_mesh.get_local_rank("dp"),
                 dp_size=p.dp, dp_group=device_mesh.get_group("dp"),
                 tp_rank=device_mesh.get_local_rank("tp"), tp_size=p.tp, tp_group=device_mesh.get_group("tp"),
                 pp_rank=device_mesh.get_local_rank("pp"), pp_size=p.pp, pp_group=device_mesh.get_group("pp"),
-                device_mesh=device_mesh)
+                cp_rank=device_mesh.get_local_rank("cp"), cp_size=p.cp, cp_group=device_mesh.get_group("cp"),
+                grad_rank=grad_mesh.get_local_rank(), grad_size=p.dp * p.cp, grad_group=grad_mesh.get_group(),
+                grad_mesh=grad_mesh, device_mesh=device_mesh)
 
 
 def local_device(device: torch.device) -> torch.device:

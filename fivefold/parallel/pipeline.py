@@ -271,11 +271,10 @@ def tied_group(mesh, pp: int):
     coordinates; returns this rank's (None when it holds neither end). Every rank creates every group,
     in the same order, as torch.distributed requires."""
     mine = None
-    layout = mesh.device_mesh.mesh  # (pp, dp, tp) global ranks
-    for dp_rank in range(layout.shape[1]):
-        for tp_rank in range(layout.shape[2]):
-            ranks = [int(layout[0, dp_rank, tp_rank]), int(layout[pp - 1, dp_rank, tp_rank])]
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
+    layout = mesh.device_mesh.mesh.flatten(1)  # (pp, dp x cp x tp) global ranks
+    for column in range(layout.shape[1]):
+        ranks = [int(layout[0, column]), int(layout[pp - 1, column])]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
     return mine

@@ -43,11 +43,13 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 
 
 
-def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config, tp_group=None) -> torch.Tensor:
+def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config, tp_group=None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32. Under
-    tensor parallelism (`tp_group`) the logits are this rank's vocabulary shard and stay sharded."""
+    tensor parallelism (`tp_group`) the logits are this rank's vocabulary shard and stay sharded; under
+    context parallelism the tokens are this rank's, at their global `positions`."""
     doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id) if cfg.model.document_mask else None
-    return logits_loss_sum(model, model(inputs, doc_ids=doc_ids), labels, tp_group)
+    return logits_loss_sum(model, model(inputs, positions=positions, doc_ids=doc_ids), labels, tp_group)
 
 
 def logits_loss_sum(model, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
@@ -86,6 +88,10 @@ class Trainer:
 
             self.tp_group = self.mesh.tp_group
             apply_tensor_parallel(self.model, self.tp_group, cfg.parallel.sequence_parallel)
+        if self.mesh.cp_size > 1:
+            from fivefold.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(self.model, self.mesh.cp_group)
         self.pipeline = None
         if self.mesh.pp_size > 1:  # keeps only this rank's stages
             from fivefold.parallel.pipeline import Pipeline
@@ -119,11 +125,11 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
         zero = None
-        if mesh.dp_size > 1 and cfg.parallel.zero > 0:
+        if mesh.grad_size > 1 and cfg.parallel.zero > 0:
             from fivefold.parallel.zero import ZeroDataParallel
 
-            zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.dp_mesh,
-                                    mesh.dp_size, mesh.dp_rank, bucket_bytes=bucket_bytes)
+            zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.grad_mesh,
+                                    mesh.grad_size, mesh.grad_rank, bucket_bytes=bucket_bytes)
         optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero, tp_group=self.tp_group,
                                       pp_group=self.mesh.pp_group if self.pipeline else None)
         if self.pipeline is not None and cfg.model.tie_embeddings:
@@ -137,10 +143,10 @@ class Trainer:
         if zero is not None:
             zero.grad_of = optimizer.grad_of
             zero.register_hooks()  # after the optimizer's: fp32 accumulation folds each gradient first
-        elif mesh.dp_size > 1:
+        elif mesh.grad_size > 1:
             from fivefold.parallel.data_parallel import BucketedAllReduce
 
-            reducer = BucketedAllReduce(params, mesh.dp_group, optimizer.grad_of, bucket_bytes=bucket_bytes)
+            reducer = BucketedAllReduce(params, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)
         if reducer is not None:
             optimizer.gradients = reducer.local_grads
         return optimizer, reducer
@@ -161,9 +167,27 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor):
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
         gradients yields the gradient of the global mean."""
-        loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group) / num_tokens
+        loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs)) / num_tokens
         loss.backward()
         return loss.detach()
+
+    def local_columns(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This context-parallel rank's tokens of every sequence (zig-zag chunks r and 2cp-1-r)."""
+        if self.mesh.cp_size == 1:
+            return inputs, labels
+        from fivefold.parallel.context_parallel import zigzag_positions
+
+        cols = zigzag_positions(inputs.shape[1], self.mesh.cp_size, self.mesh.cp_rank, inputs.device)
+        return inputs[:, cols], labels[:, cols]
+
+    def _positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        if self.mesh.cp_size == 1:
+            return None
+        from fivefold.parallel.context_parallel import zigzag_positions
+
+        cols = zigzag_positions(inputs.shape[1] * self.mesh.cp_size, self.mesh.cp_size, self.mesh.cp_rank,
+                                inputs.device)
+        return cols.expand(inputs.shape[0], -1)
 
     def _loss_of_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return logits_loss_sum(self.model, logits, labels, self.tp_group)
@@ -173,14 +197,14 @@ class Trainer:
         over the labels that are not IGNORE_INDEX (padding)."""
         num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
         mine = self.local_rows(len(inputs))
-        inputs, labels = inputs[mine], labels[mine]
+        inputs, labels = self.local_columns(inputs[mine], labels[mine])
         if self.pipeline is not None:
             loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
             if self.reducer is not None:
                 self.reducer.finish()
             dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
             if self.reducer is not None:
-                dist.all_reduce(loss, group=self.mesh.dp_group)
+                dist.all_reduce(loss, group=self.mesh.grad_group)
             return loss
         micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
         loss = torch.zeros((), device=self.device)
@@ -192,7 +216,7 @@ class Trainer:
             if self.reducer is not None and self.reducer.sync:
                 self.reducer.finish()
         if self.reducer is not None:
-            dist.all_reduce(loss, group=self.mesh.dp_group)
+            dist.all_reduce(loss, group=self.mesh.grad_group)
         return loss
 
     def train_step(self) -> dict:
@@ -238,16 +262,16 @@ class Trainer:
             # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
             # parameters inside it, collectively), and counts nothing.
             batch = self.data.val.batch(mine or rows[:1]).to(self.device)
+            inputs, labels = self.local_columns(batch[:, :-1], batch[:, 1:])
             if self.pipeline is not None:
-                loss = self.pipeline.forward_only(batch[:, :-1], batch[:, 1:], self._loss_of_logits)
+                loss = self.pipeline.forward_only(inputs, labels, self._loss_of_logits)
                 dist.all_reduce(loss, group=self.mesh.pp_group)
             else:
-                loss = token_loss_sum(self.model, batch[:, :-1], batch[:, 1:], self.cfg, self.tp_group)
+                loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs))
             if mine:
-                totals += torch.tensor([loss.item(), batch[:, 1:].numel()], dtype=torch.float64,
-                                       device=self.device)
-        if self.mesh.dp_size > 1:
-            dist.all_reduce(totals, group=self.mesh.dp_group)
+                totals += torch.tensor([loss.item(), labels.numel()], dtype=torch.float64, device=self.device)
+        if self.mesh.grad_size > 1:
+            dist.all_reduce(totals, group=self.mesh.grad_group)
         return (totals[0] / totals[1]).item()
 
     def unigram_loss(self) -> float:

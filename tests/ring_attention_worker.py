@@ -1,0 +1,37 @@
+"""Run under torchrun by tests/test_context_parallel.py: ring attention on zig-zag shards against full
+causal attention, forward and backward, in float64, with and without grouped-query heads."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fivefold.parallel.context_parallel import RingAttentionCore, zigzag_positions
+
+
+class _Core:
+    def __init__(self, groups):
+        self.groups = groups
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    for heads, kv_heads in ((4, 4), (4, 2)):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, h, 8 * cp, 8, dtype=torch.float64, generator=g) for h in (heads, kv_heads, kv_heads))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != kv_heads)
+        grad = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+        ref.backward(grad)
+        cols = zigzag_positions(q.shape[2], cp, rank)
+        mine = [t[:, :, cols].clone().requires_grad_() for t in (q, k, v)]
+        out = RingAttentionCore(_Core(heads // kv_heads), dist.group.WORLD)(*mine)
+        out.backward(grad[:, :, cols])
+        for what, a, b in (("output", out, ref[:, :, cols]), *((f"grad {n}", m.grad, f.grad[:, :, cols])
+                                                                for n, m, f in zip("qkv", mine, full))):
+            err = (a - b).abs().max().item()
+            assert err < 1e-10, f"rank {rank} heads {heads}/{kv_heads}: {what} differs by {err:.2e}"
+    dist.barrier()
+    if rank == 0:
+        print("ring attention matches full attention")
+    dist.destroy_process_group()
