@@ -1,9 +1,8 @@
 """Context parallelism: each sequence is split across the cp ranks, and attention runs as ring attention
 (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): every rank keeps its queries and passes
 its keys and values around the ring; at each step it attends to the block it holds and the partial
-results are merged with the log-sum-exp rule (the online softmax of FlashAttention). The ring shift is
-an autograd Function, so backward rings too, in the opposite direction, carrying the key and value
-gradients back to their owners.
+results are merged with the log-sum-exp rule (the online softmax of FlashAttention). Backward rings
+too: the blocks go round again with their key and value gradients, which end at their owners.
 
 Causal load balance (zig-zag): with the sequence cut into 2 cp chunks, rank r holds chunks r and
 2cp - 1 - r, so every rank has the same amount of causal work. Tokens keep their global positions
@@ -28,20 +27,8 @@ def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Ten
     return torch.cat([first, second])
 
 
-class _RingShift(torch.autograd.Function):
-    """Send x to the next rank of the ring, receive the previous rank's; backward the reverse."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _shift(x, group, +1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _shift(grad, ctx.group, -1), None
-
-
-def _shift(x: torch.Tensor, group, direction: int) -> torch.Tensor:
+def _shift(x: torch.Tensor, group, direction: int = 1) -> torch.Tensor:
+    """Send x to the next rank of the ring (previous for direction -1), receive from the other side."""
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
     to, frm = ranks[(me + direction) % len(ranks)], ranks[(me - direction) % len(ranks)]
@@ -51,6 +38,78 @@ def _shift(x: torch.Tensor, group, direction: int) -> torch.Tensor:
     for work in works:
         work.wait()
     return out
+
+
+def _allowed(seq: int, cp: int, rank: int, source: int, device) -> torch.Tensor:
+    """Causal mask of this rank's queries against the keys of rank `source`, by global position."""
+    return zigzag_positions(seq, cp, rank, device)[:, None] >= zigzag_positions(seq, cp, source, device)[None, :]
+
+
+def _scores(q, k, allowed, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
+    return (q @ k.transpose(-2, -1)).to(acc).mul_(scale).masked_fill_(~allowed, float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's zig-zag tokens over the whole sequence.
+
+    Forward: the key/value block goes round the ring (cp - 1 shifts); each block's output and
+    log-sum-exp are merged into the running ones (online softmax). Only q, k, v, the output and the
+    final log-sum-exp are saved: no s x s scores outlive a block.
+    Backward: the blocks go round again, each carrying the gradient of its keys and values; every rank
+    adds its queries' contribution (softmax recomputed from the saved log-sum-exp, FlashAttention-2's
+    backward), and a last shift returns each gradient to the rank that owns the block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, groups, group):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        seq, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            if step:
+                kv = _shift(kv, group)
+            k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
+            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device), scale)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            new_lse = torch.logaddexp(lse, block_lse)
+            seen = torch.isfinite(new_lse)  # rows with no allowed key yet keep out = 0, lse = -inf
+            old_weight = torch.where(seen, torch.exp(lse - new_lse), 0.0)
+            probs = torch.exp(scores - torch.where(seen, new_lse, 0.0)[..., None])
+            out = out * old_weight[..., None] + probs.to(v.dtype) @ v_j
+            lse = new_lse
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.groups, ctx.group = groups, group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        groups, group = ctx.groups, ctx.group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        seq, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
+        grad_out = grad_out.to(out.dtype)
+        delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+        grad_q = torch.zeros_like(out)
+        kv = torch.stack([k, v])
+        grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)
+        for step in range(cp):
+            if step:
+                kv, grad_kv = _shift(kv, group), _shift(grad_kv, group)
+            k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
+            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device), scale)
+            probs = torch.exp(scores - lse[..., None])  # the final softmax, restricted to this block
+            grad_v = probs.transpose(-2, -1) @ grad_out
+            grad_scores = probs * (grad_out @ v_j.to(out.dtype).transpose(-2, -1) - delta) * scale
+            grad_q += grad_scores @ k_j.to(out.dtype)
+            grad_k = grad_scores.transpose(-2, -1) @ q.to(out.dtype)
+            if groups > 1:  # each key/value head served `groups` query heads
+                grad_k, grad_v = (g.unflatten(1, (-1, groups)).sum(2) for g in (grad_k, grad_v))
+            grad_kv += torch.stack([grad_k, grad_v])
+        grad_kv = _shift(grad_kv, group)  # back to the block's owner
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
 class RingAttentionCore(nn.Module):
@@ -64,37 +123,7 @@ class RingAttentionCore(nn.Module):
     def forward(self, q, k, v, mask=None):
         # q (B, H, s, d); k, v (B, Hkv, s, d) for this rank's s = S / cp tokens. `mask` is the model's
         # local causal mask, meaningless across ranks: causality comes from global positions here.
-        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        seq = q.shape[2] * cp
-        pos_q = zigzag_positions(seq, cp, rank, q.device)
-        scale = q.shape[-1] ** -0.5
-        outs, lses = [], []
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            if step:
-                kv = _RingShift.apply(kv, self.group)
-            k_j, v_j = kv[0], kv[1]
-            if self.groups > 1:
-                k_j, v_j = k_j.repeat_interleave(self.groups, 1), v_j.repeat_interleave(self.groups, 1)
-            allowed = pos_q[:, None] >= zigzag_positions(seq, cp, (rank - step) % cp, q.device)[None, :]
-            out, lse = _block_attention(q, k_j, v_j, allowed, scale)
-            outs.append(out)
-            lses.append(lse)
-        lse = torch.logsumexp(torch.stack(lses), dim=0)
-        return sum(torch.exp(lse_j - lse)[..., None] * out_j for lse_j, out_j in zip(lses, outs)).to(q.dtype)
-
-
-def _block_attention(q, k, v, allowed, scale):
-    """softmax(q k^T) v over one key block and its log-sum-exp, both as if the block were all the keys.
-    Rows with no allowed key get output 0 and lse -inf (weight 0 when merged), with no NaN in backward."""
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
-    scores = (q @ k.transpose(-2, -1)).to(acc) * scale
-    any_allowed = allowed.any(-1)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~any_allowed[:, None], 0.0)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).masked_fill(~allowed, 0.0)
-    out = probs.to(v.dtype) @ v
-    return out.to(acc), torch.where(any_allowed, lse, float("-inf"))
+        return _RingAttention.apply(q, k, v, self.groups, self.group)
 
 
 def apply_context_parallel(model: nn.Module, group) -> None:
