@@ -46,6 +46,18 @@ class ModelConfig:
     document_mask: bool = False  # packed sequences do not attend across documents (eos-delimited)
     eos_token_id: int = 0
     init_std: float = 0.02
+    # Mixture of experts (0 experts = dense MLP): top-k routing over SwiGLU experts.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_ffn_hidden_size: int = 0  # each expert's hidden size; 0 means ffn_hidden_size
+    shared_expert_size: int = 0  # hidden size of an always-on shared expert; 0 means none
+    router_aux_loss_coef: float = 0.01  # Switch-style load balancing: E * sum_e f_e P_e
+    router_z_loss_coef: float = 0.001  # ST-MoE router z-loss: mean logsumexp(logits)^2
+    capacity_factor: float = 0.0  # tokens per expert <= factor * tokens * k / E (the rest dropped); 0: dropless
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def head_size(self) -> int:
@@ -334,6 +346,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if any(a % p.pp for a in accums):
             raise ConfigError(f"the interleaved schedule runs micro-batches in groups of pp={p.pp}: make "
                               f"train.grad_accum (and every batch_schedule value) a multiple of {p.pp}")
+    if m.num_experts:
+        if not 1 <= m.experts_per_token <= m.num_experts:
+            raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in 1..model.num_experts="
+                              f"{m.num_experts}")
+        if m.activation != "swiglu":
+            raise ConfigError("model.num_experts>0 needs model.activation=swiglu (experts are SwiGLU MLPs)")
+    if p.ep > 1:
+        if not m.num_experts or m.num_experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}; choose ep in "
+                              f"{_divisors(m.num_experts) if m.num_experts else [1]}")
+        if p.dp % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} splits experts among data-parallel ranks: it must divide "
+                              f"parallel.dp={p.dp}; choose ep in {[d for d in _divisors(p.dp) if m.num_experts % d == 0]}")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} cuts train.seq_len={t.seq_len} into 2 x cp = {2 * p.cp} chunks "
                           f"(zig-zag load balance); choose seq_len divisible by {2 * p.cp}")

@@ -24,6 +24,10 @@ PRESETS: dict[str, ModelConfig] = {
                              ffn_hidden_size=11008, max_seq_len=4096, eos_token_id=2),
     "mistral-7b": ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                               ffn_hidden_size=14336, max_seq_len=32768, eos_token_id=2),
+    # Mixtral 8x7B: Mistral 7B's attention, 8 SwiGLU experts of 14336, top-2 (46.7B total, 12.9B active).
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                ffn_hidden_size=14336, rope_theta=1e6, max_seq_len=32768, num_experts=8,
+                                experts_per_token=2, eos_token_id=2),
     "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                                 ffn_hidden_size=4864, tie_embeddings=True, qkv_bias=True, rope_theta=1000000.0,
                                 norm_eps=1e-6, max_seq_len=32768, eos_token_id=151643),
@@ -41,6 +45,8 @@ PRESETS: dict[str, ModelConfig] = {
     # Tiny models for tests.
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         ffn_hidden_size=128),
+    "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=128, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=64),
     "tiny-gpt2": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
                              ffn_hidden_size=256, norm="layernorm", activation="gelu", position="learned",
                              max_seq_len=256, tie_embeddings=True, linear_bias=True),
@@ -53,6 +59,7 @@ REAL_PARAM_COUNTS = {
     "llama3.1-405b": 405_853_388_800,
     "llama2-7b": 6_738_415_616,
     "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
     "qwen2.5-0.5b": 494_032_768,
     "smollm2-135m": 134_515_008,
     "gpt2-xl": 1_557_611_200,

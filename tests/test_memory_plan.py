@@ -8,11 +8,11 @@ import random
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import Config, load_config
+from fivefold.config import Config, ParallelConfig, load_config
 from fivefold.memory import formulas
 from fivefold.memory.activations import Shapes, replay_forward
 from fivefold.memory.planner import activation_shapes, parse_bytes, plan_memory
-from fivefold.presets import PRESETS
+from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
 from fivefold.train.optim import no_decay
 from model_shapes import meta_model, random_model_config
 
@@ -28,7 +28,23 @@ def test_parameter_inventory_equals_built_model(name):
     built = [(n, p.numel()) for n, p in model.named_parameters()]
     assert formulas.parameter_shapes(cfg) == built
     plan = plan_memory(Config(model=cfg), device="cpu")
-    assert plan.params == plan.active_params == sum(n for _, n in built) == plan.params_per_rank
+    assert plan.params == sum(n for _, n in built) == plan.params_per_rank
+    if cfg.num_experts:  # only the router, the shared expert and k of the experts touch a token
+        expert = 3 * cfg.hidden_size * cfg.expert_size
+        unused = cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * expert
+        assert plan.active_params == plan.params - unused
+    else:
+        assert plan.active_params == plan.params
+
+
+def test_mixtral_8x7b_total_and_active_parameters():
+    """46.7B in total (the released checkpoint's count), 12.9B active per token (Mistral AI's figure)."""
+    cfg = PRESETS["mixtral-8x7b"]
+    assert formulas.count_params(cfg) == REAL_PARAM_COUNTS["mixtral-8x7b"] == 46_702_792_704
+    assert formulas.active_params(cfg) == 12_879_925_248
+    plan = plan_memory(Config(model=cfg, parallel=ParallelConfig(dp=8, ep=8)), device="cpu")
+    expert_bytes = 4 * cfg.num_layers * 7 * 3 * cfg.hidden_size * cfg.expert_size  # 7 of 8 experts elsewhere
+    assert plan.memory["parameters"] == 4 * formulas.count_params(cfg) - expert_bytes
 
 
 def test_parameter_inventory_and_decay_groups_for_random_shapes():

@@ -23,8 +23,13 @@ def attention_params(cfg: ModelConfig) -> int:
     return weights + qkv_bias + out_bias
 
 
-def mlp_params(cfg: ModelConfig) -> int:
+def mlp_params(cfg: ModelConfig, active: bool = False) -> int:
+    """The feed-forward block of one layer: a dense MLP, or a mixture of experts (router + experts +
+    shared expert; `active`: only the k experts a token uses)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    if cfg.num_experts:
+        experts = cfg.experts_per_token if active else cfg.num_experts
+        return h * cfg.num_experts + experts * 3 * h * cfg.expert_size + 3 * h * cfg.shared_expert_size
     matrices = 3 if cfg.activation == "swiglu" else 2
     bias = ((matrices - 1) * f + h) if cfg.linear_bias else 0
     return matrices * h * f + bias
@@ -51,7 +56,10 @@ def matmul_params(cfg: ModelConfig) -> int:
     (embeddings are lookups; norms and biases are elementwise)."""
     h = cfg.hidden_size
     attention = 2 * h * cfg.q_size + 2 * h * cfg.kv_size
-    mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden_size
+    if cfg.num_experts:  # the router and the k experts each token goes through (MFU counts active FLOPs)
+        mlp = mlp_params(cfg, active=True)
+    else:
+        mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden_size
     return cfg.num_layers * (attention + mlp) + cfg.vocab_size * h
 
 
@@ -65,9 +73,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> fl
 
 
 def active_params(cfg: ModelConfig) -> int:
-    """Parameters that touch each token. Every parameter of a dense model is active; a mixture-of-experts
-    model (a later issue) counts only its top-k experts here."""
-    return count_params(cfg)
+    """Parameters that touch each token: all of a dense model's; of a mixture of experts, the router,
+    the shared expert and only the top-k routed experts."""
+    return count_params(cfg) - cfg.num_layers * (mlp_params(cfg) - mlp_params(cfg, active=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,7 +83,7 @@ def active_params(cfg: ModelConfig) -> int:
 
 
 def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers: range | None = None, first_stage: bool = True,
-                     last_stage: bool = True) -> list[tuple[str, int]]:
+                     last_stage: bool = True, ep: int = 1) -> list[tuple[str, int]]:
     """(name, numel on one tensor-parallel rank) of every parameter a rank holds, named as the model
     names them. `layers` (default all) and first/last stage select a pipeline stage; the first stage
     holds the embeddings, the last the final norm and LM head, and with tied embeddings and more than
@@ -110,6 +118,15 @@ def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers: range | None = None,
         if cfg.linear_bias:
             shapes.append((f"{p}.attn.o_proj.bias", h))
         norm(f"{p}.mlp_norm")
+        if cfg.num_experts:  # experts split over ep ranks; the router and the shared expert are whole
+            shapes.append((f"{p}.mlp.router.weight", h * cfg.num_experts))
+            for e in range(cfg.num_experts // ep):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    shapes.append((f"{p}.mlp.experts.{e}.{name}.weight", h * cfg.expert_size))
+            if cfg.shared_expert_size:
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    shapes.append((f"{p}.mlp.shared_expert.{name}.weight", h * cfg.shared_expert_size))
+            continue
         for name in (("gate_proj", "up_proj") if cfg.activation == "swiglu" else ("up_proj",)):
             shapes.append((f"{p}.mlp.{name}.weight", f * h // tp))
             if cfg.linear_bias:

@@ -152,7 +152,7 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     dp, zero = par.dp, par.zero
     layers = formulas.stage_layers(m.num_layers, par.pp, stage)
     first, last = stage == 0, stage == par.pp - 1
-    shapes = formulas.parameter_shapes(m, par.tp, layers, first, last)
+    shapes = formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep)
     n = sum(numel for _, numel in shapes)
     largest = max(numel for _, numel in shapes)
 

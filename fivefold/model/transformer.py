@@ -13,6 +13,7 @@ from torch import nn
 from fivefold.config import ModelConfig
 from fivefold.model.attention import Attention
 from fivefold.model.layers import MLP, make_norm
+from fivefold.model.moe import MoE
 from fivefold.model.rope import rope_cos_sin, rope_inv_freq
 
 
@@ -24,7 +25,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer_idx)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope, mask, kv_cache=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, mask, kv_cache)

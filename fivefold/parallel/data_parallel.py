@@ -66,11 +66,15 @@ class BucketedAllReduce(TimedWaits):
     reduces_every_micro_batch = False
 
     def __init__(self, params: list[nn.Parameter], group, grad_of=None, bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = 2**20):
+                 first_bucket_bytes: int = 2**20, overlap: bool = True):
         """`grad_of(param)` returns the tensor holding that parameter's gradient (its .grad by default, or
-        an fp32 accumulation buffer whose hook must have been registered before this one's)."""
+        an fp32 accumulation buffer whose hook must have been registered before this one's).
+
+        `overlap=False` reduces every bucket in finish(), in order: for parameters that may get no
+        gradient on some ranks (experts no token was routed to), where launching buckets as they fill
+        would launch them in a different order on different ranks."""
         super().__init__()
-        self.params, self.group = list(params), group
+        self.params, self.group, self.overlap = list(params), group, overlap
         self.grad_of = grad_of or (lambda p: p.grad)
         self.sync = True
         self.buckets = [_Bucket([self.params[i] for i in b])
@@ -81,7 +85,7 @@ class BucketedAllReduce(TimedWaits):
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        if not self.sync:
+        if not self.sync or not self.overlap:
             return
         bucket = self.bucket_of[param]
         bucket.ready += 1
@@ -90,9 +94,12 @@ class BucketedAllReduce(TimedWaits):
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [self.grad_of(p) for p in bucket.params]
-        # Parameters that got no gradient this step contribute zeros, so every rank reduces equal shapes.
+        # Parameters that got no gradient this step contribute zeros, so every rank reduces equal shapes;
+        # a count of the ranks that had one rides along, so that a parameter no rank touched keeps no
+        # gradient (the optimizer then leaves it alone, as one process would: an expert no token chose).
+        had = torch.tensor([g is not None for g in grads], dtype=torch.float32, device=bucket.params[0].device)
         bucket.buffer = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
-                                   for g, p in zip(grads, bucket.params)])
+                                   for g, p in zip(grads, bucket.params)] + [had])
         for p in bucket.params:
             p.grad = None  # the bucket holds it now
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
@@ -106,8 +113,10 @@ class BucketedAllReduce(TimedWaits):
                 self._launch(bucket)
             self.wait(bucket.work)
             offset = 0
-            for p in bucket.params:
-                self.reduced[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
+            had = bucket.buffer[-len(bucket.params):].tolist()
+            for p, count in zip(bucket.params, had):
+                if count:
+                    self.reduced[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
             bucket.ready, bucket.buffer, bucket.work = 0, None, None
 
@@ -124,3 +133,56 @@ class BucketedAllReduce(TimedWaits):
         """Tensors the memory tracker should count by role: the fp32 reduced gradients."""
         in_flight = [b.buffer for b in self.buckets if b.buffer is not None]
         return {"gradients": in_flight + list(self.reduced.values())}
+
+
+class Reducers:
+    """Reducers over disjoint parameter sets (e.g. expert parameters over their own group), driven as
+    one. Parameters no reducer covers keep their local gradient (`grad_of`)."""
+
+    reduces_every_micro_batch = False
+
+    def __init__(self, params: list[nn.Parameter], reducers: list, grad_of=None):
+        self.params, self.reducers = list(params), reducers
+        self.grad_of = grad_of or (lambda p: p.grad)
+
+    @property
+    def sync(self) -> bool:
+        return all(r.sync for r in self.reducers)
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        for r in self.reducers:
+            r.sync = value
+
+    @property
+    def wait_seconds(self) -> float:
+        return sum(r.wait_seconds for r in self.reducers)
+
+    def finish(self) -> None:
+        for r in self.reducers:
+            r.finish()
+
+    def local_grads(self) -> list[torch.Tensor | None]:
+        """Handed over, like every reducer's: an uncovered parameter's .grad is released here, or the
+        optimizer's chunked step would see it in every chunk before its own."""
+        reduced = {}
+        for r in self.reducers:
+            reduced.update(zip(r.params, r.local_grads()))
+        out = []
+        for p in self.params:
+            grad = reduced[p] if p in reduced else self.grad_of(p)
+            if grad is p.grad:
+                p.grad = None
+            out.append(grad)
+        return out
+
+    def zero_grad(self) -> None:
+        for r in self.reducers:
+            r.zero_grad()
+
+    def memory_roles(self) -> dict[str, list[torch.Tensor]]:
+        roles: dict[str, list] = {}
+        for r in self.reducers:
+            for role, tensors in r.memory_roles().items():
+                roles.setdefault(role, []).extend(tensors)
+        return roles

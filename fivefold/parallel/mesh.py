@@ -40,6 +40,9 @@ class Mesh:
     grad_size: int = 1
     grad_group: dist.ProcessGroup | None = None
     grad_mesh: object = None
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    expert_grad_group: dist.ProcessGroup | None = None  # ranks holding the same experts
     device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp") when distributed
 
     @property
@@ -62,10 +65,17 @@ def launched_world_size() -> int:
 def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
-    if p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep} is not implemented yet; this version trains with data (parallel.dp, "
-                          f"parallel.zero), tensor (parallel.tp), pipeline (parallel.pp) and context parallelism "
-                          f"(parallel.cp); `fivefold plan` already plans parallel.ep")
+    if cfg.model.num_experts:
+        for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)):
+            if value > 1:
+                raise ConfigError(f"{key}={value} with a mixture-of-experts model is not supported yet; MoE trains "
+                                  f"with data (parallel.dp) and expert parallelism (parallel.ep)")
+        if p.zero > 0 and p.dp > 1:
+            raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
+                              f"expert may get no tokens on a rank; use parallel.zero=0")
+        if cfg.train.compile:
+            raise ConfigError("train.compile=true with a mixture-of-experts model is not supported yet: routing "
+                              "makes data-dependent shapes; use train.compile=false")
     if p.cp > 1:
         if cfg.model.document_mask:
             raise ConfigError("model.document_mask with parallel.cp>1 is not supported: ring attention is plain "
@@ -117,7 +127,7 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
                 pp_rank=device_mesh.get_local_rank("pp"), pp_size=p.pp, pp_group=device_mesh.get_group("pp"),
                 cp_rank=device_mesh.get_local_rank("cp"), cp_size=p.cp, cp_group=device_mesh.get_group("cp"),
                 grad_rank=grad_mesh.get_local_rank(), grad_size=p.dp * p.cp, grad_group=grad_mesh.get_group(),
-                grad_mesh=grad_mesh, device_mesh=device_mesh)
+                grad_mesh=grad_mesh, device_mesh=device_mesh, **_expert_groups(p))
 
 
 def local_device(device: torch.device) -> torch.device:
@@ -125,3 +135,12 @@ def local_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
+
+
+def _expert_groups(p) -> dict:
+    if p.ep == 1:
+        return {}
+    from fivefold.parallel.expert_parallel import expert_groups
+
+    ep_group, edp_group = expert_groups(p.dp, p.ep)
+    return {"ep_size": p.ep, "ep_group": ep_group, "expert_grad_group": edp_group}

@@ -25,17 +25,18 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
 
 class MasterWeightAdamW:
     def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None,
-                 gradients=None, sharding=None, tp_group=None, pp_group=None):
+                 gradients=None, sharding=None, tp_group=None, pp_group=None, ep_group=None):
         """`masters`: the fp32 values of the (bf16) parameters, taken before they were rounded to bf16;
         without them the masters start from the rounded values. `gradients()`: the step's gradient of
         every parameter, handed over (default: each .grad, or the fp32 accumulation buffer); a
         data-parallel reducer supplies the reduced ones. `sharding`: a ZeRO engine
         (fivefold.parallel.zero) that owns the masters of this rank's rows and publishes updates.
         `tp_group`: parameters marked as tensor-parallel shards count in the norm across that group;
-        `pp_group`: each pipeline stage holds different parameters, all of which count."""
+        `pp_group`: each pipeline stage holds different parameters, all of which count; `ep_group`:
+        expert parameters differ across that group."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self.mixed = cfg.precision == "bf16-mixed"
-        self.sharding, self.tp_group, self.pp_group = sharding, tp_group, pp_group
+        self.sharding, self.tp_group, self.pp_group, self.ep_group = sharding, tp_group, pp_group, ep_group
         self.syncs: list[tuple[int, object]] = []  # (parameter index, group summing its gradient)
         self.uncounted: set[int] = set()  # copies of a parameter counted elsewhere in the norm
         if sharding is not None:
@@ -112,22 +113,26 @@ class MasterWeightAdamW:
     def _global_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         present = [i for i, g in enumerate(grads) if g is not None and i not in self.uncounted]
         norms = torch.stack(torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32))
-        if self.sharding is None and self.tp_group is None and self.pp_group is None:
+        if self.sharding is None and self.tp_group is None and self.pp_group is None and self.ep_group is None:
             return torch.linalg.vector_norm(norms)
         import torch.distributed as dist
 
-        # Squares summed separately for tensor-parallel shards (each rank holds a different part) and
-        # whole tensors (every tp rank holds the same); ZeRO rows partition both across dp.
-        sharded = torch.tensor([getattr(self.params[i], "tp_layout", None) is not None for i in present],
-                               device=norms.device)
+        # Squares summed separately for tensor-parallel shards, expert-parallel experts (each rank of
+        # the group holds a different part) and whole tensors (the same on every rank of those groups);
+        # ZeRO rows partition all of them across dp, pipeline stages hold different parameters.
+        kind = torch.tensor([0 if getattr(self.params[i], "tp_layout", None) is not None else
+                             1 if getattr(self.params[i], "expert_parallel", False) else 2 for i in present],
+                            device=norms.device)
         squares = norms.square()
-        parts = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
+        parts = torch.stack([squares[kind == k].sum() for k in range(3)])
         if self.sharding is not None:
             dist.all_reduce(parts, group=self.sharding.group)
         if self.pp_group is not None:
             dist.all_reduce(parts, group=self.pp_group)
         if self.tp_group is not None:
-            dist.all_reduce(parts[:1], group=self.tp_group)
+            dist.all_reduce(parts[0:1], group=self.tp_group)
+        if self.ep_group is not None:
+            dist.all_reduce(parts[1:2], group=self.ep_group)
         return parts.sum().sqrt()
 
     def sync_gradient(self, param: torch.Tensor, group, counted: bool) -> None:

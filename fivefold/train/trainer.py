@@ -88,6 +88,13 @@ class Trainer:
 
             self.tp_group = self.mesh.tp_group
             apply_tensor_parallel(self.model, self.tp_group, cfg.parallel.sequence_parallel)
+        from fivefold.model.moe import MoE
+
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        if self.mesh.ep_size > 1:
+            from fivefold.parallel.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(self.model, self.mesh.ep_group)
         if self.mesh.cp_size > 1:
             from fivefold.parallel.context_parallel import apply_context_parallel
 
@@ -131,7 +138,8 @@ class Trainer:
             zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.grad_mesh,
                                     mesh.grad_size, mesh.grad_rank, bucket_bytes=bucket_bytes)
         optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero, tp_group=self.tp_group,
-                                      pp_group=self.mesh.pp_group if self.pipeline else None)
+                                      pp_group=self.mesh.pp_group if self.pipeline else None,
+                                      ep_group=mesh.ep_group)
         if self.pipeline is not None and cfg.model.tie_embeddings:
             from fivefold.parallel.pipeline import tied_group
 
@@ -143,6 +151,19 @@ class Trainer:
         if zero is not None:
             zero.grad_of = optimizer.grad_of
             zero.register_hooks()  # after the optimizer's: fp32 accumulation folds each gradient first
+        elif self.moe_layers and mesh.grad_size > 1:
+            # Expert parameters are reduced over the ranks holding the same experts, after backward and in
+            # order (an expert may get no token on some rank); everything else as usual.
+            from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
+
+            routed = {id(p) for m in self.moe_layers for p in m.experts.parameters()}
+            dense, experts = [p for p in params if id(p) not in routed], [p for p in params if id(p) in routed]
+            parts = [BucketedAllReduce(dense, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)]
+            if mesh.dp_size > mesh.ep_size:
+                group = mesh.expert_grad_group if mesh.ep_size > 1 else mesh.grad_group
+                parts.append(BucketedAllReduce(experts, group, optimizer.grad_of, bucket_bytes=bucket_bytes,
+                                               overlap=False))
+            reducer = Reducers(params, parts, optimizer.grad_of)
         elif mesh.grad_size > 1:
             from fivefold.parallel.data_parallel import BucketedAllReduce
 
@@ -168,8 +189,31 @@ class Trainer:
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
         gradients yields the gradient of the global mean."""
         loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs)) / num_tokens
-        loss.backward()
+        total = loss
+        if self.moe_layers:  # router losses, averaged over the global batch's micro-batches
+            aux = sum(m.aux_loss for m in self.moe_layers) / self._micro_batches
+            total = loss + aux
+            self._routing["aux_loss"] += aux.detach()
+            for m in self.moe_layers:
+                self._routing["tokens_per_expert"] += m.stats["tokens_per_expert"]
+                self._routing["dropped"] += m.stats["dropped"]
+                self._routing["assignments"] += m.stats["assignments"]
+        total.backward()
         return loss.detach()
+
+    def _routing_record(self) -> dict:
+        """Routing statistics of the step over all ranks: router loss, dropped assignments, and the most
+        loaded expert's share relative to a perfectly even one (1.0)."""
+        r = self._routing
+        stats = torch.cat([r["tokens_per_expert"].double(), torch.stack([r["dropped"], r["assignments"]]).double(),
+                           r["aux_loss"].double().reshape(1)])
+        if self.mesh.grad_size > 1:
+            dist.all_reduce(stats, group=self.mesh.grad_group)
+        experts = self.cfg.model.num_experts
+        load, dropped, assignments = stats[:experts], stats[experts], stats[experts + 1]
+        return {"router_loss": stats[-1].item(),
+                "moe_dropped_fraction": (dropped / assignments).item(),
+                "moe_max_expert_load": (load.max() / load.mean()).item()}
 
     def local_columns(self, inputs: torch.Tensor, labels: torch.Tensor):
         """This context-parallel rank's tokens of every sequence (zig-zag chunks r and 2cp-1-r)."""
@@ -207,6 +251,7 @@ class Trainer:
                 dist.all_reduce(loss, group=self.mesh.grad_group)
             return loss
         micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
+        self._micro_batches = len(micro_batches) * self.mesh.grad_size
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.reducer is not None:
@@ -224,6 +269,12 @@ class Trainer:
         start = time.perf_counter()
         accum = grad_accum_at(self.tokens_seen, cfg)
         batch = self.global_batch(accum)
+        if self.moe_layers:
+            zero = torch.zeros((), dtype=torch.long, device=self.device)
+            self._routing = {"aux_loss": torch.zeros((), device=self.device), "dropped": zero.clone(),
+                             "assignments": zero.clone(),
+                             "tokens_per_expert": torch.zeros(self.cfg.model.num_experts, dtype=torch.long,
+                                                              device=self.device)}
         loss_value = self.accumulate_gradients(batch[:, :-1], batch[:, 1:]).item()
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
@@ -243,7 +294,8 @@ class Trainer:
         self.step += 1
         self.tokens_seen += batch_tokens
         tokens_per_sec = batch_tokens / elapsed
-        return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+        routing = self._routing_record() if self.moe_layers else {}
+        return {**routing, "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / (self.peak_flops * self.mesh.world_size),
                 "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
                 "step_time": elapsed}

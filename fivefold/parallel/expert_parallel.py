@@ -1,0 +1,83 @@
+"""Expert parallelism: the experts of every MoE layer are split across `ep` data-parallel ranks, and
+each token's hidden state travels to the rank of each expert it was routed to and back, by all-to-all
+(Lepikhin et al. 2020, "GShard"). Routing, gate weights, capacity and the auxiliary losses stay on
+the token's own rank, so they are exactly the single-process ones.
+
+Ranks: data-parallel rank d = g * ep + e; the ep ranks of one group g split the experts (rank e holds
+experts e * E/ep ... (e+1) * E/ep - 1), and expert parameters are averaged only across the groups that
+hold the same experts (the expert-data-parallel group), while every other parameter is reduced over
+all dp ranks as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single as differentiable_all_to_all
+
+
+class AllToAllDispatch:
+    def __init__(self, group, num_experts: int):
+        self.group = group
+        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.per_rank = num_experts // self.ep
+
+    def __call__(self, moe, tokens, expert_ids, token_ids, weights):
+        dest = torch.div(expert_ids, self.per_rank, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)  # grouped by destination rank, token order within
+        expert_ids, token_ids, weights, dest = expert_ids[order], token_ids[order], weights[order], dest[order]
+        send = torch.bincount(dest, minlength=self.ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        incoming = tokens.new_empty((sum(recv_splits), tokens.shape[-1]))
+        incoming = differentiable_all_to_all(incoming, tokens[token_ids], recv_splits, send_splits, self.group)
+        incoming_experts = expert_ids.new_empty(sum(recv_splits))
+        dist.all_to_all_single(incoming_experts, expert_ids, recv_splits, send_splits, group=self.group)
+        # Tied to `incoming` even when no local expert got a token: every rank must run the dispatch's
+        # backward all-to-all, or the collectives of the ranks stop matching.
+        processed = incoming * 0
+        for e in range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank):
+            rows = (incoming_experts == e).nonzero().flatten()
+            if len(rows):
+                processed = processed.index_add(0, rows, moe.experts[e](incoming[rows]))
+        returned = differentiable_all_to_all(torch.empty_like(tokens[token_ids]), processed, send_splits,
+                                             recv_splits, self.group)
+        return torch.zeros_like(tokens).index_add(0, token_ids, returned * weights[:, None].to(tokens.dtype))
+
+
+def expert_groups(dp: int, ep: int):
+    """(this rank's ep group, this rank's expert-data-parallel group), over dp ranks d = g * ep + e.
+    Every rank creates every group, in the same order, as torch.distributed requires."""
+    me = dist.get_rank()
+    mine_ep = mine_edp = None
+    for g in range(dp // ep):
+        ranks = [g * ep + e for e in range(ep)]
+        group = dist.new_group(ranks)
+        mine_ep = group if me in ranks else mine_ep
+    for e in range(ep):
+        ranks = [g * ep + e for g in range(dp // ep)]
+        group = dist.new_group(ranks)
+        mine_edp = group if me in ranks else mine_edp
+    return mine_ep, mine_edp
+
+
+def apply_expert_parallel(model: nn.Module, group) -> None:
+    """Keep this rank's experts (the others become placeholders; names stay global), route through
+    all-to-all, and mark expert parameters (reduced over the expert-data-parallel group only)."""
+    from fivefold.model.moe import MoE
+
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        per_rank = moe.num_experts // ep
+        for e in range(moe.num_experts):
+            if not rank * per_rank <= e < (rank + 1) * per_rank:
+                moe.experts[e] = nn.Identity()
+        for p in moe.experts.parameters():
+            p.expert_parallel = True
+        moe.dispatch = AllToAllDispatch(group, moe.num_experts)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)

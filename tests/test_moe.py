@@ -1,0 +1,128 @@
+"""Mixture of experts and expert parallelism.
+
+Layer: top-k routing with weights summing to one, capacity dropping (and dropless), the Switch
+load-balancing loss at its textbook value for a uniform router, a shared expert. Expert parallelism:
+all-to-all dispatch and combine against local experts in float64 (outputs and every gradient;
+tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32): dp 2 and 4 with ep 1, 2 and 4 give
+the single process's losses over 10 steps, with capacity dropping and router losses on: the single process
+runs the same micro-batches (one per rank's micro-batch), so routing, drops and router losses are the
+same computations."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.model.moe import MoE
+from fivefold.train.compare import compare_runs
+from fivefold.train.trainer import Trainer
+from parity import BASE, launch_layouts
+
+
+def moe_layer(**overrides) -> MoE:
+    cfg = load_config(preset="tiny-moe", overrides=[f"{k}={v}" for k, v in overrides.items()]).model
+    torch.manual_seed(0)
+    return MoE(cfg)
+
+
+def test_capacity_drops_the_overflow_and_dropless_keeps_everything():
+    x = torch.randn(4, 32, 64)
+    dropless = moe_layer(**{"model.capacity_factor": 0})
+    dropless(x)
+    assert dropless.stats["dropped"] == 0 and dropless.stats["assignments"] == 4 * 32 * 2
+    capped = moe_layer(**{"model.capacity_factor": 0.5})
+    capped(x)
+    capacity = 0.5 * 128 * 2 / 8
+    load = capped.stats["tokens_per_expert"]
+    assert capped.stats["dropped"] == int((load - capacity).clamp(min=0).sum())
+
+
+def test_balanced_router_has_the_textbook_losses():
+    """A router with zero weights: every expert equally likely (P_e = 1/E) and, by top-k ties, the
+    balance loss E * sum f_e P_e = 1; the z-loss is log(E)^2."""
+    moe = moe_layer(**{"model.router_aux_loss_coef": 1.0, "model.router_z_loss_coef": 0.0})
+    torch.nn.init.zeros_(moe.router.weight)
+    moe(torch.randn(2, 16, 64))
+    assert moe.aux_loss.item() == pytest.approx(1.0)
+    moe = moe_layer(**{"model.router_aux_loss_coef": 0.0, "model.router_z_loss_coef": 1.0})
+    torch.nn.init.zeros_(moe.router.weight)
+    moe(torch.randn(2, 16, 64))
+    assert moe.aux_loss.item() == pytest.approx(torch.log(torch.tensor(8.0)).item() ** 2)
+
+
+def test_output_is_the_weighted_sum_of_the_chosen_experts_plus_the_shared_one():
+    moe = moe_layer(**{"model.shared_expert_size": 32, "model.capacity_factor": 0})
+    x = torch.randn(1, 3, 64)
+    y = moe(x)
+    tokens = x.reshape(-1, 64)
+    logits = moe.router(tokens)
+    weights, experts = logits.topk(2, dim=-1)
+    weights = weights.softmax(-1)
+    for t in range(3):
+        expected = sum(w * moe.experts[int(e)](tokens[t]) for w, e in zip(weights[t], experts[t]))
+        expected = expected + moe.shared_expert(tokens[t])
+        assert torch.allclose(y[0, t], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_all_to_all_dispatch_matches_local_experts(nproc):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(Path(__file__).parent / "moe_dispatch_worker.py")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "matches local experts" in proc.stdout, proc.stderr[-3000:]
+
+
+MODEL = {"model.capacity_factor": 1.0}
+
+
+def config(cache, out, **overrides) -> dict:
+    values = {**BASE, **MODEL, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    return load_config(preset="tiny-moe", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
+
+
+def layout(dp, ep) -> dict:
+    return {"parallel.dp": dp, "parallel.ep": ep, "train.micro_batch_size": 2, "train.grad_accum": 4 // dp}
+
+
+LAUNCHES = {2: [(2, 1), (2, 2)], 4: [(4, 2), (4, 4)]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("moe")
+    Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": 2,
+                                                                     "train.grad_accum": 4})), quiet=True).fit()
+    for nproc, layouts in LAUNCHES.items():
+        launch_layouts(nproc, [{"config": config(data_cache, root / f"dp{dp}_ep{ep}", **layout(dp, ep))}
+                               for dp, ep in layouts], root / f"moe_{nproc}.json")
+    return root
+
+
+@pytest.mark.parametrize("dp, ep", [lay for layouts in LAUNCHES.values() for lay in layouts])
+def test_every_step_matches_one_process(runs, dp, ep):
+    result = compare_runs(runs / f"dp{dp}_ep{ep}", runs / "single", rtol=1e-5)
+    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+
+
+def test_routing_statistics_are_logged(runs):
+    rows = [json.loads(line) for line in (runs / "dp4_ep4" / "metrics.jsonl").read_text().splitlines()]
+    single = [json.loads(line) for line in (runs / "single" / "metrics.jsonl").read_text().splitlines()]
+    for ours, ref in zip(rows, single):
+        assert 0 < ours["moe_dropped_fraction"] < 1 and ours["moe_max_expert_load"] >= 1
+        assert ours["moe_dropped_fraction"] == pytest.approx(ref["moe_dropped_fraction"])
+        assert ours["router_loss"] == pytest.approx(ref["router_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.dp": 4, "parallel.ep": 3}, "parallel.ep=3 must divide model.num_experts=8"),
+    ({"parallel.dp": 2, "parallel.ep": 4}, "it must divide parallel.dp=2"),
+    ({"model.experts_per_token": 9}, "must be in 1..model.num_experts=8"),
+])
+def test_invalid_expert_layouts_are_rejected(tiny_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(preset="tiny-moe", **overrides)
