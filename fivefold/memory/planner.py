@@ -67,7 +67,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
     tp = par.tp
     return Shapes(b=t.micro_batch_size, s=math.ceil(t.seq_len / par.cp), sk=t.seq_len, h=m.hidden_size,
                   q=m.q_size // tp, kv=m.kv_size // tp, heads=m.num_heads // tp,
-                  f=math.ceil(m.ffn_hidden_size / tp), vocab=math.ceil(m.vocab_size / tp), head_size=m.head_size,
+                  f=math.ceil(_ffn_width(m) / tp), vocab=math.ceil(m.vocab_size / tp), head_size=m.head_size,
                   p=p, rep=1 / tp if par.sequence_parallel else 1.0, rms=m.norm == "rmsnorm",
                   swiglu=m.activation == "swiglu", sdpa=not scores_materialised(cfg, device),
                   rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads, doc_mask=m.document_mask,
@@ -218,6 +218,14 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     return StagePlan(stage, len(layers), n, memory, in_flight, detail)
 
 
+def _ffn_width(m) -> int:
+    """Hidden width each token's feed-forward activations have: the dense MLP's, or under MoE the k
+    chosen experts' plus the shared expert's."""
+    if m.num_experts:
+        return m.experts_per_token * m.expert_size + m.shared_expert_size
+    return m.ffn_hidden_size
+
+
 def _gradients(cfg: Config, shapes: list[tuple[str, int]], bpp, largest: int) -> float:
     """Peak gradient memory. One process: every .grad (or the fp32 accumulation buffers plus the one
     bf16 .grad being folded in). Data parallel (fivefold.parallel): the reduction is in fp32 and its
@@ -298,8 +306,12 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     stages = [_stage_plan(cfg, i, device) for i in range(par.pp)]
     worst = max(range(par.pp), key=lambda i: stages[i].memory["total"])
     notes = []
-    if par.ep > 1:
+    if par.ep > 1 and not cfg.model.num_experts:
         notes.append(f"parallel.ep={par.ep} has no experts to split in a dense model; it changes nothing here")
+    if cfg.model.num_experts:
+        notes.append("MoE activations are planned as a dense MLP as wide as the k chosen experts (plus the "
+                     "shared one); the router's logits, the routed copies of tokens and the all-to-all buffers "
+                     "are not modelled")
     if cfg.model.attention == "sdpa" and scores_materialised(cfg, device):
         notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
                      "its s^2 scores are counted as under eager attention")
