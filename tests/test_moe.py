@@ -3,8 +3,8 @@
 Layer: top-k routing with weights summing to one, capacity dropping (and dropless), the Switch
 load-balancing loss at its textbook value for a uniform router, a shared expert. Expert parallelism:
 all-to-all dispatch and combine against local experts in float64 (outputs and every gradient;
-tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32): dp 2 and 4 with ep 1, 2 and 4 give
-the single process's losses over 10 steps, with capacity dropping and router losses on: the single process
+tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32): dp 2 and 4 with ep 1, 2 and 4, and
+tensor-parallel experts (tp 2, alone and with dp 2), give the single process's losses over 10 steps, with capacity dropping and router losses on: the single process
 runs the same micro-batches (one per rank's micro-batch), so routing, drops and router losses are the
 same computations."""
 
@@ -85,11 +85,17 @@ def config(cache, out, **overrides) -> dict:
     return load_config(preset="tiny-moe", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
-def layout(dp, ep) -> dict:
-    return {"parallel.dp": dp, "parallel.ep": ep, "train.micro_batch_size": 2, "train.grad_accum": 4 // dp}
+def layout(dp, ep, tp=1) -> dict:
+    return {"parallel.dp": dp, "parallel.ep": ep, "parallel.tp": tp, "train.micro_batch_size": 2,
+            "train.grad_accum": 4 // dp}
 
 
-LAUNCHES = {2: [(2, 1), (2, 2)], 4: [(4, 2), (4, 4)]}
+def name(dp, ep, tp=1) -> str:
+    return f"dp{dp}_ep{ep}_tp{tp}"
+
+
+# (dp, ep, tp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts
+LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2)], 4: [(4, 2), (4, 4), (2, 1, 2)]}
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +104,19 @@ def runs(tmp_path_factory, data_cache):
     Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": 2,
                                                                      "train.grad_accum": 4})), quiet=True).fit()
     for nproc, layouts in LAUNCHES.items():
-        launch_layouts(nproc, [{"config": config(data_cache, root / f"dp{dp}_ep{ep}", **layout(dp, ep))}
-                               for dp, ep in layouts], root / f"moe_{nproc}.json")
+        launch_layouts(nproc, [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts],
+                       root / f"moe_{nproc}.json")
     return root
 
 
-@pytest.mark.parametrize("dp, ep", [lay for layouts in LAUNCHES.values() for lay in layouts])
-def test_every_step_matches_one_process(runs, dp, ep):
-    result = compare_runs(runs / f"dp{dp}_ep{ep}", runs / "single", rtol=1e-5)
+@pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
+def test_every_step_matches_one_process(runs, lay):
+    result = compare_runs(runs / name(*lay), runs / "single", rtol=1e-5)
     assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
 
 
 def test_routing_statistics_are_logged(runs):
-    rows = [json.loads(line) for line in (runs / "dp4_ep4" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (runs / name(4, 4) / "metrics.jsonl").read_text().splitlines()]
     single = [json.loads(line) for line in (runs / "single" / "metrics.jsonl").read_text().splitlines()]
     for ours, ref in zip(rows, single):
         assert 0 < ours["moe_dropped_fraction"] < 1 and ours["moe_max_expert_load"] >= 1

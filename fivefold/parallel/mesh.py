@@ -66,10 +66,15 @@ def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
     if cfg.model.num_experts:
-        for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)):
+        for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
             if value > 1:
                 raise ConfigError(f"{key}={value} with a mixture-of-experts model is not supported yet; MoE trains "
-                                  f"with data (parallel.dp) and expert parallelism (parallel.ep)")
+                                  f"with data (parallel.dp), expert (parallel.ep) and tensor parallelism "
+                                  f"(parallel.tp)")
+        if p.tp > 1 and (p.ep > 1 or p.sequence_parallel):
+            raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model is supported with ep=1 and "
+                              f"without sequence parallelism for now; set parallel.ep=1 and "
+                              f"parallel.sequence_parallel=false")
         if p.zero > 0 and p.dp > 1:
             raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
                               f"expert may get no tokens on a rank; use parallel.zero=0")

@@ -302,6 +302,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, column_input))
         attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel)
+        if hasattr(mlp, "router"):
+            _shard_experts(mlp, group)
+            continue
         for name in ("gate_proj", "up_proj"):
             if hasattr(mlp, name):
                 setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, column_input))
@@ -327,8 +330,23 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
             if getattr(p, "tp_partial_grad", False):
                 p.register_hook(_all_reduce_hook(group))
     else:
-        for module in [*(m for block in model.layers for m in (block.attn, block.mlp)), model.lm_head]:
+        # A mixture of experts gets its f per expert instead (its router also reads the input, whole).
+        entrances = [m for block in model.layers for m in (block.attn, block.mlp) if not hasattr(m, "router")]
+        for module in [*entrances, model.lm_head]:
             module.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+
+
+def _shard_experts(moe: nn.Module, group) -> None:
+    """Each expert (and the shared expert) as a tensor-parallel MLP: gate/up by columns, down by rows.
+    Routing stays whole and identical on every rank; each expert's input enters through its own f, so
+    the router's input gradient is not summed over the group."""
+    experts = [e for e in moe.experts if hasattr(e, "gate_proj")]
+    if moe.shared_expert is not None:
+        experts.append(moe.shared_expert)
+    for mlp in experts:
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, "copy")
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, "copy")
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel=False)
 
 
 def _all_reduce_hook(group):
