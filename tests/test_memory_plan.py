@@ -259,3 +259,23 @@ def test_cpu_and_cuda_device_models_differ_only_where_kernels_do():
     assert activation_shapes(cfg, "cpu").sdpa and activation_shapes(cfg, "cuda").sdpa
     cfg.train.precision = "fp32"  # no flash kernel on CUDA in fp32, and the efficient one has no GQA
     assert activation_shapes(cfg, "cpu").sdpa and not activation_shapes(cfg, "cuda").sdpa
+
+
+def test_communication_per_step_follows_the_collectives():
+    """Bytes a rank sends per step (ring algorithms), by dimension, for hand-checkable layouts; the
+    tensor-parallel and ring-attention terms are also checked against counted collectives
+    (bench/tensor_parallel.py, tests/ring_attention_worker.py)."""
+    from fivefold.memory.communication import step_communication
+
+    cfg = load_config(preset="tiny", overrides=["parallel.dp=4", "train.seq_len=64", "train.micro_batch_size=2"])
+    n = formulas.count_params(cfg.model)
+    assert step_communication(cfg) == {"dp": 2 * 3 / 4 * 4 * n}
+    cfg.parallel.zero = 3
+    cfg.train.grad_accum = 2
+    assert step_communication(cfg)["dp"] == 3 / 4 * (2 * 4 * n + 4 * 4 * n)  # 2 reduce-scatters, 4 gathers
+    tp = load_config(preset="tiny", overrides=["parallel.tp=2", "train.seq_len=64", "train.micro_batch_size=2"])
+    bsh = 2 * 64 * 64 * 4
+    assert step_communication(tp) == {"tp": 2 * 1 / 2 * 4 * bsh * 2}  # 4 all-reduces per layer, 2 layers
+    cp = load_config(preset="tiny", overrides=["parallel.cp=2", "train.seq_len=64", "train.micro_batch_size=2"])
+    kv = 2 * 2 * 2 * 32 * 16  # K and V: batch 2, 2 kv heads, 32 local tokens, head size 16
+    assert step_communication(cp)["cp"] == 2 * (kv * 4 * 2 + kv * 4 * 2)

@@ -97,6 +97,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    communication: dict = field(default_factory=dict)  # bytes sent per step by dimension (communication.py)
 
     @property
     def fits(self) -> bool | None:
@@ -109,6 +110,7 @@ class MemoryPlan:
                 "device_memory": self.device_memory, "fits": self.fits, "device": self.device,
                 "most_loaded_stage": self.stage, "micro_batches_in_flight": most.in_flight,
                 "activations_detail": {k: int(round(v)) for k, v in most.activation_detail.items()},
+                "communication_bytes_per_step": {k: int(v) for k, v in self.communication.items()},
                 "notes": self.notes, "suggestions": self.suggestions, "config": self.summary}
 
     def table(self) -> str:
@@ -134,6 +136,9 @@ class MemoryPlan:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             lines.append(f"\n{verdict} in {human_bytes(dm)} ({human_bytes(dm - self.memory['total'])} left)"
                          if self.fits else f"\n{verdict} in {human_bytes(dm)}")
+        if self.communication:
+            lines.append("sent per step and rank: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in
+                                                              self.communication.items()))
         for note in self.notes:
             lines.append(f"note: {note}")
         if self.suggestions:
@@ -330,6 +335,9 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
                       stages=stages, device=device, device_memory=device_memory, notes=notes, summary=summary)
     if suggest and plan.fits is False:
         plan.suggestions = suggest_fixes(cfg, device_memory, device)
+    from fivefold.memory.communication import step_communication
+
+    plan.communication = step_communication(cfg)
     return plan
 
 
