@@ -49,8 +49,8 @@ def test_data_parallel_matches_one_process(single, data_cache, tmp_path, dp, acc
 def test_layout_errors_come_before_any_worker_starts(data_cache, tmp_path):
     proc = train(tmp_path / "a", data_cache, "--nproc", "2", "--set", "parallel.dp=4", check=False)
     assert proc.returncode == 2 and "world size 2 != dp*tp*pp*cp = 4*1*1*1 = 4" in proc.stderr
-    proc = train(tmp_path / "b", data_cache, "--nproc", "2", "--set", "parallel.cp=2", check=False)
-    assert proc.returncode == 2 and "parallel.cp=2 is not implemented yet" in proc.stderr
+    proc = train(tmp_path / "b", data_cache, "--nproc", "2", "--set", "parallel.ep=2", check=False)
+    assert proc.returncode == 2 and "parallel.ep=2 must divide model.num_experts=0" in proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
