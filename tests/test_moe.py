@@ -4,7 +4,7 @@ Layer: top-k routing with weights summing to one, capacity dropping (and droples
 load-balancing loss at its textbook value for a uniform router, a shared expert. Expert parallelism:
 all-to-all dispatch and combine against local experts in float64 (outputs and every gradient;
 tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32): dp 2 and 4 with ep 1, 2 and 4, and
-tensor-parallel experts (tp 2, alone and with dp 2), give the single process's losses over 10 steps, with capacity dropping and router losses on: the single process
+tensor-parallel experts (tp 2, alone, with dp 2, and with dp 4 x ep 2), give the single process's losses over 10 steps, with capacity dropping and router losses on: the single process
 runs the same micro-batches (one per rank's micro-batch), so routing, drops and router losses are the
 same computations."""
 
@@ -94,8 +94,8 @@ def name(dp, ep, tp=1) -> str:
     return f"dp{dp}_ep{ep}_tp{tp}"
 
 
-# (dp, ep, tp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts
-LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2)], 4: [(4, 2), (4, 4), (2, 1, 2)]}
+# (dp, ep, tp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts, and all three
+LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2)], 4: [(4, 2), (4, 4), (2, 1, 2)], 8: [(4, 2, 2)]}
 
 
 @pytest.fixture(scope="module")

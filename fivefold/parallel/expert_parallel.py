@@ -47,19 +47,23 @@ class AllToAllDispatch:
         return torch.zeros_like(tokens).index_add(0, token_ids, returned * weights[:, None].to(tokens.dtype))
 
 
-def expert_groups(dp: int, ep: int):
-    """(this rank's ep group, this rank's expert-data-parallel group), over dp ranks d = g * ep + e.
-    Every rank creates every group, in the same order, as torch.distributed requires."""
+def expert_groups(ranks: torch.Tensor, ep: int):
+    """(this rank's ep group, this rank's expert-data-parallel group). `ranks` (dp, tp): the global rank
+    of each (data-parallel, tensor-parallel) coordinate; data-parallel rank d = g * ep + e. Groups join
+    ranks of one tensor-parallel coordinate, whose token sets and expert shards correspond. Every rank
+    creates every group, in the same order, as torch.distributed requires."""
     me = dist.get_rank()
+    dp, tp = ranks.shape
     mine_ep = mine_edp = None
-    for g in range(dp // ep):
-        ranks = [g * ep + e for e in range(ep)]
-        group = dist.new_group(ranks)
-        mine_ep = group if me in ranks else mine_ep
-    for e in range(ep):
-        ranks = [g * ep + e for g in range(dp // ep)]
-        group = dist.new_group(ranks)
-        mine_edp = group if me in ranks else mine_edp
+    for t in range(tp):
+        for g in range(dp // ep):
+            members = [int(ranks[g * ep + e, t]) for e in range(ep)]
+            group = dist.new_group(members)
+            mine_ep = group if me in members else mine_ep
+        for e in range(ep):
+            members = [int(ranks[g * ep + e, t]) for g in range(dp // ep)]
+            group = dist.new_group(members)
+            mine_edp = group if me in members else mine_edp
     return mine_ep, mine_edp
 
 

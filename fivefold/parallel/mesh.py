@@ -71,10 +71,9 @@ def check_supported(cfg: Config) -> None:
                 raise ConfigError(f"{key}={value} with a mixture-of-experts model is not supported yet; MoE trains "
                                   f"with data (parallel.dp), expert (parallel.ep) and tensor parallelism "
                                   f"(parallel.tp)")
-        if p.tp > 1 and (p.ep > 1 or p.sequence_parallel):
-            raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model is supported with ep=1 and "
-                              f"without sequence parallelism for now; set parallel.ep=1 and "
-                              f"parallel.sequence_parallel=false")
+        if p.tp > 1 and p.sequence_parallel:
+            raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model is supported without sequence "
+                              f"parallelism for now; set parallel.sequence_parallel=false")
         if p.zero > 0 and p.dp > 1:
             raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
                               f"expert may get no tokens on a rank; use parallel.zero=0")
@@ -132,7 +131,7 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
                 pp_rank=device_mesh.get_local_rank("pp"), pp_size=p.pp, pp_group=device_mesh.get_group("pp"),
                 cp_rank=device_mesh.get_local_rank("cp"), cp_size=p.cp, cp_group=device_mesh.get_group("cp"),
                 grad_rank=grad_mesh.get_local_rank(), grad_size=p.dp * p.cp, grad_group=grad_mesh.get_group(),
-                grad_mesh=grad_mesh, device_mesh=device_mesh, **_expert_groups(p))
+                grad_mesh=grad_mesh, device_mesh=device_mesh, **_expert_groups(p, device_mesh))
 
 
 def local_device(device: torch.device) -> torch.device:
@@ -142,10 +141,10 @@ def local_device(device: torch.device) -> torch.device:
     return device
 
 
-def _expert_groups(p) -> dict:
+def _expert_groups(p, device_mesh) -> dict:
     if p.ep == 1:
         return {}
     from fivefold.parallel.expert_parallel import expert_groups
 
-    ep_group, edp_group = expert_groups(p.dp, p.ep)
+    ep_group, edp_group = expert_groups(device_mesh.mesh[0, :, 0, :], p.ep)  # MoE runs with pp = cp = 1
     return {"ep_size": p.ep, "ep_group": ep_group, "expert_grad_group": edp_group}

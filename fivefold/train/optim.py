@@ -117,22 +117,26 @@ class MasterWeightAdamW:
             return torch.linalg.vector_norm(norms)
         import torch.distributed as dist
 
-        # Squares summed separately for tensor-parallel shards, expert-parallel experts (each rank of
-        # the group holds a different part) and whole tensors (the same on every rank of those groups);
-        # ZeRO rows partition all of them across dp, pipeline stages hold different parameters.
-        kind = torch.tensor([0 if getattr(self.params[i], "tp_layout", None) is not None else
-                             1 if getattr(self.params[i], "expert_parallel", False) else 2 for i in present],
+        # Squares summed separately by what differs across ranks: tensor-parallel shards, this rank's
+        # experts (each rank of the group holds a different part), both, or neither (whole tensors, the
+        # same on every rank of those groups); ZeRO rows partition all of them across dp, pipeline
+        # stages hold different parameters.
+        # kind: bit 0 = a tensor-parallel shard, bit 1 = an expert of this rank only
+        kind = torch.tensor([(getattr(self.params[i], "tp_layout", None) is not None)
+                             + 2 * getattr(self.params[i], "expert_parallel", False) for i in present],
                             device=norms.device)
         squares = norms.square()
-        parts = torch.stack([squares[kind == k].sum() for k in range(3)])
+        parts = torch.stack([squares[kind == k].sum() for k in range(4)])  # whole, tp, ep, tp and ep
         if self.sharding is not None:
             dist.all_reduce(parts, group=self.sharding.group)
         if self.pp_group is not None:
             dist.all_reduce(parts, group=self.pp_group)
         if self.tp_group is not None:
-            dist.all_reduce(parts[0:1], group=self.tp_group)
+            tp_parts = parts[1::2].clone()  # tp, tp and ep
+            dist.all_reduce(tp_parts, group=self.tp_group)
+            parts[1::2] = tp_parts
         if self.ep_group is not None:
-            dist.all_reduce(parts[1:2], group=self.ep_group)
+            dist.all_reduce(parts[2:4], group=self.ep_group)
         return parts.sum().sqrt()
 
     def sync_gradient(self, param: torch.Tensor, group, counted: bool) -> None:
