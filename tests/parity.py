@@ -52,3 +52,25 @@ def assert_weights_match(ours: dict, ref: dict) -> None:
         close = torch.isclose(ours[name], ref[name], rtol=1e-4, atol=5e-5)
         assert close.float().mean() >= 0.998, (name, int((~close).sum()))
         assert (ours[name] - ref[name]).norm() <= 1e-3 * ref[name].norm(), name
+
+
+MODEL_STATES = ("parameters", "gradients", "optimizer_states")
+
+
+def measured_memory(nproc: int, preset: str, *overrides: str) -> dict:
+    """`fivefold memory --nproc N --json` on random tokens: rank 0's rows (category -> predicted,
+    measured, error)."""
+    cmd = [sys.executable, "-m", "fivefold", "memory", "--preset", preset, "--synthetic", "--steps", "2", "--json",
+           "--nproc", str(nproc)]
+    for override in overrides:
+        cmd += ["--set", override]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {row["category"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])["comparison"]}
+
+
+def assert_matches_plan(rows: dict, activations: bool = True) -> None:
+    """Model states within 1% of the plan, activations within 5%."""
+    checks = [(name, 0.01) for name in MODEL_STATES] + ([("activations", 0.05)] if activations else [])
+    for name, tolerance in checks:
+        assert abs(rows[name]["error"]) <= tolerance, rows[name]

@@ -14,7 +14,7 @@ import pytest
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, launch_layouts
+from parity import BASE, assert_matches_plan, launch_layouts, measured_memory
 
 HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}
 
@@ -71,13 +71,4 @@ def test_invalid_context_parallel_layouts_are_rejected(tiny_config, overrides, m
 def test_measured_activations_per_rank_are_divided_by_cp():
     """`fivefold memory --nproc 2` with cp=2: model states within 1% and activations within 5% of the
     plan, which divides the single process's by cp (ring attention keeps no s x s scores)."""
-    import json
-
-    cmd = [sys.executable, "-m", "fivefold", "memory", "--preset", "tiny", "--synthetic", "--steps", "2", "--json",
-           "--nproc", "2", "--set", "train.seq_len=128", "--set", "train.micro_batch_size=2", "--set", "parallel.cp=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["category"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["comparison"]}
-    for category, tolerance in (("parameters", 0.01), ("gradients", 0.01), ("optimizer_states", 0.01),
-                                ("activations", 0.05)):
-        assert abs(rows[category]["error"]) <= tolerance, rows[category]
+    assert_matches_plan(measured_memory(2, "tiny", "train.seq_len=128", "train.micro_batch_size=2", "parallel.cp=2"))

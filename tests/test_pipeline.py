@@ -17,7 +17,7 @@ from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max
                                                   theoretical_bubble)
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, copy_checkpoint, launch_layouts
+from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory
 
 GRID = [(pp, m) for pp in (2, 3, 4) for m in (4, 8, 12) if m % pp == 0]
 
@@ -161,13 +161,5 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs, data_cache):
 def test_measured_stage_memory_matches_the_plan(schedule):
     """Rank 0 (the first stage) against its stage's plan: model states within 1%, activations (its
     in-flight micro-batches: 2 under 1F1B, all 4 under AFAB) within 5%."""
-    cmd = [sys.executable, "-m", "fivefold", "memory", "--preset", "tiny", "--synthetic", "--steps", "2", "--json",
-           "--nproc", "2", "--set", "model.num_layers=4", "--set", "train.seq_len=64", "--set",
-           "train.micro_batch_size=2", "--set", "train.grad_accum=4", "--set", "parallel.pp=2",
-           "--set", f"parallel.pp_schedule={schedule}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["category"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["comparison"]}
-    for category, tolerance in (("parameters", 0.01), ("gradients", 0.01), ("optimizer_states", 0.01),
-                                ("activations", 0.05)):
-        assert abs(rows[category]["error"]) <= tolerance, rows[category]
+    assert_matches_plan(measured_memory(2, "tiny", "model.num_layers=4", "train.seq_len=64", "train.micro_batch_size=2",
+                                        "train.grad_accum=4", "parallel.pp=2", f"parallel.pp_schedule={schedule}"))

@@ -5,16 +5,14 @@ resume under another layout, and the measured per-rank model-state memory is wha
 All layouts of one world size train in turn inside a single torchrun launch (tests/run_layouts.py),
 so the matrix costs two launches."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 
 from fivefold.config import load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_weights_match, copy_checkpoint, final_weights, launch_layouts
+from parity import (BASE, assert_matches_plan, assert_weights_match, copy_checkpoint, final_weights,
+                    launch_layouts, measured_memory)
 
 STEPS, GLOBAL_SEQUENCES = BASE["train.steps"], 8
 LAYOUTS = [(dp, zero, accum) for dp in (2, 4) for zero in (0, 1, 2, 3) for accum in (1, 2)]
@@ -84,9 +82,6 @@ def test_each_rank_writes_only_its_rows(runs):
     assert max(sharded) < 0.3 * single
 
 
-MODEL_STATES = ("parameters", "gradients", "optimizer_states")
-
-
 @pytest.mark.parametrize("overrides", [
     ("parallel.zero=0", "train.precision=bf16-mixed"),
     ("parallel.zero=1", "train.precision=bf16-mixed", "train.fp32_grad_accum=true", "train.grad_accum=2"),
@@ -96,17 +91,8 @@ MODEL_STATES = ("parameters", "gradients", "optimizer_states")
 def test_measured_model_states_per_rank_match_the_plan(overrides):
     """`fivefold memory --nproc 2`: rank 0's measured parameters, gradients and optimizer states within
     1% of `fivefold plan` for the same layout; the ZeRO division shows in them."""
-    cmd = [sys.executable, "-m", "fivefold", "memory", "--preset", "tiny", "--synthetic", "--steps", "2", "--json",
-           "--nproc", "2", "--set", "train.seq_len=64", "--set", "train.micro_batch_size=2"]
-    for o in overrides:
-        cmd += ["--set", o]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1",
-                                                                                  **__import__("os").environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    rows = {row["category"]: row for row in report["comparison"]}
-    for name in MODEL_STATES:
-        assert abs(rows[name]["error"]) <= 0.01, rows[name]
+    rows = measured_memory(2, "tiny", "train.seq_len=64", "train.micro_batch_size=2", *overrides)
+    assert_matches_plan(rows, activations=False)
     zero = int(overrides[0].split("=")[1])
     params = 139_584  # the tiny preset
     bytes_per = 2 if "train.precision=bf16-mixed" in overrides else 4
