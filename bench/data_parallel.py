@@ -227,8 +227,8 @@ class TorchFSDP2(TorchReference):
         from torch.distributed.fsdp import fully_shard
 
         for block in model.layers:
-            fully_shard(block, mesh=mesh.device_mesh)
-        return fully_shard(model, mesh=mesh.device_mesh)
+            fully_shard(block, mesh=mesh.grad_mesh)
+        return fully_shard(model, mesh=mesh.grad_mesh)
 
 
 def slowest(seconds: float, op=dist.ReduceOp.MAX) -> float:
@@ -396,17 +396,26 @@ def worker(args) -> None:
         out["ours_wait_share"] = waits
     out["settings"] = {**{k: v for k, v in vars(args).items() if k != "json"}, "world": world,
                        "global_batch_tokens": tokens, "params": params}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+    write_json(args.json, out)
+
+
+def write_json(path: str, out: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {path}")
+
+
+def main(parse, worker_fn, script: str) -> None:
+    """Run as a torchrun worker, or re-launch `script` under torchrun."""
+    parsed = parse()
+    if "LOCAL_RANK" in os.environ:
+        worker_fn(parsed)
+        dist.destroy_process_group()
+    else:
+        sys.exit(launch(sys.argv[1:], parsed, script))
 
 
 if __name__ == "__main__":
-    parsed = parse_args()
-    if "LOCAL_RANK" in os.environ:  # a torchrun worker
-        worker(parsed)
-        dist.destroy_process_group()
-    else:
-        sys.exit(launch(sys.argv[1:], parsed))
+    main(parse_args, worker, __file__)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_parallel import Ours, TorchReference, first_step, launch, machine_info, time_alternating
+from data_parallel import Ours, TorchReference, first_step, machine_info, main, time_alternating, write_json
 
 
 def parse_args(argv=None):
@@ -420,17 +419,8 @@ def worker(args) -> None:
            "paired_ratio_ours_over_dtensor": paired, "collectives": comm,
            "settings": {**{k: v for k, v in vars(args).items() if k != "json"}, "world": world, "tp": world,
                         "global_batch_tokens": tokens, "params": params}}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":
-    parsed = parse_args()
-    if "LOCAL_RANK" in os.environ:  # a torchrun worker
-        worker(parsed)
-        dist.destroy_process_group()
-    else:
-        sys.exit(launch(sys.argv[1:], parsed, __file__))
+    main(parse_args, worker, __file__)
