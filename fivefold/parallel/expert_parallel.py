@@ -69,7 +69,8 @@ def expert_groups(ranks: torch.Tensor, ep: int):
 
 def apply_expert_parallel(model: nn.Module, group) -> None:
     """Keep this rank's experts (the others become placeholders; names stay global), route through
-    all-to-all, and mark expert parameters (reduced over the expert-data-parallel group only)."""
+    all-to-all, and mark expert parameters (each ep rank holds different ones: the gradient norm sums
+    them over the ep group)."""
     from fivefold.model.moe import MoE
 
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -81,7 +82,3 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
         for p in moe.experts.parameters():
             p.expert_parallel = True
         moe.dispatch = AllToAllDispatch(group, moe.num_experts)
-
-
-def is_expert(param: torch.Tensor) -> bool:
-    return getattr(param, "expert_parallel", False)

@@ -355,7 +355,3 @@ def _all_reduce_hook(group):
         dist.all_reduce(grad, group=group)
         return grad
     return hook
-
-
-def is_tp_sharded(param: torch.Tensor) -> bool:
-    return getattr(param, "tp_layout", None) is not None
