@@ -36,23 +36,29 @@ from torch.distributed.tensor import DTensor
 FIRST_STEP_RTOL = 1e-5  # same weights, batch and op order; only the reference's x world / world scaling differs
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_args(description: str, grad_accum: int) -> argparse.ArgumentParser:
+    """The options both multi-process benchmarks take."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
     p.add_argument("--threads", type=int, default=1, help="torch/OMP threads per rank")
-    p.add_argument("--preset", default="demo", help="demo: 5.3M params (21 MB of fp32 gradients)")
+    p.add_argument("--preset", default="demo", help="demo: 5.3M params, hidden 256, 4 layers, 8/4 heads")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per rank per step")
+    p.add_argument("--grad-accum", type=int, default=grad_accum, help="micro-batches per rank per step")
     p.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (DDP rebuilds its buckets)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one is the check)")
+    p.add_argument("--json", default="")
+    return p
+
+
+def parse_args(argv=None):
+    p = common_args(__doc__, grad_accum=2)
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="ours and DDP (parallel.bucket_mb default); FSDP2 communicates per fully_shard module")
     p.add_argument("--breakdown-rounds", type=int, default=10, help="rounds of our step's breakdown (--zero 0)")
     p.add_argument("--zero", type=int, choices=(0, 3), default=0,
                    help="0: ours against DDP; 3: ours with parallel.zero=3 against FSDP2")
-    p.add_argument("--json", default="")
     return p.parse_args(argv)
 
 

@@ -22,7 +22,6 @@ collectives of one step of each side.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -36,22 +35,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_parallel import Ours, TorchReference, first_step, machine_info, main, time_alternating, write_json
+from data_parallel import (Ours, TorchReference, common_args, first_step, machine_info, main, time_alternating,
+                           write_json)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="tp ranks to launch (ignored under torchrun)")
+    p = common_args(__doc__, grad_accum=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism on both sides")
-    p.add_argument("--threads", type=int, default=1, help="torch/OMP threads per rank")
-    p.add_argument("--preset", default="demo", help="demo: hidden 256, 4 layers, 8/4 heads, vocab 4096")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (every tp rank: all)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one is the check)")
-    p.add_argument("--json", default="")
     return p.parse_args(argv)
 
 
