@@ -26,7 +26,14 @@ case "$job" in
   demo)
     install tensorboard
     "$PY" -m fivefold train "$@"
-    "$PY" -m fivefold generate --checkpoint runs/default --prompt "The with statement" --max-new-tokens 80
+    out=runs/default  # generate from where training wrote, also when --out was given
+    prev=""
+    for arg in "$@"; do
+      [ "$prev" = "--out" ] && out=$arg
+      case "$arg" in --out=*) out=${arg#--out=} ;; esac
+      prev=$arg
+    done
+    "$PY" -m fivefold generate --checkpoint "$out" --prompt "The with statement" --max-new-tokens 80
     ;;
   test)
     install dev
