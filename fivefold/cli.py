@@ -61,7 +61,11 @@ def _list_presets(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        from fivefold.parallel.mesh import leave_process_group
+
+        leave_process_group()
+        return code
     except (ConfigError, FileNotFoundError) as e:
         print(f"fivefold {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -58,6 +58,15 @@ class Mesh:
             dist.barrier()
 
 
+def leave_process_group() -> None:
+    """A worker that finished cleanly waits for the others, then tears its process group down itself.
+    Left to interpreter exit, gloo's threads can be destroyed while still running, which aborts the
+    process ("terminate called without an active exception") while a peer is still busy."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
