@@ -333,9 +333,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             if n % p.tp:
                 valid = [d for d in _divisors(m.num_heads) if all(v % d == 0 for _, v in sizes)]
                 raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={n}; choose tp in {valid}")
-        if p.sequence_parallel and t.seq_len % p.tp:
-            raise ConfigError(f"parallel.sequence_parallel splits train.seq_len={t.seq_len} across tp={p.tp} "
-                              f"ranks; choose seq_len divisible by {p.tp}")
+        if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
+            what = f"tp={p.tp} ranks" if p.cp == 1 else f"cp x tp = {p.cp} x {p.tp} ranks"
+            raise ConfigError(f"parallel.sequence_parallel splits train.seq_len={t.seq_len} across {what}; "
+                              f"choose seq_len divisible by {p.tp * p.cp}")
     if p.pp * p.pp_virtual_stages > m.num_layers:
         raise ConfigError(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} stages exceed "
                           f"model.num_layers={m.num_layers}; each stage needs a layer")

@@ -27,17 +27,26 @@ def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Ten
     return torch.cat([first, second])
 
 
-def _shift(x: torch.Tensor, group, direction: int = 1) -> torch.Tensor:
-    """Send x to the next rank of the ring (previous for direction -1), receive from the other side."""
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank(group)
-    to, frm = ranks[(me + direction) % len(ranks)], ranks[(me - direction) % len(ranks)]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to), dist.P2POp(dist.irecv, out, frm)])
-    for work in works:
-        work.wait()
-    return out
+class _Shift:
+    """An asynchronous ring step: x goes to the next rank (previous for direction -1) while the block
+    from the other side arrives; `wait()` returns it. Started before a block's compute, so the transfer
+    overlaps it. Each stream of blocks has its own tag, as two shifts to the same peer may be in flight."""
+
+    def __init__(self, x: torch.Tensor, group, tag: int, direction: int = 1):
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank(group)
+        to, frm = ranks[(me + direction) % len(ranks)], ranks[(me - direction) % len(ranks)]
+        self.out = torch.empty_like(x)
+        self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), to, tag=tag),
+                                             dist.P2POp(dist.irecv, self.out, frm, tag=tag)])
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.out
+
+
+KV_TAG, GRAD_TAG = 1, 2
 
 
 def _allowed(seq: int, cp: int, rank: int, source: int, device) -> torch.Tensor:
@@ -69,8 +78,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
-            if step:
-                kv = _shift(kv, group)
+            incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None  # overlaps this block's compute
             k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
             scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device), scale)
             block_lse = torch.logsumexp(scores, dim=-1)
@@ -80,6 +88,8 @@ class _RingAttention(torch.autograd.Function):
             probs = torch.exp(scores - torch.where(seen, new_lse, 0.0)[..., None])
             out = out * old_weight[..., None] + probs.to(v.dtype) @ v_j
             lse = new_lse
+            if incoming is not None:
+                kv = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.groups, ctx.group = groups, group
         return out.to(q.dtype)
@@ -94,10 +104,9 @@ class _RingAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO * O)
         grad_q = torch.zeros_like(out)
         kv = torch.stack([k, v])
-        grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)
+        passing = None  # the held block's gradient so far, on its way from the previous rank
         for step in range(cp):
-            if step:
-                kv, grad_kv = _shift(kv, group), _shift(grad_kv, group)
+            incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None
             k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
             scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device), scale)
             probs = torch.exp(scores - lse[..., None])  # the final softmax, restricted to this block
@@ -107,8 +116,11 @@ class _RingAttention(torch.autograd.Function):
             grad_k = grad_scores.transpose(-2, -1) @ q.to(out.dtype)
             if groups > 1:  # each key/value head served `groups` query heads
                 grad_k, grad_v = (g.unflatten(1, (-1, groups)).sum(2) for g in (grad_k, grad_v))
-            grad_kv += torch.stack([grad_k, grad_v])
-        grad_kv = _shift(grad_kv, group)  # back to the block's owner
+            grad_kv = torch.stack([grad_k, grad_v]) + (passing.wait() if passing is not None else 0)
+            passing = _Shift(grad_kv, group, GRAD_TAG)  # after the last block: back to its owner
+            if incoming is not None:
+                kv = incoming.wait()
+        grad_kv = passing.wait()
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 

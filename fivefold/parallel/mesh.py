@@ -93,11 +93,6 @@ def check_supported(cfg: Config) -> None:
         if cfg.model.document_mask:
             raise ConfigError("model.document_mask with parallel.cp>1 is not supported: ring attention is plain "
                               "causal; use model.document_mask=false")
-        if p.pp > 1:
-            raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet; use one of them")
-        if p.sequence_parallel and p.tp > 1:
-            raise ConfigError("parallel.sequence_parallel with parallel.cp>1 is not supported: the sequence is "
-                              "already split by cp; use parallel.sequence_parallel=false")
         if cfg.train.compile:
             raise ConfigError("train.compile=true with parallel.cp>1 is not supported yet; use train.compile=false")
     if p.pp > 1 and p.zero >= 2 and p.dp > 1:

@@ -88,9 +88,11 @@ class _DeferredLinear(nn.Module):
 class Pipeline:
     """This rank's stages of `model` (pruned in place) and the executor of its action list."""
 
-    def __init__(self, model: nn.Module, cfg, mesh, dtype: torch.dtype, reducer_of=lambda: None):
+    def __init__(self, model: nn.Module, cfg, mesh, dtype: torch.dtype, reducer_of=lambda: None,
+                 positions_of=lambda ids: None):
         par = cfg.parallel
         self.model, self.cfg, self.dtype, self.reducer_of = model, cfg, dtype, reducer_of
+        self.positions_of = positions_of  # global token positions under context parallelism, else None
         self.pp, self.rank, self.v = par.pp, mesh.pp_rank, par.pp_virtual_stages
         self.group, self.ranks = mesh.pp_group, dist.get_process_group_ranks(mesh.pp_group)
         self.num_stages = self.pp * self.v
@@ -218,7 +220,7 @@ class Pipeline:
     def forward_chunk(self, chunk: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The blocks of one chunk; the embeddings before them on stage 0, the head after on the last."""
         model, stage = self.model, stage_of(self.rank, chunk, self.pp)
-        positions = model.positions(ids)
+        positions = model.positions(ids, self.positions_of(ids))
         if stage == 0:
             x = model.embed(ids, positions)
         doc_ids = None

@@ -103,7 +103,8 @@ class Trainer:
         if self.mesh.pp_size > 1:  # keeps only this rank's stages
             from fivefold.parallel.pipeline import Pipeline
 
-            self.pipeline = Pipeline(self.model, cfg, self.mesh, compute_dtype(cfg), lambda: self.reducer)
+            self.pipeline = Pipeline(self.model, cfg, self.mesh, compute_dtype(cfg), lambda: self.reducer,
+                                     self._positions)
         masters = None
         if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
             masters = [p.detach().clone() for p in self.model.parameters()]
