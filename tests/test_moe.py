@@ -4,7 +4,10 @@ Layer: top-k routing with weights summing to one, capacity dropping (and droples
 load-balancing loss at its textbook value for a uniform router, a shared expert. Expert parallelism:
 all-to-all dispatch and combine against local experts in float64 (outputs and every gradient;
 tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32): dp 2 and 4 with ep 1, 2 and 4, and
-tensor-parallel experts (tp 2, alone, with dp 2, and with dp 4 x ep 2), give the single process's losses over 10 steps, with capacity dropping and router losses on: the single process
+tensor-parallel experts (tp 2, alone, with dp 2, and with dp 4 x ep 2; with SP alone and with dp 2 x
+ep 2), and pipeline stages (pp 2 alone,
+with dp 2 x ep 2 under zero-bubble, with tp 2 under AFAB) give the single process's losses over 10 steps,
+with capacity dropping and router losses on: the single process
 runs the same micro-batches (one per rank's micro-batch), so routing, drops and router losses are the
 same computations."""
 
@@ -85,17 +88,22 @@ def config(cache, out, **overrides) -> dict:
     return load_config(preset="tiny-moe", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
-def layout(dp, ep, tp=1) -> dict:
-    return {"parallel.dp": dp, "parallel.ep": ep, "parallel.tp": tp, "train.micro_batch_size": 2,
-            "train.grad_accum": 4 // dp}
+def layout(dp, ep, tp=1, pp=1, schedule="1f1b", sp=False) -> dict:
+    return {"parallel.dp": dp, "parallel.ep": ep, "parallel.tp": tp, "parallel.pp": pp,
+            "parallel.pp_schedule": schedule, "parallel.sequence_parallel": sp,
+            "train.micro_batch_size": 2, "train.grad_accum": 4 // dp}
 
 
-def name(dp, ep, tp=1) -> str:
-    return f"dp{dp}_ep{ep}_tp{tp}"
+def name(dp, ep, tp=1, pp=1, schedule="1f1b", sp=False) -> str:
+    return f"dp{dp}_ep{ep}_tp{tp}" + (f"_pp{pp}_{schedule}" if pp > 1 else "") + ("_sp" if sp else "")
 
 
-# (dp, ep, tp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts, and all three
-LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2)], 4: [(4, 2), (4, 4), (2, 1, 2)], 8: [(4, 2, 2)]}
+# (dp, ep, tp, pp, schedule, sp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts,
+# pipeline stages (each stage's router losses join its own backward), and combinations
+LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2), (1, 1, 1, 2), (1, 1, 2, 1, "1f1b", True)],
+            4: [(4, 2), (4, 4), (2, 1, 2), (2, 2, 1, 2, "zero-bubble"), (1, 1, 2, 2, "afab"),
+                (2, 2, 2, 1, "1f1b", True)],
+            8: [(4, 2, 2)]}
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +123,11 @@ def test_every_step_matches_one_process(runs, lay):
     assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
 
 
-def test_routing_statistics_are_logged(runs):
-    rows = [json.loads(line) for line in (runs / name(4, 4) / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.parametrize("lay", [(4, 4), (2, 2, 1, 2, "zero-bubble")], ids=lambda lay: name(*lay))
+def test_routing_statistics_are_logged(runs, lay):
+    rows = [json.loads(line) for line in (runs / name(*lay) / "metrics.jsonl").read_text().splitlines()]
     single = [json.loads(line) for line in (runs / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == len(single) == BASE["train.steps"]
     for ours, ref in zip(rows, single):
         assert 0 < ours["moe_dropped_fraction"] < 1 and ours["moe_max_expert_load"] >= 1
         assert ours["moe_dropped_fraction"] == pytest.approx(ref["moe_dropped_fraction"])

@@ -75,14 +75,11 @@ def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
     if cfg.model.num_experts:
-        for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
-            if value > 1:
-                raise ConfigError(f"{key}={value} with a mixture-of-experts model is not supported yet; MoE trains "
-                                  f"with data (parallel.dp), expert (parallel.ep) and tensor parallelism "
-                                  f"(parallel.tp)")
-        if p.tp > 1 and p.sequence_parallel:
-            raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model is supported without sequence "
-                              f"parallelism for now; set parallel.sequence_parallel=false")
+        if p.cp > 1:
+            raise ConfigError(f"parallel.cp={p.cp} with a mixture-of-experts model is not supported yet: routing "
+                              f"and capacity are decided per micro-batch, which cp would split; MoE trains with "
+                              f"data (parallel.dp), expert (parallel.ep), tensor (parallel.tp) and pipeline "
+                              f"(parallel.pp) parallelism")
         if p.zero > 0 and p.dp > 1:
             raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
                               f"expert may get no tokens on a rank; use parallel.zero=0")
@@ -150,5 +147,8 @@ def _expert_groups(p, device_mesh) -> dict:
         return {}
     from fivefold.parallel.expert_parallel import expert_groups
 
-    ep_group, edp_group = expert_groups(device_mesh.mesh[0, :, 0, :], p.ep)  # MoE runs with pp = cp = 1
-    return {"ep_size": p.ep, "ep_group": ep_group, "expert_grad_group": edp_group}
+    mine = (None, None)
+    for stage in range(p.pp):  # each pipeline stage has its own expert groups (MoE runs with cp = 1)
+        groups = expert_groups(device_mesh.mesh[stage, :, 0, :], p.ep)
+        mine = groups if groups[0] is not None else mine
+    return {"ep_size": p.ep, "ep_group": mine[0], "expert_grad_group": mine[1]}

@@ -89,10 +89,12 @@ class Pipeline:
     """This rank's stages of `model` (pruned in place) and the executor of its action list."""
 
     def __init__(self, model: nn.Module, cfg, mesh, dtype: torch.dtype, reducer_of=lambda: None,
-                 positions_of=lambda ids: None):
+                 positions_of=lambda ids: None, router_loss_of=None):
         par = cfg.parallel
         self.model, self.cfg, self.dtype, self.reducer_of = model, cfg, dtype, reducer_of
         self.positions_of = positions_of  # global token positions under context parallelism, else None
+        # A mixture of experts' router losses join the backward of the chunk whose layers made them.
+        self.router_loss_of = router_loss_of
         self.pp, self.rank, self.v = par.pp, mesh.pp_rank, par.pp_virtual_stages
         self.group, self.ranks = mesh.pp_group, dist.get_process_group_ranks(mesh.pp_group)
         self.num_stages = self.pp * self.v
@@ -102,6 +104,10 @@ class Pipeline:
         self.last = self.rank == self.pp - 1  # holds the last stage (chunk v-1)
         self.tied = cfg.model.tie_embeddings
         self._prune()
+        from fivefold.model.moe import MoE
+
+        self.moe = [[m for i in chunk for m in model.layers[i].modules() if isinstance(m, MoE)]
+                    for chunk in self.chunks]
         self.stash = WeightGradStash()
         if par.pp_schedule == "zero-bubble":
             for i in self._own_layers():
@@ -170,20 +176,24 @@ class Pipeline:
                 ids, lab = batches[action.mb]
                 x = ids if stage == 0 else self._receive(sends, pending, "F", action.mb, stage - 1, ids)
                 out = self.forward_chunk(action.chunk, x, ids)
+                aux = self.router_loss_of(self.moe[action.chunk]) if self.router_loss_of else None
                 if stage == self.num_stages - 1:
                     out = loss_fn(out, lab) / num_tokens
                     loss_sum += out.detach()
                 else:
                     sends.append((out.detach(), self._peer(stage + 1), self._tag("F", action.mb, stage)))
-                held[(action.mb, action.chunk)] = (x, out)
+                held[(action.mb, action.chunk)] = (x, out, aux)
             elif action.kind == "B":
-                x, out = held.pop((action.mb, action.chunk))
+                x, out, aux = held.pop((action.mb, action.chunk))
                 self.stash.key = (action.mb, action.chunk)
                 if stage == self.num_stages - 1:
-                    out.backward()
+                    (out if aux is None else out + aux).backward()
                 else:
                     grad = self._receive(sends, pending, "B", action.mb, stage + 1, out)
-                    torch.autograd.backward(out, grad)
+                    if aux is None:
+                        torch.autograd.backward(out, grad)
+                    else:
+                        torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
                 if stage > 0:
                     sends.append((x.grad, self._peer(stage - 1), self._tag("B", action.mb, stage)))
             else:

@@ -122,6 +122,22 @@ class _SplitSequence(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
+class _GatherToReplicated(torch.autograd.Function):
+    """Out of the SP region into a replicated computation whose input gradient is the same on every rank
+    (a mixture of experts: routing reads every token): all-gather along the sequence; backward keeps
+    this rank's part of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(tp, dim=1)[rank].contiguous(), None
+
+
 # -- sharded layers -----------------------------------------------------------------------------------
 
 
@@ -324,8 +340,16 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
         # all-gather; replicated parameters inside it sum their gradients over the tp group.
         model.layers[0].register_forward_pre_hook(
             lambda module, args: (_SplitSequence.apply(args[0], group), *args[1:]))
-        for module in [*(m for block in model.layers for m in (block.attn, block.mlp)), model.lm_head]:
+        moe = [block.mlp for block in model.layers if hasattr(block.mlp, "router")]
+        for module in [*(m for block in model.layers for m in (block.attn, block.mlp) if m not in moe),
+                       model.lm_head]:
             SequenceGatheredInput(module, group)
+        # A mixture of experts routes the whole sequence on every rank, as without SP (its experts
+        # bring their own f and g), between a gather and a split of the residual stream.
+        for module in moe:
+            module.register_forward_pre_hook(
+                lambda module, args: (_GatherToReplicated.apply(args[0], group), *args[1:]))
+            module.register_forward_hook(lambda module, args, output: _SplitSequence.apply(output, group))
         for p in model.parameters():
             if getattr(p, "tp_partial_grad", False):
                 p.register_hook(_all_reduce_hook(group))

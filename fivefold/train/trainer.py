@@ -104,7 +104,8 @@ class Trainer:
             from fivefold.parallel.pipeline import Pipeline
 
             self.pipeline = Pipeline(self.model, cfg, self.mesh, compute_dtype(cfg), lambda: self.reducer,
-                                     self._positions)
+                                     self._positions, self._router_loss if self.moe_layers else None)
+            self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]  # this rank's stages'
         masters = None
         if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
             masters = [p.detach().clone() for p in self.model.parameters()]
@@ -190,17 +191,20 @@ class Trainer:
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
         gradients yields the gradient of the global mean."""
         loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs)) / num_tokens
-        total = loss
-        if self.moe_layers:  # router losses, averaged over the global batch's micro-batches
-            aux = sum(m.aux_loss for m in self.moe_layers) / self._micro_batches
-            total = loss + aux
-            self._routing["aux_loss"] += aux.detach()
-            for m in self.moe_layers:
-                self._routing["tokens_per_expert"] += m.stats["tokens_per_expert"]
-                self._routing["dropped"] += m.stats["dropped"]
-                self._routing["assignments"] += m.stats["assignments"]
+        total = loss + self._router_loss(self.moe_layers) if self.moe_layers else loss
         total.backward()
         return loss.detach()
+
+    def _router_loss(self, layers: list) -> torch.Tensor:
+        """The router losses of `layers`' latest forward, averaged over the global batch's micro-batches
+        like the token loss; their routing statistics are counted into the step's record."""
+        aux = sum(m.aux_loss for m in layers) / self._micro_batches
+        self._routing["aux_loss"] += aux.detach()
+        for m in layers:
+            self._routing["tokens_per_expert"] += m.stats["tokens_per_expert"]
+            self._routing["dropped"] += m.stats["dropped"]
+            self._routing["assignments"] += m.stats["assignments"]
+        return aux
 
     def _routing_record(self) -> dict:
         """Routing statistics of the step over all ranks: router loss, dropped assignments, and the most
@@ -210,6 +214,8 @@ class Trainer:
                            r["aux_loss"].double().reshape(1)])
         if self.mesh.grad_size > 1:
             dist.all_reduce(stats, group=self.mesh.grad_group)
+        if self.pipeline is not None:  # each stage counted its own layers
+            dist.all_reduce(stats, group=self.mesh.pp_group)
         experts = self.cfg.model.num_experts
         load, dropped, assignments = stats[:experts], stats[experts], stats[experts + 1]
         return {"router_loss": stats[-1].item(),
@@ -244,6 +250,7 @@ class Trainer:
         mine = self.local_rows(len(inputs))
         inputs, labels = self.local_columns(inputs[mine], labels[mine])
         if self.pipeline is not None:
+            self._micro_batches = math.ceil(len(inputs) / self.cfg.train.micro_batch_size) * self.mesh.grad_size
             loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
             if self.reducer is not None:
                 self.reducer.finish()
