@@ -53,6 +53,7 @@ class Shapes:
     rms: bool = True
     swiglu: bool = True
     sdpa: bool = True  # scores never materialised (flash-style kernel)
+    ring: bool = False  # context-parallel ring attention: no scores either, output laid out (b, heads, s, d)
     rope: bool = True
     groups: int = 1  # query heads per key/value head
     doc_mask: bool = False  # packed documents: a (b, 1, s, sk) boolean mask built once per forward
@@ -249,9 +250,9 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool) -> _Buf:
         q, k = _rope(r, q_lin, d.q, d), _rope(r, k_lin, d.kv, d)
         r.free(q_lin, k_lin)
     out = r.checkpoint(_core, [q, k, v], d) if selective else _core(r, q, k, v, d)
-    if d.sdpa:  # flash output is laid out (b, s, heads, d): the o_proj input is a view of it
+    if d.sdpa and not d.ring:  # flash output is laid out (b, s, heads, d): the o_proj input is a view of it
         o_in = out
-    else:  # eager output (b, heads, s, d): transpose + reshape copies
+    else:  # eager or ring output (b, heads, s, d): transpose + reshape copies
         o_in = r.alloc(d.p * d.b * d.s * d.q)
     r.save(o_in)
     o = r.alloc(d.p * d.bsh)

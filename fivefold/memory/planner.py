@@ -69,7 +69,8 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   q=m.q_size // tp, kv=m.kv_size // tp, heads=m.num_heads // tp,
                   f=math.ceil(_ffn_width(m) / tp), vocab=math.ceil(m.vocab_size / tp), head_size=m.head_size,
                   p=p, rep=1 / tp if par.sequence_parallel else 1.0, rms=m.norm == "rmsnorm",
-                  swiglu=m.activation == "swiglu", sdpa=not scores_materialised(cfg, device),
+                  swiglu=m.activation == "swiglu", sdpa=not scores_materialised(cfg, device) or par.cp > 1,
+                  ring=par.cp > 1,
                   rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads, doc_mask=m.document_mask,
                   stats_bytes=4 if device == "cuda" else p)
 
