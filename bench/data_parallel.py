@@ -418,7 +418,9 @@ def main(parse, worker_fn, script: str) -> None:
     parsed = parse()
     if "LOCAL_RANK" in os.environ:
         worker_fn(parsed)
-        dist.destroy_process_group()
+        from fivefold.parallel.mesh import exit_worker
+
+        exit_worker()
     else:
         sys.exit(launch(sys.argv[1:], parsed, script))
 

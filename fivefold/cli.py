@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args) or 0
-        from fivefold.parallel.mesh import leave_process_group
+        from fivefold.parallel.mesh import exit_worker
 
-        leave_process_group()
+        exit_worker(code)  # a torchrun worker ends here; a single process returns
         return code
     except (ConfigError, FileNotFoundError) as e:
         print(f"fivefold {args.command}: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from fivefold.config import load_config
 from fivefold.model.moe import MoE
 from fivefold.parallel.expert_parallel import apply_expert_parallel
+from fivefold.parallel.mesh import exit_worker
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -53,4 +54,4 @@ if __name__ == "__main__":
     dist.barrier()
     if rank == 0:
         print("expert-parallel dispatch matches local experts")
-    dist.destroy_process_group()
+    exit_worker()

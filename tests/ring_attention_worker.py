@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from fivefold.parallel import context_parallel
 from fivefold.parallel.context_parallel import RingAttentionCore, zigzag_positions
+from fivefold.parallel.mesh import exit_worker
 
 SENT = []
 
@@ -50,4 +51,4 @@ if __name__ == "__main__":
     dist.barrier()
     if rank == 0:
         print("ring attention matches full attention")
-    dist.destroy_process_group()
+    exit_worker()

@@ -8,11 +8,11 @@ import json
 import sys
 
 from fivefold.config import config_from_dict
-from fivefold.parallel.mesh import leave_process_group
+from fivefold.parallel.mesh import exit_worker
 from fivefold.train.trainer import Trainer
 
 if __name__ == "__main__":
     for run in json.loads(open(sys.argv[1]).read()):
         trainer = Trainer(config_from_dict(run["config"]), resume=run.get("resume", False), quiet=True)
         trainer.fit(until=run.get("until"))
-    leave_process_group()
+    exit_worker()

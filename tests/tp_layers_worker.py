@@ -12,6 +12,7 @@ from torch import nn
 from fivefold.config import load_config
 from fivefold.model import build_model
 from fivefold.parallel import tensor_parallel as tpl
+from fivefold.parallel.mesh import exit_worker
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -124,4 +125,4 @@ if __name__ == "__main__":
     dist.barrier()
     if rank == 0:
         print("all tensor-parallel checks passed")
-    dist.destroy_process_group()
+    exit_worker()

@@ -7,6 +7,7 @@ mismatch is a clear error instead of a hang.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -58,13 +59,17 @@ class Mesh:
             dist.barrier()
 
 
-def leave_process_group() -> None:
-    """A worker that finished cleanly waits for the others, then tears its process group down itself.
-    Left to interpreter exit, gloo's threads can be destroyed while still running, which aborts the
-    process ("terminate called without an active exception") while a peer is still busy."""
+def exit_worker(code: int = 0) -> None:
+    """End a torchrun worker that finished cleanly: wait for the others, tear the process group down,
+    and leave without interpreter finalization. Finalizing after gloo has run (even after
+    destroy_process_group) sometimes destroys a still-joinable C++ thread, which aborts the process
+    ("terminate called without an active exception", SIGABRT) and fails a job whose work is done."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def launched_world_size() -> int:
