@@ -13,7 +13,7 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.memory.formulas import micro_batches_in_flight
 from fivefold.parallel.pipeline import partition
-from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max_in_flight, simulate,
+from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max_in_flight, peak_held, simulate,
                                                   theoretical_bubble)
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
@@ -40,7 +40,16 @@ def test_simulated_bubbles_are_the_textbook_ones(pp, m):
     assert bubbles["afab"] == pytest.approx((pp - 1) / m)
     assert bubbles["1f1b"] == pytest.approx((pp - 1) / m)
     assert bubbles["interleaved"] == pytest.approx(theoretical_bubble("interleaved", pp, m, 2))
-    assert bubbles["zero-bubble"] < bubbles["1f1b"]
+    assert bubbles["zero-bubble"] == pytest.approx((pp - 1) / (3 * m)) == theoretical_bubble("zero-bubble", pp, m)
+
+
+@pytest.mark.parametrize("pp, m", GRID)
+def test_zero_bubble_holds_what_the_first_rank_holds_under_1f1b(pp, m):
+    """ZB-H1's memory rule: every rank keeps at most pp micro-batches whose W has not run, and full
+    activations (forward done, B not) stay at 1F1B's pp - rank."""
+    for rank, actions in enumerate(build_schedule("zero-bubble", pp, m)):
+        assert peak_held(actions, 1.0, 1.0) == pp
+        assert max_in_flight(actions) == pp - rank
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

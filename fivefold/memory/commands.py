@@ -31,6 +31,8 @@ def register(sub) -> None:
     mem.add_argument("--steps", type=int, default=4, help="training steps to run (default 4)")
     mem.add_argument("--png", help="write the stacked-area timeline here")
     mem.add_argument("--json", action="store_true", help="print one JSON object (peaks, comparison, samples)")
+    mem.add_argument("--rank", type=int, default=0,
+                     help="with --nproc: the rank that reports (default 0), e.g. the last pipeline stage's")
     mem.add_argument("--synthetic", action="store_true",
                      help="random tokens instead of the configured dataset (memory does not depend on them)")
     mem.add_argument("--nproc", type=int, default=0, metavar="N",
@@ -103,13 +105,16 @@ def run_memory(args) -> int:
     cfg = config_from_args(args)
     if args.steps < 1:
         raise SystemExit("fivefold memory: --steps must be at least 1")
+    world = int(os.environ.get("WORLD_SIZE", max(args.nproc, 1)))
+    if not 0 <= args.rank < world:
+        raise SystemExit(f"fivefold memory: --rank {args.rank} is not one of the {world} ranks")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from fivefold.parallel.launch import launch_workers
 
         return launch_workers(cfg, args.nproc, sys.argv[1:], "memory")
     datasets = random_datasets(cfg) if args.synthetic else None
     timeline = measure_memory(cfg, steps=args.steps, datasets=datasets, cuda_history=args.cuda_history)
-    if os.environ.get("RANK", "0") != "0":
+    if int(os.environ.get("RANK", "0")) != args.rank:
         return 0
     if args.png:
         from fivefold.memory.planner import model_name
@@ -120,7 +125,7 @@ def run_memory(args) -> int:
     if args.json:
         print(timeline.dumps())
         return 0
-    rank = f" (rank 0 of {os.environ['WORLD_SIZE']})" if "WORLD_SIZE" in os.environ else ""
+    rank = f" (rank {args.rank} of {os.environ['WORLD_SIZE']})" if "WORLD_SIZE" in os.environ else ""
     print(f"measured {args.steps} steps on {timeline.device}{rank}: {len(timeline.samples)} ops; predicted = "
           f"fivefold plan --device {timeline.device}")
     print(timeline.table())

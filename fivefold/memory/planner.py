@@ -61,6 +61,14 @@ def scores_materialised(cfg: Config, device: str) -> bool:
     return not flash and m.num_kv_heads != m.num_heads
 
 
+def _weight_pass_bytes(d) -> int:
+    """What one layer's deferred weight gradients keep for a zero-bubble W pass: each linear's input
+    (q/k/v share one, gate/up another) and output gradient."""
+    inputs = d.h + d.q + d.h + d.f
+    grads = d.q + 2 * d.kv + d.h + (2 if d.swiglu else 1) * d.f + d.h
+    return d.p * d.b * d.s * (inputs + grads)
+
+
 def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
     m, t, par = cfg.model, cfg.train, cfg.parallel
     p = 2 if t.precision == "bf16-mixed" else 4
@@ -175,6 +183,12 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     in_flight = formulas.micro_batches_in_flight(par.pp_schedule, par.pp, stage, micro_batches,
                                                  par.pp_virtual_stages)
     held = (in_flight - 1) * replay.saved_bytes  # earlier micro-batches waiting for their backward
+    if par.pp_schedule == "zero-bubble" and par.pp > 1:
+        # Micro-batches past their B keep what their W pass needs until it runs.
+        from fivefold.parallel.pipeline_schedules import build_schedule, peak_held
+
+        actions = build_schedule("zero-bubble", par.pp, micro_batches)[stage]
+        held = peak_held(actions, replay.saved_bytes, len(layers) * _weight_pass_bytes(d)) - replay.saved_bytes
     saved_end = replay.saved_bytes
     act_peak = held + max(replay.peak, replay.backward_peak)
     memory["activations"] = act_peak

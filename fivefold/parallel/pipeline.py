@@ -147,8 +147,12 @@ class Pipeline:
 
     # -- one training step ---------------------------------------------------------------------------
     def schedule(self, m: int) -> list:
+        return self.schedules(m)[self.rank]
+
+    def schedules(self, m: int) -> list[list]:
+        """Every rank's action list (a rank's sends are released by what its peers' lists imply)."""
         if m not in self._schedules:
-            self._schedules[m] = build_schedule(self.cfg.parallel.pp_schedule, self.pp, m, self.v)[self.rank]
+            self._schedules[m] = build_schedule(self.cfg.parallel.pp_schedule, self.pp, m, self.v)
         return self._schedules[m]
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor, loss_fn):
@@ -159,7 +163,7 @@ class Pipeline:
         m = len(batches)
         held: dict[tuple[int, int], tuple] = {}
         sends: list = []  # made by the previous action: batched with the next action's receive
-        pending: list = []  # all send handles, waited at the end of the step
+        pending = _InFlightSends(self.schedules(m), self.pp)
         loss_sum = torch.zeros((), device=inputs.device)
         reducer = self.reducer_of()
         self.timeline = []  # (action, start, end) in seconds from the step's start: the measured picture
@@ -169,7 +173,7 @@ class Pipeline:
             stage = stage_of(self.rank, action.chunk, self.pp)
             receives = (action.kind == "F" and stage > 0) or (action.kind == "B" and stage < self.num_stages - 1)
             if not receives:  # nothing to batch the previous action's sends with: they go now
-                pending = self._flush(sends, pending)
+                self._flush(sends, pending)
             if reducer is not None:
                 reducer.sync = action.mb == m - 1 or reducer.reduces_every_micro_batch
             if action.kind == "F":
@@ -181,7 +185,7 @@ class Pipeline:
                     out = loss_fn(out, lab) / num_tokens
                     loss_sum += out.detach()
                 else:
-                    sends.append((out.detach(), self._peer(stage + 1), self._tag("F", action.mb, stage)))
+                    sends.append((out.detach(), "F", action.mb, stage, stage + 1))
                 held[(action.mb, action.chunk)] = (x, out, aux)
             elif action.kind == "B":
                 x, out, aux = held.pop((action.mb, action.chunk))
@@ -195,15 +199,14 @@ class Pipeline:
                     else:
                         torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
                 if stage > 0:
-                    sends.append((x.grad, self._peer(stage - 1), self._tag("B", action.mb, stage)))
+                    sends.append((x.grad, "B", action.mb, stage, stage - 1))
             else:
                 self.stash.run((action.mb, action.chunk))
             # Waiting for a receive counts as idle: the action starts when its input is here.
             self.timeline.append((action, start + self._waited, time.perf_counter() - step_start))
             self._waited = 0.0
-        pending += self._flush(sends, [])
-        for work in pending:
-            work.wait()
+        self._flush(sends, pending)
+        pending.wait_all()
         return loss_sum
 
     @torch.no_grad()
@@ -222,8 +225,9 @@ class Pipeline:
                 if stage == self.num_stages - 1:
                     total += loss_fn(out, lab)
                 else:
-                    for work in self._flush([(out, self._peer(stage + 1), self._tag("E", mb, stage))], []):
-                        work.wait()
+                    sent = _InFlightSends(None, self.pp)
+                    self._flush([(out, "E", mb, stage, stage + 1)], sent)
+                    sent.wait_all()
         return total
 
     # -- pieces ----------------------------------------------------------------------------------------
@@ -255,27 +259,67 @@ class Pipeline:
     def _tag(self, kind: str, mb: int, stage: int) -> int:
         return (("FBE".index(kind) * 4096 + mb) * self.num_stages + stage) % (2**31 - 1)
 
-    def _receive(self, sends: list, pending: list, kind: str, mb: int, from_stage: int, like: torch.Tensor):
+    def _receive(self, sends: list, pending: "_InFlightSends", kind: str, mb: int, from_stage: int,
+                 like: torch.Tensor):
         """Receive (batched with the sends waiting to go) the activation or gradient `from_stage` sent."""
         shape = self.activation_shape(like) if kind != "B" else like.shape
         buffer = torch.empty(shape, dtype=self.dtype, device=like.device)
         recv = dist.P2POp(dist.irecv, buffer, self._peer(from_stage), tag=self._tag(kind, mb, from_stage))
         works = dist.batch_isend_irecv([*self._ops(sends), recv])
-        pending += works[:-1]
+        pending.add(works[:-1], sends)
         start = time.perf_counter()
         works[-1].wait()
         self._waited += time.perf_counter() - start
         sends.clear()
+        pending.received(kind, mb, from_stage)
         return buffer.requires_grad_(kind == "F")
 
-    def _flush(self, sends: list, pending: list) -> list:
-        works = dist.batch_isend_irecv(self._ops(sends)) if sends else []
+    def _flush(self, sends: list, pending: "_InFlightSends") -> None:
+        if sends:
+            pending.add(dist.batch_isend_irecv(self._ops(sends)), sends)
         sends.clear()
-        return pending + works
 
-    @staticmethod
-    def _ops(sends: list) -> list:
-        return [dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag) for t, peer, tag in sends]
+    def _ops(self, sends: list) -> list:
+        """(tensor, kind, mb, from_stage, to_stage) sends as P2P operations."""
+        return [dist.P2POp(dist.isend, t.contiguous(), self._peer(to), tag=self._tag(kind, mb, frm))
+                for t, kind, mb, frm, to in sends]
+
+
+class _InFlightSends:
+    """Sends not yet known to have arrived. A send keeps its tensor (an activation or its gradient) until
+    it is waited on; waiting at the end of the step would keep all m of them. A peer's list says when a
+    send has surely arrived: the peer ran the action consuming it before the action whose output just
+    reached us, so waiting on it then returns at once and frees the tensor. (Waiting earlier, on a send
+    the peer has not taken yet, could deadlock two ranks that both wait on their sends to each other.)"""
+
+    def __init__(self, lists: list[list] | None, pp: int):
+        self.pp = pp
+        self.index = [{(a.kind, a.mb, a.chunk): i for i, a in enumerate(actions)} for actions in lists or []]
+        self.works: list[tuple[int, int, object]] = []  # (peer rank, index of the consuming action, work)
+
+    def _at(self, kind: str, mb: int, stage: int) -> tuple[int, int]:
+        """(rank, position in its list) of the action `kind` of micro-batch mb at `stage`."""
+        rank = stage % self.pp
+        return rank, self.index[rank][(kind, mb, stage // self.pp)] if self.index else 0
+
+    def add(self, works: list, sends: list) -> None:
+        for work, (_, kind, mb, _, to) in zip(works, sends):
+            self.works.append((*self._at("B" if kind == "B" else "F", mb, to), work))
+
+    def received(self, kind: str, mb: int, from_stage: int) -> None:
+        peer, produced_at = self._at(kind, mb, from_stage)
+        still = []
+        for rank, consumed_at, work in self.works:
+            if rank == peer and consumed_at < produced_at:
+                work.wait()
+            else:
+                still.append((rank, consumed_at, work))
+        self.works = still
+
+    def wait_all(self) -> None:
+        for *_, work in self.works:
+            work.wait()
+        self.works = []
 
 
 def tied_group(mesh, pp: int):

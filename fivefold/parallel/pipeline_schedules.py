@@ -16,7 +16,7 @@ its output gradient from the stage after.
                  Narayanan et al. 2021): at most pp - rank in flight, bubble (pp-1)/m
     interleaved  v chunks per rank, Megatron-LM's order (Narayanan et al. 2021): bubble (pp-1)/(v m)
     zero-bubble  1F1B's order with backward split into B and W (ZB-H1, Qi et al. 2023): each rank fills
-                 the time it would wait for a gradient with pending W passes
+                 the time it would wait for a gradient with pending W passes: bubble (pp-1)/(3m)
 """
 
 from __future__ import annotations
@@ -79,37 +79,53 @@ def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
 
 
 def _insert_weight_passes(lists: list[list[Action]], pp: int, m: int) -> list[list[Action]]:
-    """ZB-H1: keep 1F1B's forwards and (input-gradient) backwards in order, and put each W pass where
-    its rank would otherwise wait for a dependency, simulated with unit costs; leftovers at the end. A
-    rank holds at most pp - rank micro-batches whose W is pending, as 1F1B holds activations."""
+    """ZB-H1: keep 1F1B's forwards and (input-gradient) backwards in order, and run a pending W pass
+    whenever a rank's next forward or backward cannot start yet, stepping through time with unit
+    costs. Every rank may hold pp micro-batches whose W has not run (the first rank's 1F1B peak), so
+    later ranks postpone their W passes (rank r by pp - 1 - r micro-batches) and the gradients flow back
+    without waiting: idle time drops from 1F1B's (pp-1)(F+B+W) to (pp-1)(F+B-W), a bubble of
+    (pp-1)/(3m) with equal costs. Full activations stay at 1F1B's pp - r; what waits for W is only the
+    linears' inputs and output gradients."""
     out: list[list[Action]] = [[] for _ in range(pp)]
-    position = [0] * pp
-    pending: list[list[Action]] = [[] for _ in range(pp)]
-    free = [0.0] * pp
+    position, waiting_w = [0] * pp, [[] for _ in range(pp)]
+    unfinished = [0] * pp  # forwards whose W has not run
     done: dict[tuple[str, int, int], float] = {}
-    while any(position[r] < len(lists[r]) or pending[r] for r in range(pp)):
-        progressed = False
-        for r in sorted(range(pp), key=lambda r: free[r]):
+    t = 0
+    while any(position[r] < len(lists[r]) or waiting_w[r] for r in range(pp)):
+        finished = []
+        for r in range(pp):
             nxt = lists[r][position[r]] if position[r] < len(lists[r]) else None
             ready = _ready_time(nxt, r, pp, 1, done) if nxt is not None else None
-            if nxt is not None and ready is not None and (ready <= free[r] or not pending[r]) \
-                    and not (nxt.kind == "F" and len(pending[r]) >= pp - r):
-                start = max(free[r], ready)
+            if ready is not None and ready <= t and not (nxt.kind == "F" and unfinished[r] >= pp):
                 action = nxt
                 position[r] += 1
-                if nxt.kind == "B":
-                    pending[r].append(Action("W", nxt.mb, nxt.chunk))
-            elif pending[r]:
-                start, action = free[r], pending[r].pop(0)
+                unfinished[r] += action.kind == "F"
+                if action.kind == "B":
+                    waiting_w[r].append(Action("W", action.mb, action.chunk))
+            elif waiting_w[r]:
+                action = waiting_w[r].pop(0)
+                unfinished[r] -= 1
             else:
                 continue
-            free[r] = start + 1
-            done[(action.kind, action.mb, stage_of(r, action.chunk, pp))] = free[r]
             out[r].append(action)
-            progressed = True
-        if not progressed:
+            finished.append((action.kind, action.mb, stage_of(r, action.chunk, pp)))
+        for key in finished:  # visible to the other ranks from the next time step
+            done[key] = t + 1
+        t += 1
+        if t > 4 * pp * m + 4 * pp:
             raise RuntimeError("zero-bubble schedule construction stalled")
     return out
+
+
+def peak_held(actions: list[Action], full: float, pending_w: float) -> float:
+    """Peak activation memory of a rank's action list: `full` per micro-batch-chunk between its F and B,
+    `pending_w` (what a W pass still needs) between its B and W."""
+    after_b = pending_w if any(a.kind == "W" for a in actions) else 0.0
+    live = peak = 0.0
+    for a in actions:
+        live += {"F": full, "B": after_b - full, "W": -pending_w}[a.kind]
+        peak = max(peak, live)
+    return peak
 
 
 def _ready_time(action: Action, rank: int, pp: int, chunks: int, done: dict) -> float | None:
@@ -177,8 +193,9 @@ def simulate(lists: list[list[Action]], costs: dict[str, float] | None = None) -
 
 
 def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
-    """The textbook bubble: (p-1)/m for afab and 1f1b, (p-1)/(v m) for interleaved."""
-    return (pp - 1) / (m * (v if name == "interleaved" else 1))
+    """The textbook bubble: (p-1)/m for afab and 1f1b, (p-1)/(v m) for interleaved, (p-1)/(3m) for
+    zero-bubble (ZB-H1 with F = B = W, m >= p)."""
+    return (pp - 1) / (m * {"interleaved": v, "zero-bubble": 3}.get(name, 1))
 
 
 def max_in_flight(actions: list[Action]) -> int:
