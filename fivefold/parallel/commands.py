@@ -9,6 +9,9 @@ import sys
 from fivefold.cli import add_config_args, config_from_args
 
 
+THEORY = {"afab": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)", "zero-bubble": "(p-1)/(3m)"}
+
+
 def register(sub) -> None:
     p = sub.add_parser("pipeline", help="draw a pipeline schedule as a per-rank timeline, planned or measured")
     add_config_args(p)
@@ -71,7 +74,7 @@ def _report(args, report: dict) -> None:
     line = (f"{report['schedule']}: pp={report['pp']}, {report['microbatches']} micro-batches: bubble "
             f"{report.get('bubble_measured', report.get('bubble_simulated')):.3f} "
             f"({'measured' if 'bubble_measured' in report else 'simulated, unit costs'}); "
-            f"(p-1)/m theory {report['bubble_theory']:.3f}")
+            f"{THEORY[report['schedule']]} theory {report['bubble_theory']:.3f}")
     print(line)
     if args.png:
         print(f"wrote {args.png}")
