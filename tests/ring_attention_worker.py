@@ -1,12 +1,13 @@
 """Run under torchrun by tests/test_context_parallel.py: ring attention on zig-zag shards against full
-causal attention, forward and backward, in float64, with and without grouped-query heads."""
+causal attention, forward and backward, in float64, with and without grouped-query heads, and with
+packed documents (causal within each document) against SDPA with the same mask."""
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from fivefold.parallel import context_parallel
-from fivefold.parallel.context_parallel import RingAttentionCore, zigzag_positions
+from fivefold.parallel.context_parallel import DocumentBlocks, RingAttentionCore, zigzag_positions
 from fivefold.parallel.mesh import exit_worker
 
 SENT = []
@@ -29,17 +30,29 @@ class _Core:
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
-    for heads, kv_heads in ((4, 4), (4, 2)):
+    for heads, kv_heads, packed in ((4, 4, False), (4, 2, False), (4, 2, True)):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, h, 8 * cp, 8, dtype=torch.float64, generator=g) for h in (heads, kv_heads, kv_heads))
+        seq = q.shape[2]
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != kv_heads)
+        mask, blocks = None, None
+        if packed:  # documents of random lengths, so boundaries fall inside and across ranks' chunks
+            starts = (torch.rand(2, seq, generator=g) < 0.15).long()
+            starts[:, 0] = 0
+            doc_ids = starts.cumsum(1)
+            causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+            mask = (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+            ref = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=heads != kv_heads)
+        else:
+            ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != kv_heads)
         grad = torch.randn(ref.shape, dtype=torch.float64, generator=g)
         ref.backward(grad)
-        cols = zigzag_positions(q.shape[2], cp, rank)
+        cols = zigzag_positions(seq, cp, rank)
+        if packed:
+            blocks = DocumentBlocks(doc_ids[:, cols], dist.group.WORLD)
         mine = [t[:, :, cols].clone().requires_grad_() for t in (q, k, v)]
         SENT.clear()
-        out = RingAttentionCore(_Core(heads // kv_heads), dist.group.WORLD)(*mine)
+        out = RingAttentionCore(_Core(heads // kv_heads), dist.group.WORLD)(*mine, mask=blocks)
         out.backward(grad[:, :, cols])
         # What the planner charges one attention (fivefold.memory.communication), here in float64.
         kv = 2 * k[:, :, cols].numel()
@@ -47,7 +60,7 @@ if __name__ == "__main__":
         for what, a, b in (("output", out, ref[:, :, cols]), *((f"grad {n}", m.grad, f.grad[:, :, cols])
                                                                 for n, m, f in zip("qkv", mine, full))):
             err = (a - b).abs().max().item()
-            assert err < 1e-10, f"rank {rank} heads {heads}/{kv_heads}: {what} differs by {err:.2e}"
+            assert err < 1e-10, f"rank {rank} heads {heads}/{kv_heads} packed {packed}: {what} differs by {err:.2e}"
     dist.barrier()
     if rank == 0:
         print("ring attention matches full attention")

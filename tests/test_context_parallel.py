@@ -1,17 +1,21 @@
 """Context parallelism: ring attention on zig-zag shards against full causal attention (float64,
 forward and backward, cp 2 and 4, with GQA; tests/ring_attention_worker.py), and training under
 torchrun (gloo, fp32): cp 2 and 4 alone, with dp=2 and with tp=2 give the single process's losses over 10
-steps, and so do cp with tensor + sequence parallelism and cp with pipeline parallelism. cp alone (dp=1)
+steps, and so do cp with tensor + sequence parallelism, cp with pipeline parallelism, and cp with packed
+documents masked (alone and with tp + SP) against one process masking the same documents. cp alone (dp=1)
 is the case where skipping the gradient reduction over cp ranks goes unnoticed by a loss that looks fine
 at step 1 and drifts after: it must match at every step."""
 
+import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
@@ -33,21 +37,36 @@ def config(cache, out, **overrides) -> dict:
     return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
-def layout(cp, dp=1, tp=1, zero=0, pp=1, sp=False) -> dict:
+def short_documents(root: Path) -> str:
+    """A prepared corpus of documents of 3 to 25 words, so that packed sequences of 32 tokens hold several
+    and their boundaries fall inside and across the cp ranks' chunks (the embedded corpus's documents are
+    far longer than a test sequence)."""
+    rng = random.Random(0)
+    words = ("ring attention passes keys and values around the ranks while each one computes its block of the "
+             "causal scores and merges partial results with the log sum exp rule").split()
+    docs = [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 25)))} for _ in range(3000)]
+    (root / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    assert main(["prepare", "--input", str(root / "docs.jsonl"), "--out", str(root / "docs"),
+                 "--vocab-size", "512"]) == 0
+    return str(root / "docs")
+
+
+def layout(cp, dp=1, tp=1, zero=0, pp=1, sp=False, docs=False) -> dict:
     values = {"parallel.cp": cp, "parallel.dp": dp, "parallel.tp": tp, "parallel.zero": zero, "parallel.pp": pp,
-              "parallel.sequence_parallel": sp, "train.micro_batch_size": 8 // dp}
+              "parallel.sequence_parallel": sp, "train.micro_batch_size": 8 // dp, "model.document_mask": docs}
     if pp > 1:  # the pipeline's micro-batches are accumulation micro-batches: same global batch of 8
         values.update({"train.micro_batch_size": 2 // dp, "train.grad_accum": 4, "model.num_layers": 4})
     return values
 
 
-def name(cp, dp=1, tp=1, zero=0, pp=1, sp=False) -> str:
-    return f"cp{cp}_dp{dp}_tp{tp}_zero{zero}_pp{pp}" + ("_sp" if sp else "")
+def name(cp, dp=1, tp=1, zero=0, pp=1, sp=False, docs=False) -> str:
+    return f"cp{cp}_dp{dp}_tp{tp}_zero{zero}_pp{pp}" + ("_sp" if sp else "") + ("_docs" if docs else "")
 
 
-# (cp, dp, tp, zero, pp, sp)
-LAUNCHES = {2: [(2,)],
-            4: [(4,), (2, 2), (2, 1, 2), (2, 2, 1, 1), (2, 1, 2, 0, 1, True), (2, 1, 1, 0, 2)],
+# (cp, dp, tp, zero, pp, sp, docs)
+LAUNCHES = {2: [(2,), (2, 1, 1, 0, 1, False, True)],
+            4: [(4,), (2, 2), (2, 1, 2), (2, 2, 1, 1), (2, 1, 2, 0, 1, True), (2, 1, 1, 0, 2),
+                (4, 1, 1, 0, 1, False, True), (2, 1, 2, 0, 1, True, True)],
             8: [(4, 2), (2, 2, 2), (2, 2, 1, 1, 2), (2, 1, 2, 0, 2, True)]}
 
 
@@ -57,15 +76,23 @@ def runs(tmp_path_factory, data_cache):
     Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": 8})), quiet=True).fit()
     Trainer(config_from_dict(config(data_cache, root / "single_4layers",
                                     **{"train.micro_batch_size": 8, "model.num_layers": 4})), quiet=True).fit()
+    corpus = {"data.dataset": short_documents(root)}
+    packed = Trainer(config_from_dict(config(data_cache, root / "single_docs", **{
+        "train.micro_batch_size": 8, "model.document_mask": True, **corpus})), quiet=True)
+    batch = packed.data.train.batch(list(range(64)))
+    assert (batch == packed.cfg.model.eos_token_id).sum(1).float().mean() > 2  # several documents per sequence
+    packed.fit()
     for nproc, layouts in LAUNCHES.items():
-        launch_layouts(nproc, [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts],
-                       root / f"cp_{nproc}.json")
+        launch_layouts(nproc, [{"config": config(data_cache, root / name(*lay), **layout(*lay),
+                                                 **(corpus if len(lay) > 6 and lay[6] else {}))}
+                               for lay in layouts], root / f"cp_{nproc}.json")
     return root
 
 
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
 def test_every_step_matches_one_process(runs, lay):
-    reference = runs / ("single_4layers" if len(lay) > 4 and lay[4] > 1 else "single")
+    reference = runs / ("single_4layers" if len(lay) > 4 and lay[4] > 1 else
+                        "single_docs" if len(lay) > 6 and lay[6] else "single")
     result = compare_runs(runs / name(*lay), reference, rtol=1e-5)
     assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
 

@@ -79,7 +79,8 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   p=p, rep=1 / tp if par.sequence_parallel else 1.0, rms=m.norm == "rmsnorm",
                   swiglu=m.activation == "swiglu", sdpa=not scores_materialised(cfg, device) or par.cp > 1,
                   ring=par.cp > 1,
-                  rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads, doc_mask=m.document_mask,
+                  rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads,
+                  doc_mask=m.document_mask and par.cp == 1,  # ring attention masks block by block
                   stats_bytes=4 if device == "cuda" else p)
 
 

@@ -6,7 +6,8 @@ too: the blocks go round again with their key and value gradients, which end at 
 
 Causal load balance (zig-zag): with the sequence cut into 2 cp chunks, rank r holds chunks r and
 2cp - 1 - r, so every rank has the same amount of causal work. Tokens keep their global positions
-(RoPE) and causality is decided on positions.
+(RoPE) and causality is decided on positions; with packed documents, also on the tokens' global
+document ids, gathered once per forward so each block's mask is built where it is used.
 
 Everything outside attention is per token, so the rest of the model runs unchanged on the local tokens;
 parameter gradients are partial sums over the rank's tokens and are reduced over dp x cp.
@@ -49,9 +50,23 @@ class _Shift:
 KV_TAG, GRAD_TAG = 1, 2
 
 
-def _allowed(seq: int, cp: int, rank: int, source: int, device) -> torch.Tensor:
-    """Causal mask of this rank's queries against the keys of rank `source`, by global position."""
-    return zigzag_positions(seq, cp, rank, device)[:, None] >= zigzag_positions(seq, cp, source, device)[None, :]
+def _allowed(seq: int, cp: int, rank: int, source: int, device, docs: torch.Tensor | None) -> torch.Tensor:
+    """Mask of this rank's queries against the keys of rank `source`: causal by global position, (s, s);
+    with document ids `docs` (cp, B, s), also within the same document, (B, 1, s, s)."""
+    causal = zigzag_positions(seq, cp, rank, device)[:, None] >= zigzag_positions(seq, cp, source, device)[None, :]
+    if docs is None:
+        return causal
+    return (causal & (docs[rank][:, :, None] == docs[source][:, None, :]))[:, None]
+
+
+class DocumentBlocks:
+    """The attention mask ring attention is given for packed documents: every rank's tokens' document ids
+    (cp, B, s), gathered once per forward, from which each block's mask is built as the block arrives."""
+
+    def __init__(self, doc_ids: torch.Tensor, group):
+        parts = [torch.empty_like(doc_ids) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, doc_ids.contiguous(), group=group)
+        self.docs = torch.stack(parts)
 
 
 def _scores(q, k, allowed, scale):
@@ -70,7 +85,7 @@ class _RingAttention(torch.autograd.Function):
     backward), and a last shift returns each gradient to the rank that owns the block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups, group):
+    def forward(ctx, q, k, v, groups, group, docs):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         seq, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -80,7 +95,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None  # overlaps this block's compute
             k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
-            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device), scale)
+            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device, docs), scale)
             block_lse = torch.logsumexp(scores, dim=-1)
             new_lse = torch.logaddexp(lse, block_lse)
             seen = torch.isfinite(new_lse)  # rows with no allowed key yet keep out = 0, lse = -inf
@@ -91,13 +106,13 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.groups, ctx.group = groups, group
+        ctx.groups, ctx.group, ctx.docs = groups, group, docs
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        groups, group = ctx.groups, ctx.group
+        groups, group, docs = ctx.groups, ctx.group, ctx.docs
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         seq, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
         grad_out = grad_out.to(out.dtype)
@@ -108,7 +123,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None
             k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
-            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device), scale)
+            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device, docs), scale)
             probs = torch.exp(scores - lse[..., None])  # the final softmax, restricted to this block
             grad_v = probs.transpose(-2, -1) @ grad_out
             grad_scores = probs * (grad_out @ v_j.to(out.dtype).transpose(-2, -1) - delta) * scale
@@ -121,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         grad_kv = passing.wait()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
 class RingAttentionCore(nn.Module):
@@ -133,13 +148,24 @@ class RingAttentionCore(nn.Module):
         self.groups, self.group = core.groups, group
 
     def forward(self, q, k, v, mask=None):
-        # q (B, H, s, d); k, v (B, Hkv, s, d) for this rank's s = S / cp tokens. `mask` is the model's
-        # local causal mask, meaningless across ranks: causality comes from global positions here.
-        return _RingAttention.apply(q, k, v, self.groups, self.group)
+        # q (B, H, s, d); k, v (B, Hkv, s, d) for this rank's s = S / cp tokens. Causality comes from
+        # global positions; `mask` is None or the DocumentBlocks of packed documents.
+        docs = mask.docs if isinstance(mask, DocumentBlocks) else None
+        return _RingAttention.apply(q, k, v, self.groups, self.group, docs)
 
 
 def apply_context_parallel(model: nn.Module, group) -> None:
-    """Swap every block's attention core for ring attention over `group`."""
+    """Swap every block's attention core for ring attention over `group`, and the model's per-forward
+    context so that the mask its blocks pass down is the document ids of the whole ring (a local
+    (s, s) mask means nothing across ranks). The document ids given to the model must be global: each
+    token's document in the whole sequence, counted before the sequence was split."""
     for block in model.layers:
         if hasattr(block, "attn"):
             block.attn.core = RingAttentionCore(block.attn.core, group)
+    local_context = model.context
+
+    def context(input_ids, positions, doc_ids, dtype, past=0):
+        rope, _ = local_context(input_ids, positions, None, dtype, past)
+        return rope, None if doc_ids is None else DocumentBlocks(doc_ids, group)
+
+    model.context = context

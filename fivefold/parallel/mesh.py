@@ -92,9 +92,10 @@ def check_supported(cfg: Config) -> None:
             raise ConfigError("train.compile=true with a mixture-of-experts model is not supported yet: routing "
                               "makes data-dependent shapes; use train.compile=false")
     if p.cp > 1:
-        if cfg.model.document_mask:
-            raise ConfigError("model.document_mask with parallel.cp>1 is not supported: ring attention is plain "
-                              "causal; use model.document_mask=false")
+        if cfg.model.document_mask and p.pp > 1:
+            raise ConfigError("model.document_mask with parallel.cp>1 and parallel.pp>1 is not supported yet: "
+                              "pipeline stages find documents from their own tokens only; use one of cp and pp, "
+                              "or model.document_mask=false")
         if cfg.train.compile:
             raise ConfigError("train.compile=true with parallel.cp>1 is not supported yet; use train.compile=false")
     if p.pp > 1 and p.zero >= 2 and p.dp > 1:

@@ -44,11 +44,13 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 
 
 def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config, tp_group=None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32. Under
     tensor parallelism (`tp_group`) the logits are this rank's vocabulary shard and stay sharded; under
-    context parallelism the tokens are this rank's, at their global `positions`."""
-    doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id) if cfg.model.document_mask else None
+    context parallelism the tokens are this rank's, at their global `positions` and in their documents
+    of the whole sequence (`doc_ids`; otherwise found from `inputs` when documents are masked)."""
+    if doc_ids is None and cfg.model.document_mask:
+        doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id)
     return logits_loss_sum(model, model(inputs, positions=positions, doc_ids=doc_ids), labels, tp_group)
 
 
@@ -187,10 +189,12 @@ class Trainer:
         dp, rank = self.mesh.dp_size, self.mesh.dp_rank
         return slice(rank * rows // dp, (rank + 1) * rows // dp)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor):
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor,
+                         doc_ids: torch.Tensor | None = None):
         """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
         gradients yields the gradient of the global mean."""
-        loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs)) / num_tokens
+        loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs),
+                              doc_ids) / num_tokens
         total = loss + self._router_loss(self.moe_layers) if self.moe_layers else loss
         total.backward()
         return loss.detach()
@@ -223,13 +227,16 @@ class Trainer:
                 "moe_max_expert_load": (load.max() / load.mean()).item()}
 
     def local_columns(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """This context-parallel rank's tokens of every sequence (zig-zag chunks r and 2cp-1-r)."""
+        """This context-parallel rank's tokens of every sequence (zig-zag chunks r and 2cp-1-r), and with
+        packed documents masked (cp > 1) their documents' ids in the whole sequence, else None."""
         if self.mesh.cp_size == 1:
-            return inputs, labels
+            return inputs, labels, None
         from fivefold.parallel.context_parallel import zigzag_positions
 
         cols = zigzag_positions(inputs.shape[1], self.mesh.cp_size, self.mesh.cp_rank, inputs.device)
-        return inputs[:, cols], labels[:, cols]
+        docs = doc_ids_from_tokens(inputs, self.cfg.model.eos_token_id)[:, cols] if self.cfg.model.document_mask \
+            else None
+        return inputs[:, cols], labels[:, cols], docs
 
     def _positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
         if self.mesh.cp_size == 1:
@@ -248,7 +255,7 @@ class Trainer:
         over the labels that are not IGNORE_INDEX (padding)."""
         num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
         mine = self.local_rows(len(inputs))
-        inputs, labels = self.local_columns(inputs[mine], labels[mine])
+        inputs, labels, docs = self.local_columns(inputs[mine], labels[mine])
         if self.pipeline is not None:
             self._micro_batches = math.ceil(len(inputs) / self.cfg.train.micro_batch_size) * self.mesh.grad_size
             loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
@@ -265,7 +272,7 @@ class Trainer:
             if self.reducer is not None:
                 # Communicate on the last micro-batch only, except ZeRO-2/3, which keep gradient shards.
                 self.reducer.sync = i == len(micro_batches) - 1 or self.reducer.reduces_every_micro_batch
-            loss += self.forward_backward(inputs[mb], labels[mb], num_tokens)
+            loss += self.forward_backward(inputs[mb], labels[mb], num_tokens, None if docs is None else docs[mb])
             if self.reducer is not None and self.reducer.sync:
                 self.reducer.finish()
         if self.reducer is not None:
@@ -322,12 +329,13 @@ class Trainer:
             # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
             # parameters inside it, collectively), and counts nothing.
             batch = self.data.val.batch(mine or rows[:1]).to(self.device)
-            inputs, labels = self.local_columns(batch[:, :-1], batch[:, 1:])
+            inputs, labels, docs = self.local_columns(batch[:, :-1], batch[:, 1:])
             if self.pipeline is not None:
                 loss = self.pipeline.forward_only(inputs, labels, self._loss_of_logits)
                 dist.all_reduce(loss, group=self.mesh.pp_group)
             else:
-                loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs))
+                loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs),
+                                      docs)
             if mine:
                 totals += torch.tensor([loss.item(), labels.numel()], dtype=torch.float64, device=self.device)
         if self.mesh.grad_size > 1:
