@@ -3,13 +3,13 @@
 Layer: top-k routing with weights summing to one, capacity dropping (and dropless), the Switch
 load-balancing loss at its textbook value for a uniform router, a shared expert. Expert parallelism:
 all-to-all dispatch and combine against local experts in float64 (outputs and every gradient;
-tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32): dp 2 and 4 with ep 1, 2 and 4, and
-tensor-parallel experts (tp 2, alone, with dp 2, and with dp 4 x ep 2; with SP alone and with dp 2 x
-ep 2), and pipeline stages (pp 2 alone,
-with dp 2 x ep 2 under zero-bubble, with tp 2 under AFAB) give the single process's losses over 10 steps,
-with capacity dropping and router losses on: the single process
-runs the same micro-batches (one per rank's micro-batch), so routing, drops and router losses are the
-same computations."""
+tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32) gives the single process's losses
+over 10 steps, with router losses on, for: dp 2 and 4 with ep 1, 2 and 4; tensor-parallel experts (tp 2
+alone, with dp 2, with dp 4 x ep 2; with SP alone and with dp 2 x ep 2); pipeline stages (pp 2 alone,
+with dp 2 x ep 2 under zero-bubble, with tp 2 under AFAB), all with capacity dropping; and context
+parallelism (cp 2 alone, with dp 2, with tp 2, with pp 2), dropless, its routing counts summed over the
+ring. The single process runs the same micro-batches (one per rank's micro-batch), so routing, drops and
+router losses are the same computations."""
 
 import json
 import os
@@ -81,6 +81,7 @@ def test_all_to_all_dispatch_matches_local_experts(nproc):
 
 
 MODEL = {"model.capacity_factor": 1.0}
+DROPLESS = {"model.capacity_factor": 0.0}
 
 
 def config(cache, out, **overrides) -> dict:
@@ -88,21 +89,29 @@ def config(cache, out, **overrides) -> dict:
     return load_config(preset="tiny-moe", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
-def layout(dp, ep, tp=1, pp=1, schedule="1f1b", sp=False) -> dict:
-    return {"parallel.dp": dp, "parallel.ep": ep, "parallel.tp": tp, "parallel.pp": pp,
+def layout(dp, ep, tp=1, pp=1, schedule="1f1b", sp=False, cp=1) -> dict:
+    # Context parallelism splits each micro-batch's tokens, so it trains dropless (capacity is granted
+    # in token order over the whole micro-batch).
+    return {"parallel.dp": dp, "parallel.ep": ep, "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp,
             "parallel.pp_schedule": schedule, "parallel.sequence_parallel": sp,
-            "train.micro_batch_size": 2, "train.grad_accum": 4 // dp}
+            "train.micro_batch_size": 2, "train.grad_accum": 4 // dp, **(DROPLESS if cp > 1 else {})}
 
 
-def name(dp, ep, tp=1, pp=1, schedule="1f1b", sp=False) -> str:
-    return f"dp{dp}_ep{ep}_tp{tp}" + (f"_pp{pp}_{schedule}" if pp > 1 else "") + ("_sp" if sp else "")
+def name(dp, ep, tp=1, pp=1, schedule="1f1b", sp=False, cp=1) -> str:
+    return (f"dp{dp}_ep{ep}_tp{tp}" + (f"_pp{pp}_{schedule}" if pp > 1 else "") + ("_sp" if sp else "")
+            + (f"_cp{cp}" if cp > 1 else ""))
 
 
-# (dp, ep, tp, pp, schedule, sp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts,
+def reference(lay) -> str:
+    return "single_dropless" if len(lay) > 6 and lay[6] > 1 else "single"
+
+
+# (dp, ep, tp, pp, schedule, sp, cp): data parallel alone, experts split over 2 or 4 ranks, tensor-parallel experts,
 # pipeline stages (each stage's router losses join its own backward), and combinations
-LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2), (1, 1, 1, 2), (1, 1, 2, 1, "1f1b", True)],
+LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2), (1, 1, 1, 2), (1, 1, 2, 1, "1f1b", True), (1, 1, 1, 1, "1f1b", False, 2)],
             4: [(4, 2), (4, 4), (2, 1, 2), (2, 2, 1, 2, "zero-bubble"), (1, 1, 2, 2, "afab"),
-                (2, 2, 2, 1, "1f1b", True)],
+                (2, 2, 2, 1, "1f1b", True), (2, 1, 1, 1, "1f1b", False, 2), (1, 1, 2, 1, "1f1b", False, 2),
+                (1, 1, 1, 2, "1f1b", False, 2)],
             8: [(4, 2, 2)]}
 
 
@@ -111,6 +120,8 @@ def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("moe")
     Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": 2,
                                                                      "train.grad_accum": 4})), quiet=True).fit()
+    Trainer(config_from_dict(config(data_cache, root / "single_dropless", **{
+        "train.micro_batch_size": 2, "train.grad_accum": 4, **DROPLESS})), quiet=True).fit()
     for nproc, layouts in LAUNCHES.items():
         launch_layouts(nproc, [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts],
                        root / f"moe_{nproc}.json")
@@ -119,17 +130,19 @@ def runs(tmp_path_factory, data_cache):
 
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
 def test_every_step_matches_one_process(runs, lay):
-    result = compare_runs(runs / name(*lay), runs / "single", rtol=1e-5)
+    result = compare_runs(runs / name(*lay), runs / reference(lay), rtol=1e-5)
     assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
 
 
-@pytest.mark.parametrize("lay", [(4, 4), (2, 2, 1, 2, "zero-bubble")], ids=lambda lay: name(*lay))
+@pytest.mark.parametrize("lay", [(4, 4), (2, 2, 1, 2, "zero-bubble"), (2, 1, 1, 1, "1f1b", False, 2)],
+                         ids=lambda lay: name(*lay))
 def test_routing_statistics_are_logged(runs, lay):
     rows = [json.loads(line) for line in (runs / name(*lay) / "metrics.jsonl").read_text().splitlines()]
-    single = [json.loads(line) for line in (runs / "single" / "metrics.jsonl").read_text().splitlines()]
+    single = [json.loads(line) for line in (runs / reference(lay) / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == len(single) == BASE["train.steps"]
     for ours, ref in zip(rows, single):
-        assert 0 < ours["moe_dropped_fraction"] < 1 and ours["moe_max_expert_load"] >= 1
+        assert 0 <= ours["moe_dropped_fraction"] < 1 and ours["moe_max_expert_load"] >= 1
+        assert (ours["moe_dropped_fraction"] > 0) == (reference(lay) == "single")
         assert ours["moe_dropped_fraction"] == pytest.approx(ref["moe_dropped_fraction"])
         assert ours["router_loss"] == pytest.approx(ref["router_loss"], rel=1e-5)
 
@@ -142,3 +155,15 @@ def test_routing_statistics_are_logged(runs, lay):
 def test_invalid_expert_layouts_are_rejected(tiny_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(preset="tiny-moe", **overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.cp": 2, "model.capacity_factor": 1.0}, "use model.capacity_factor=0"),
+    ({"parallel.cp": 2, "parallel.dp": 2, "parallel.ep": 2, **DROPLESS}, "parallel.ep=2 is not supported yet"),
+    ({"parallel.dp": 2, "parallel.zero": 1}, "an expert may get no tokens on a rank"),
+])
+def test_unsupported_combinations_are_refused_before_launch(tiny_config, overrides, message):
+    from fivefold.parallel.mesh import check_supported
+
+    with pytest.raises(ConfigError, match=message):
+        check_supported(tiny_config(preset="tiny-moe", **overrides))

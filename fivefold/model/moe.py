@@ -53,6 +53,9 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(expert_config(cfg, cfg.expert_size)) for _ in range(cfg.num_experts))
         self.shared_expert = MLP(expert_config(cfg, cfg.shared_expert_size)) if cfg.shared_expert_size else None
         self.dispatch = LocalDispatch()
+        # Sums a routing statistic over the ranks holding other tokens of the same sequences (context
+        # parallelism), so the router losses are the whole micro-batch's; one process holds them all.
+        self.sum_over_sequence = lambda t: t
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -70,8 +73,12 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         probs = torch.softmax(logits, dim=-1)
-        balance = self.num_experts * (counts.float() / len(expert_ids) * probs.mean(0)).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        # Means over the micro-batch's tokens, as sums over this rank's divided by the whole count.
+        all_counts = self.sum_over_sequence(torch.cat([counts.float(), counts.new_tensor([len(tokens)]).float()]))
+        num_tokens = all_counts[-1]
+        routed_fraction = all_counts[:-1] / (num_tokens * self.k)
+        balance = self.num_experts * (routed_fraction * probs.sum(0) / num_tokens).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / num_tokens
         self.aux_loss = self.aux_coef * balance + self.z_coef * z_loss
         self.stats = {"tokens_per_expert": counts.detach(), "dropped": (~keep).sum().detach(),
                       "assignments": torch.tensor(len(expert_ids))}

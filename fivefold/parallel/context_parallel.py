@@ -154,14 +154,26 @@ class RingAttentionCore(nn.Module):
         return _RingAttention.apply(q, k, v, self.groups, self.group, docs)
 
 
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    """A statistic summed over the cp ranks (routing counts: no gradient flows through them)."""
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
 def apply_context_parallel(model: nn.Module, group) -> None:
-    """Swap every block's attention core for ring attention over `group`, and the model's per-forward
+    """Swap every block's attention core for ring attention over `group`, let mixtures of experts sum
+    their routing counts over it (their router losses are means over the micro-batch), and the model's per-forward
     context so that the mask its blocks pass down is the document ids of the whole ring (a local
     (s, s) mask means nothing across ranks). The document ids given to the model must be global: each
     token's document in the whole sequence, counted before the sequence was split."""
+    from fivefold.model.moe import MoE
+
     for block in model.layers:
         if hasattr(block, "attn"):
             block.attn.core = RingAttentionCore(block.attn.core, group)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.sum_over_sequence = lambda t: _summed(t, group)
     local_context = model.context
 
     def context(input_ids, positions, doc_ids, dtype, past=0):

@@ -80,11 +80,12 @@ def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
     if cfg.model.num_experts:
-        if p.cp > 1:
-            raise ConfigError(f"parallel.cp={p.cp} with a mixture-of-experts model is not supported yet: routing "
-                              f"and capacity are decided per micro-batch, which cp would split; MoE trains with "
-                              f"data (parallel.dp), expert (parallel.ep), tensor (parallel.tp) and pipeline "
-                              f"(parallel.pp) parallelism")
+        if p.cp > 1 and cfg.model.capacity_factor > 0:
+            raise ConfigError(f"parallel.cp={p.cp} with model.capacity_factor={cfg.model.capacity_factor} is not "
+                              f"supported: capacity is granted in token order over the whole micro-batch, which cp "
+                              f"splits; use model.capacity_factor=0 (dropless)")
+        if p.cp > 1 and p.ep > 1:
+            raise ConfigError(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not supported yet; use one of them")
         if p.zero > 0 and p.dp > 1:
             raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
                               f"expert may get no tokens on a rank; use parallel.zero=0")

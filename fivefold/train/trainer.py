@@ -163,7 +163,7 @@ class Trainer:
             routed = {id(p) for m in self.moe_layers for p in m.experts.parameters()}
             dense, experts = [p for p in params if id(p) not in routed], [p for p in params if id(p) in routed]
             parts = [BucketedAllReduce(dense, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)]
-            if mesh.dp_size > mesh.ep_size:
+            if mesh.grad_size > mesh.ep_size:
                 group = mesh.expert_grad_group if mesh.ep_size > 1 else mesh.grad_group
                 parts.append(BucketedAllReduce(experts, group, optimizer.grad_of, bucket_bytes=bucket_bytes,
                                                overlap=False))
@@ -257,7 +257,7 @@ class Trainer:
         mine = self.local_rows(len(inputs))
         inputs, labels, docs = self.local_columns(inputs[mine], labels[mine])
         if self.pipeline is not None:
-            self._micro_batches = math.ceil(len(inputs) / self.cfg.train.micro_batch_size) * self.mesh.grad_size
+            self._micro_batches = math.ceil(len(inputs) / self.cfg.train.micro_batch_size) * self.mesh.dp_size
             loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
             if self.reducer is not None:
                 self.reducer.finish()
@@ -266,7 +266,7 @@ class Trainer:
                 dist.all_reduce(loss, group=self.mesh.grad_group)
             return loss
         micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
-        self._micro_batches = len(micro_batches) * self.mesh.grad_size
+        self._micro_batches = len(micro_batches) * self.mesh.dp_size  # cp ranks share a micro-batch
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.reducer is not None:
