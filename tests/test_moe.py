@@ -7,7 +7,7 @@ tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32) gives the si
 over 10 steps, with router losses on, for: dp 2 and 4 with ep 1, 2 and 4; tensor-parallel experts (tp 2
 alone, with dp 2, with dp 4 x ep 2; with SP alone and with dp 2 x ep 2); pipeline stages (pp 2 alone,
 with dp 2 x ep 2 under zero-bubble, with tp 2 under AFAB), all with capacity dropping; and context
-parallelism (cp 2 alone, with dp 2, with tp 2, with pp 2), dropless, its routing counts summed over the
+parallelism (cp 2 alone, with dp 2, with tp 2, with pp 2, with dp 2 x ep 2), dropless, its routing counts summed over the
 ring. The single process runs the same micro-batches (one per rank's micro-batch), so routing, drops and
 router losses are the same computations."""
 
@@ -111,7 +111,7 @@ def reference(lay) -> str:
 LAUNCHES = {2: [(2, 1), (2, 2), (1, 1, 2), (1, 1, 1, 2), (1, 1, 2, 1, "1f1b", True), (1, 1, 1, 1, "1f1b", False, 2)],
             4: [(4, 2), (4, 4), (2, 1, 2), (2, 2, 1, 2, "zero-bubble"), (1, 1, 2, 2, "afab"),
                 (2, 2, 2, 1, "1f1b", True), (2, 1, 1, 1, "1f1b", False, 2), (1, 1, 2, 1, "1f1b", False, 2),
-                (1, 1, 1, 2, "1f1b", False, 2)],
+                (1, 1, 1, 2, "1f1b", False, 2), (2, 2, 1, 1, "1f1b", False, 2)],
             8: [(4, 2, 2)]}
 
 
@@ -159,7 +159,6 @@ def test_invalid_expert_layouts_are_rejected(tiny_config, overrides, message):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"parallel.cp": 2, "model.capacity_factor": 1.0}, "use model.capacity_factor=0"),
-    ({"parallel.cp": 2, "parallel.dp": 2, "parallel.ep": 2, **DROPLESS}, "parallel.ep=2 is not supported yet"),
     ({"parallel.dp": 2, "parallel.zero": 1}, "an expert may get no tokens on a rank"),
 ])
 def test_unsupported_combinations_are_refused_before_launch(tiny_config, overrides, message):

@@ -48,20 +48,23 @@ class AllToAllDispatch:
 
 
 def expert_groups(ranks: torch.Tensor, ep: int):
-    """(this rank's ep group, this rank's expert-data-parallel group). `ranks` (dp, tp): the global rank
-    of each (data-parallel, tensor-parallel) coordinate; data-parallel rank d = g * ep + e. Groups join
-    ranks of one tensor-parallel coordinate, whose token sets and expert shards correspond. Every rank
-    creates every group, in the same order, as torch.distributed requires."""
+    """(this rank's ep group, this rank's expert-data-parallel group). `ranks` (dp, cp, tp): the global
+    rank of each (data-parallel, context-parallel, tensor-parallel) coordinate of one pipeline stage;
+    data-parallel rank d = g * ep + e. An ep group joins the ep ranks of one (cp, tp) coordinate, whose
+    token sets and expert shards correspond; the ranks holding the same experts are every group g's e-th,
+    at every cp coordinate (each holds part of the same sequences). Every rank creates every group, in
+    the same order, as torch.distributed requires."""
     me = dist.get_rank()
-    dp, tp = ranks.shape
+    dp, cp, tp = ranks.shape
     mine_ep = mine_edp = None
     for t in range(tp):
-        for g in range(dp // ep):
-            members = [int(ranks[g * ep + e, t]) for e in range(ep)]
-            group = dist.new_group(members)
-            mine_ep = group if me in members else mine_ep
+        for c in range(cp):
+            for g in range(dp // ep):
+                members = [int(ranks[g * ep + e, c, t]) for e in range(ep)]
+                group = dist.new_group(members)
+                mine_ep = group if me in members else mine_ep
         for e in range(ep):
-            members = [int(ranks[g * ep + e, t]) for g in range(dp // ep)]
+            members = [int(ranks[g * ep + e, c, t]) for g in range(dp // ep) for c in range(cp)]
             group = dist.new_group(members)
             mine_edp = group if me in members else mine_edp
     return mine_ep, mine_edp

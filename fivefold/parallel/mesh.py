@@ -84,8 +84,6 @@ def check_supported(cfg: Config) -> None:
             raise ConfigError(f"parallel.cp={p.cp} with model.capacity_factor={cfg.model.capacity_factor} is not "
                               f"supported: capacity is granted in token order over the whole micro-batch, which cp "
                               f"splits; use model.capacity_factor=0 (dropless)")
-        if p.cp > 1 and p.ep > 1:
-            raise ConfigError(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not supported yet; use one of them")
         if p.zero > 0 and p.dp > 1:
             raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
                               f"expert may get no tokens on a rank; use parallel.zero=0")
@@ -155,7 +153,7 @@ def _expert_groups(p, device_mesh) -> dict:
     from fivefold.parallel.expert_parallel import expert_groups
 
     mine = (None, None)
-    for stage in range(p.pp):  # each pipeline stage has its own expert groups (MoE runs with cp = 1)
-        groups = expert_groups(device_mesh.mesh[stage, :, 0, :], p.ep)
+    for stage in range(p.pp):  # each pipeline stage has its own expert groups
+        groups = expert_groups(device_mesh.mesh[stage], p.ep)
         mine = groups if groups[0] is not None else mine
     return {"ep_size": p.ep, "ep_group": mine[0], "expert_grad_group": mine[1]}
