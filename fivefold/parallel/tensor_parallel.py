@@ -82,6 +82,11 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _own_part(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice along the sequence of a (B, S, ...) tensor every rank holds whole."""
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
 class _GatherSequence(torch.autograd.Function):
     """SP into a column-parallel linear: all-gather along the sequence; backward reduce-scatter."""
 
@@ -114,8 +119,7 @@ class _SplitSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        tp, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(tp, dim=1)[rank].contiguous()
+        return _own_part(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,8 +138,7 @@ class _GatherToReplicated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        tp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(tp, dim=1)[rank].contiguous(), None
+        return _own_part(grad, ctx.group), None
 
 
 # -- sharded layers -----------------------------------------------------------------------------------
