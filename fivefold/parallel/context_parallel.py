@@ -69,6 +69,18 @@ class DocumentBlocks:
         self.docs = torch.stack(parts)
 
 
+def _visible(rank: int, source: int, s: int) -> tuple[slice, slice]:
+    """The queries (rows) and keys (columns) of the block from rank `source` that causality can let
+    through: all of the diagonal block; of an earlier rank's, only its first chunk of keys (its second
+    chunk lies after all of ours); of a later rank's, only our second chunk of queries. Off the diagonal
+    that is half the block, computed without the other half."""
+    if source == rank:
+        return slice(None), slice(None)
+    if source < rank:
+        return slice(None), slice(0, s // 2)
+    return slice(s // 2, None), slice(None)
+
+
 def _scores(q, k, allowed, scale):
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
     return (q @ k.transpose(-2, -1)).to(acc).mul_(scale).masked_fill_(~allowed, float("-inf"))
@@ -94,15 +106,18 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(cp):
             incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None  # overlaps this block's compute
-            k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
-            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device, docs), scale)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            new_lse = torch.logaddexp(lse, block_lse)
+            source = (rank - step) % cp
+            rows, cols = _visible(rank, source, q.shape[2])
+            k_j, v_j = (t[:, :, cols].repeat_interleave(groups, 1) if groups > 1 else t[:, :, cols] for t in kv)
+            allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
+            scores = _scores(q[:, :, rows], k_j, allowed, scale)
+            old_lse = lse[:, :, rows]
+            new_lse = torch.logaddexp(old_lse, torch.logsumexp(scores, dim=-1))
             seen = torch.isfinite(new_lse)  # rows with no allowed key yet keep out = 0, lse = -inf
-            old_weight = torch.where(seen, torch.exp(lse - new_lse), 0.0)
+            old_weight = torch.where(seen, torch.exp(old_lse - new_lse), 0.0)
             probs = torch.exp(scores - torch.where(seen, new_lse, 0.0)[..., None])
-            out = out * old_weight[..., None] + probs.to(v.dtype) @ v_j
-            lse = new_lse
+            out[:, :, rows] = out[:, :, rows] * old_weight[..., None] + probs.to(v.dtype) @ v_j
+            lse[:, :, rows] = new_lse
             if incoming is not None:
                 kv = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -122,16 +137,22 @@ class _RingAttention(torch.autograd.Function):
         passing = None  # the held block's gradient so far, on its way from the previous rank
         for step in range(cp):
             incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None
-            k_j, v_j = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in kv)
-            scores = _scores(q, k_j, _allowed(seq, cp, rank, (rank - step) % cp, q.device, docs), scale)
-            probs = torch.exp(scores - lse[..., None])  # the final softmax, restricted to this block
-            grad_v = probs.transpose(-2, -1) @ grad_out
-            grad_scores = probs * (grad_out @ v_j.to(out.dtype).transpose(-2, -1) - delta) * scale
-            grad_q += grad_scores @ k_j.to(out.dtype)
-            grad_k = grad_scores.transpose(-2, -1) @ q.to(out.dtype)
+            source = (rank - step) % cp
+            rows, cols = _visible(rank, source, q.shape[2])
+            k_j, v_j = (t[:, :, cols].repeat_interleave(groups, 1) if groups > 1 else t[:, :, cols] for t in kv)
+            q_i, grad_out_i = q[:, :, rows], grad_out[:, :, rows]
+            allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
+            scores = _scores(q_i, k_j, allowed, scale)
+            probs = torch.exp(scores - lse[:, :, rows, None])  # the final softmax, restricted to this block
+            grad_v = probs.transpose(-2, -1) @ grad_out_i
+            grad_scores = probs * (grad_out_i @ v_j.to(out.dtype).transpose(-2, -1) - delta[:, :, rows]) * scale
+            grad_q[:, :, rows] += grad_scores @ k_j.to(out.dtype)
+            grad_k = grad_scores.transpose(-2, -1) @ q_i.to(out.dtype)
             if groups > 1:  # each key/value head served `groups` query heads
                 grad_k, grad_v = (g.unflatten(1, (-1, groups)).sum(2) for g in (grad_k, grad_v))
-            grad_kv = torch.stack([grad_k, grad_v]) + (passing.wait() if passing is not None else 0)
+            grad_kv = passing.wait() if passing is not None else torch.zeros(kv.shape, dtype=out.dtype,
+                                                                                device=q.device)
+            grad_kv[:, :, :, cols] += torch.stack([grad_k, grad_v])
             passing = _Shift(grad_kv, group, GRAD_TAG)  # after the last block: back to its owner
             if incoming is not None:
                 kv = incoming.wait()
