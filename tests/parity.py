@@ -27,12 +27,17 @@ def copy_checkpoint(src_run: Path, dst_run: Path, step: int) -> None:
     (dst_run / "checkpoints" / "latest").write_text(name + "\n")
 
 
+def torchrun(nproc: int, script: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`script` under torchrun with `nproc` single-threaded workers; output captured."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", str(script), *args],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def launch_layouts(nproc: int, runs: list[dict], spec: Path, timeout: int = 900) -> None:
     """Train every {"config", "resume"?} of `runs` in turn in one torchrun launch of `nproc` workers."""
     spec.write_text(json.dumps(runs))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", str(WORKER), str(spec)],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(nproc, WORKER, str(spec), timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 

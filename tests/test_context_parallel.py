@@ -7,10 +7,7 @@ is the case where skipping the gradient reduction over cp ranks goes unnoticed b
 at step 1 and drifts after: it must match at every step."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,16 +16,14 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, launch_layouts, measured_memory
+from parity import BASE, assert_matches_plan, launch_layouts, measured_memory, torchrun
 
 HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ring_attention_matches_full_attention(nproc):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(Path(__file__).parent / "ring_attention_worker.py")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(nproc, Path(__file__).parent / "ring_attention_worker.py")
     assert proc.returncode == 0 and "matches full attention" in proc.stdout, proc.stderr[-3000:]
 
 

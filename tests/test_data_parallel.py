@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from fivefold.train.compare import compare_runs
-from parity import assert_weights_match, final_weights
+from parity import assert_weights_match, final_weights, torchrun
 
 COMMON = ["--preset", "tiny", "--set", "train.steps=10", "--set", "train.seq_len=32", "--set", "train.log_every=1",
           "--set", "train.peak_flops=1e11", "--set", "train.eval_every=0", "--set", "train.lr=1e-2",
@@ -71,9 +71,7 @@ def test_a_killed_rank_ends_the_whole_job(tiny_config, tmp_path):
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "trainer.fit()\n")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(2, script)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "rank      : 1" in proc.stderr or "rank: 1" in proc.stderr, proc.stderr[-2000:]

@@ -12,9 +12,6 @@ ring. The single process runs the same micro-batches (one per rank's micro-batch
 router losses are the same computations."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.model.moe import MoE
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, launch_layouts
+from parity import BASE, launch_layouts, torchrun
 
 
 def moe_layer(**overrides) -> MoE:
@@ -74,9 +71,7 @@ def test_output_is_the_weighted_sum_of_the_chosen_experts_plus_the_shared_one():
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_all_to_all_dispatch_matches_local_experts(nproc):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(Path(__file__).parent / "moe_dispatch_worker.py")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(nproc, Path(__file__).parent / "moe_dispatch_worker.py")
     assert proc.returncode == 0 and "matches local experts" in proc.stdout, proc.stderr[-3000:]
 
 

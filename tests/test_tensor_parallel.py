@@ -6,9 +6,6 @@ GQA, GPT-2 style) against their unsharded selves in float64, outputs and gradien
 ZeRO): every step's loss equals the single process's over 10 steps (fp32, rtol 1e-5), and a
 tensor-parallel checkpoint resumes in one process."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ import pytest
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory
+from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, torchrun
 
 HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}  # whole heads for tp up to 4, still GQA
 GLOBAL_SEQUENCES = 8
@@ -45,9 +42,7 @@ def name(tp, sp, dp=1, zero=0) -> str:
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_layers_and_models_match_unsharded_in_float64(nproc):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(Path(__file__).parent / "tp_layers_worker.py"), "tiny", "tiny-gpt2"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(nproc, Path(__file__).parent / "tp_layers_worker.py", "tiny", "tiny-gpt2", timeout=600)
     assert proc.returncode == 0 and "all tensor-parallel checks passed" in proc.stdout, proc.stderr[-4000:]
 
 
