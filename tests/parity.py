@@ -42,6 +42,11 @@ def launch_layouts(nproc: int, runs: list[dict], spec: Path, timeout: int = 900)
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
+def metrics(run: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, one per logged step."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def final_weights(run) -> dict:
     """The weights of a run's latest checkpoint, read back in this one process whatever the layout."""
     return {name: p.detach() for name, p in load_model(run)[1].named_parameters()}

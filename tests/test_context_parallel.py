@@ -16,7 +16,7 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, launch_layouts, measured_memory, torchrun
+from parity import BASE, assert_matches_plan, launch_layouts, measured_memory, metrics, torchrun
 
 HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}
 
@@ -28,7 +28,9 @@ def test_ring_attention_matches_full_attention(nproc):
 
 
 def config(cache, out, **overrides) -> dict:
-    values = {**BASE, **HEADS, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    values = {**BASE, **HEADS, "train.eval_every": 5, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    if "train.micro_batch_size" in values:  # every layout evaluates the same 16 validation sequences
+        values["train.eval_batches"] = 16 // int(values["train.micro_batch_size"])
     return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
@@ -90,6 +92,8 @@ def test_every_step_matches_one_process(runs, lay):
                         "single_docs" if len(lay) > 6 and lay[6] else "single")
     result = compare_runs(runs / name(*lay), reference, rtol=1e-5)
     assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+    ours, ref = ([r["val_loss"] for r in metrics(run) if "val_loss" in r] for run in (runs / name(*lay), reference))
+    assert len(ours) == len(ref) == 2 and ours == pytest.approx(ref, rel=1e-5)  # evaluation shared over cp too
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -11,7 +11,6 @@ parallelism (cp 2 alone, with dp 2, with tp 2, with pp 2, with dp 2 x ep 2), dro
 ring. The single process runs the same micro-batches (one per rank's micro-batch), so routing, drops and
 router losses are the same computations."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.model.moe import MoE
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, launch_layouts, torchrun
+from parity import BASE, launch_layouts, metrics, torchrun
 
 
 def moe_layer(**overrides) -> MoE:
@@ -132,8 +131,7 @@ def test_every_step_matches_one_process(runs, lay):
 @pytest.mark.parametrize("lay", [(4, 4), (2, 2, 1, 2, "zero-bubble"), (2, 1, 1, 1, "1f1b", False, 2)],
                          ids=lambda lay: name(*lay))
 def test_routing_statistics_are_logged(runs, lay):
-    rows = [json.loads(line) for line in (runs / name(*lay) / "metrics.jsonl").read_text().splitlines()]
-    single = [json.loads(line) for line in (runs / reference(lay) / "metrics.jsonl").read_text().splitlines()]
+    rows, single = metrics(runs / name(*lay)), metrics(runs / reference(lay))
     assert len(rows) == len(single) == BASE["train.steps"]
     for ours, ref in zip(rows, single):
         assert 0 <= ours["moe_dropped_fraction"] < 1 and ours["moe_max_expert_load"] >= 1

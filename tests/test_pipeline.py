@@ -17,7 +17,7 @@ from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max
                                                   theoretical_bubble)
 from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory
+from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, metrics
 
 GRID = [(pp, m) for pp in (2, 3, 4) for m in (4, 8, 12) if m % pp == 0]
 
@@ -102,11 +102,13 @@ def test_measured_timeline_of_a_real_run(tmp_path):
 
 # -- training parity ---------------------------------------------------------------------------------
 
-MODEL = {"model.num_layers": 8}  # pp=4 with 2 virtual stages needs 8
+MODEL = {"model.num_layers": 8, "train.eval_every": 5}  # pp=4 with 2 virtual stages needs 8
 
 
 def config(cache, out, **overrides) -> dict:
     values = {**BASE, **MODEL, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    if "train.micro_batch_size" in values:  # every layout evaluates the same 16 validation sequences
+        values["train.eval_batches"] = 16 // int(values["train.micro_batch_size"])
     return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
@@ -149,6 +151,13 @@ def test_every_step_matches_one_process(runs, lay):
     reference = runs / ("single_gqa" if len(lay) > 3 and lay[3] > 1 else "single")
     result = compare_runs(runs / name(*lay), reference, rtol=1e-5)
     assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+
+
+@pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
+def test_evaluation_through_the_stages_matches_one_process(runs, lay):
+    reference = runs / ("single_gqa" if len(lay) > 3 and lay[3] > 1 else "single")
+    ours, ref = ([r["val_loss"] for r in metrics(run) if "val_loss" in r] for run in (runs / name(*lay), reference))
+    assert len(ours) == len(ref) == 2 and ours == pytest.approx(ref, rel=1e-5)
 
 
 def test_tied_embeddings_across_first_and_last_stage(runs):

@@ -220,14 +220,13 @@ class Pipeline:
             for chunk in range(self.v):
                 stage = stage_of(self.rank, chunk, self.pp)
                 if stage > 0:
-                    x = self._receive([], [], "E", mb, stage - 1, ids)
+                    x = self._receive([], None, "E", mb, stage - 1, ids)
                 out = self.forward_chunk(chunk, x, ids)
                 if stage == self.num_stages - 1:
                     total += loss_fn(out, lab)
                 else:
-                    sent = _InFlightSends(None, self.pp)
-                    self._flush([(out, "E", mb, stage, stage + 1)], sent)
-                    sent.wait_all()
+                    for work in dist.batch_isend_irecv(self._ops([(out, "E", mb, stage, stage + 1)])):
+                        work.wait()
         return total
 
     # -- pieces ----------------------------------------------------------------------------------------
@@ -259,19 +258,22 @@ class Pipeline:
     def _tag(self, kind: str, mb: int, stage: int) -> int:
         return (("FBE".index(kind) * 4096 + mb) * self.num_stages + stage) % (2**31 - 1)
 
-    def _receive(self, sends: list, pending: "_InFlightSends", kind: str, mb: int, from_stage: int,
+    def _receive(self, sends: list, pending: "_InFlightSends | None", kind: str, mb: int, from_stage: int,
                  like: torch.Tensor):
-        """Receive (batched with the sends waiting to go) the activation or gradient `from_stage` sent."""
+        """Receive (batched with the sends waiting to go) the activation or gradient `from_stage` sent.
+        `pending` tracks a training step's sends; evaluation (None) sends nothing alongside."""
         shape = self.activation_shape(like) if kind != "B" else like.shape
         buffer = torch.empty(shape, dtype=self.dtype, device=like.device)
         recv = dist.P2POp(dist.irecv, buffer, self._peer(from_stage), tag=self._tag(kind, mb, from_stage))
         works = dist.batch_isend_irecv([*self._ops(sends), recv])
-        pending.add(works[:-1], sends)
+        if sends:
+            pending.add(works[:-1], sends)
         start = time.perf_counter()
         works[-1].wait()
         self._waited += time.perf_counter() - start
         sends.clear()
-        pending.received(kind, mb, from_stage)
+        if pending is not None:
+            pending.received(kind, mb, from_stage)
         return buffer.requires_grad_(kind == "F")
 
     def _flush(self, sends: list, pending: "_InFlightSends") -> None:
@@ -292,15 +294,15 @@ class _InFlightSends:
     reached us, so waiting on it then returns at once and frees the tensor. (Waiting earlier, on a send
     the peer has not taken yet, could deadlock two ranks that both wait on their sends to each other.)"""
 
-    def __init__(self, lists: list[list] | None, pp: int):
+    def __init__(self, lists: list[list], pp: int):
         self.pp = pp
-        self.index = [{(a.kind, a.mb, a.chunk): i for i, a in enumerate(actions)} for actions in lists or []]
+        self.index = [{(a.kind, a.mb, a.chunk): i for i, a in enumerate(actions)} for actions in lists]
         self.works: list[tuple[int, int, object]] = []  # (peer rank, index of the consuming action, work)
 
     def _at(self, kind: str, mb: int, stage: int) -> tuple[int, int]:
         """(rank, position in its list) of the action `kind` of micro-batch mb at `stage`."""
         rank = stage % self.pp
-        return rank, self.index[rank][(kind, mb, stage // self.pp)] if self.index else 0
+        return rank, self.index[rank][(kind, mb, stage // self.pp)]
 
     def add(self, works: list, sends: list) -> None:
         for work, (_, kind, mb, _, to) in zip(works, sends):
