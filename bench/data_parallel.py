@@ -174,7 +174,6 @@ class TorchReference:
         return contextlib.nullcontext()
 
     def step(self) -> tuple[float, float]:
-        from fivefold.train.optim import lr_at
         from fivefold.train.trainer import IGNORE_INDEX, token_loss_sum
 
         t = self.cfg.train
@@ -192,15 +191,22 @@ class TorchReference:
                 (part * self.world).backward()
             loss += part.detach()
         dist.all_reduce(loss)  # the global loss, as ours reports it (one tiny collective on both sides)
+        return loss.item(), self.optimizer_step(batch[:, 1:].numel())
+
+    def optimizer_step(self, batch_tokens: int) -> float:
+        """Clip, set our schedule's lr, step AdamW, zero the gradients; returns the gradient norm."""
+        from fivefold.train.optim import lr_at
+
+        t = self.cfg.train
         norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True)
         if isinstance(norm, DTensor):  # sharded gradients give a norm that still needs its reduction
             norm = norm.full_tensor()
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.steps_done, t, batch[:, 1:].numel(), batch[:, 1:].numel())
+            g["lr"] = lr_at(self.steps_done, t, batch_tokens, batch_tokens)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return loss.item(), norm.item()
+        return norm.item()
 
 
 class TorchDDP(TorchReference):

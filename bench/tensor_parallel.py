@@ -121,7 +121,6 @@ class TorchTP(TorchReference):
     def step(self) -> tuple[float, float]:
         from torch.distributed.tensor.experimental import implicit_replication
 
-        from fivefold.train.optim import lr_at
         from fivefold.train.trainer import IGNORE_INDEX, token_loss_sum
 
         t = self.cfg.train
@@ -138,15 +137,7 @@ class TorchTP(TorchReference):
         # Without SP the norm gains stay plain tensors beside the DTensor shards; implicit_replication lets
         # the foreach norm and AdamW treat them as Replicate.
         with implicit_replication():
-            norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr_at(self.steps_done, t, batch[:, 1:].numel(), batch[:, 1:].numel())
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
-        return loss.item(), norm.item()
+            return loss.item(), self.optimizer_step(batch[:, 1:].numel())
 
 
 # -- communication volume ------------------------------------------------------------------------------
