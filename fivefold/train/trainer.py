@@ -256,8 +256,9 @@ class Trainer:
         num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
         mine = self.local_rows(len(inputs))
         inputs, labels, docs = self.local_columns(inputs[mine], labels[mine])
+        micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
+        self._micro_batches = len(micro_batches) * self.mesh.dp_size  # of the global batch; cp ranks share one
         if self.pipeline is not None:
-            self._micro_batches = math.ceil(len(inputs) / self.cfg.train.micro_batch_size) * self.mesh.dp_size
             loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
             if self.reducer is not None:
                 self.reducer.finish()
@@ -265,8 +266,6 @@ class Trainer:
             if self.reducer is not None:
                 dist.all_reduce(loss, group=self.mesh.grad_group)
             return loss
-        micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
-        self._micro_batches = len(micro_batches) * self.mesh.dp_size  # cp ranks share a micro-batch
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.reducer is not None:
