@@ -151,15 +151,15 @@ class TorchReference:
     def __init__(self, cfg, data, mesh):
         from fivefold.data.dataset import ResumableSampler
         from fivefold.model import build_model
-        from fivefold.train.optim import no_decay
+        from fivefold.memory.formulas import is_no_decay
 
         t = cfg.train
         model = build_model(cfg.model, "cpu", seed=t.seed, dtype=torch.float32)  # the Trainer's initial weights
         self.wrapped = self.wrap(model, cfg, mesh)
         # Read after wrapping: fully_shard replaces the parameters with DTensor shards.
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": t.weight_decay},
-                  {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+        groups = [{"params": [p for n, p in named if not is_no_decay(n)], "weight_decay": t.weight_decay},
+                  {"params": [p for n, p in named if is_no_decay(n)], "weight_decay": 0.0}]
         impl = {"fused": True} if t.optimizer_impl == "fused" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **impl)
         self.params = [p for _, p in named]

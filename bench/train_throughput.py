@@ -26,7 +26,8 @@ from fivefold.interop.hf import hf_config_from, weights_to_hf
 from fivefold.memory.formulas import count_params, flops_per_token
 from fivefold.model import build_model
 from fivefold.train.metrics import measure_peak_flops
-from fivefold.train.optim import lr_at, no_decay
+from fivefold.memory.formulas import is_no_decay
+from fivefold.train.optim import lr_at
 from fivefold.train.trainer import Trainer
 
 PRECISIONS = {"fp32": ("fp32", torch.float32), "bf16": ("bf16-mixed", torch.bfloat16)}
@@ -106,8 +107,8 @@ class HF:
             self.model.compile()
         t = cfg.train
         named = list(self.model.named_parameters())
-        groups = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": t.weight_decay},
-                  {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+        groups = [{"params": [p for n, p in named if not is_no_decay(n)], "weight_decay": t.weight_decay},
+                  {"params": [p for n, p in named if is_no_decay(n)], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)
         self.params = [p for _, p in named]
         # Same seed, same dataset: the same batches as our Trainer, step for step.

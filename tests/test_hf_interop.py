@@ -9,12 +9,16 @@ import torch
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, MistralConfig,  # noqa: E402
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 from fivefold.cli import main  # noqa: E402
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.interop.commands import parse_size  # noqa: E402
-from fivefold.interop.hf import config_from_hf, export_hf, hf_config_from, import_hf, read_hf_tensors  # noqa: E402
+from fivefold.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer  # noqa: E402
+from fivefold.interop.hf import (TOKENIZER_FILES, config_from_hf, export_hf, hf_config_from, import_hf,  # noqa: E402
+                                 read_hf_tensors)
+from fivefold.train.checkpoint import resolve_checkpoint  # noqa: E402
 
 # fp32 on CPU, same op order up to matmul blocking: observed differences are ~1e-7.
 ATOL, RTOL = 1e-5, 1e-5
@@ -123,12 +127,92 @@ def test_cli_import_and_export(case, ids, tmp_path, capsys):
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
 
     assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
-    assert f"imported {hf.num_parameters():,d} parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"imported {hf.num_parameters():,d} parameters" in out
+    assert "has no tokenizer.json; pass --tokenizer" in out
     assert (tmp_path / "ckpt" / "latest").is_file()
+    assert not (resolve_checkpoint(tmp_path / "ckpt") / "tokenizer.json").exists()
+    # No tokenizer to be found: a one-line error that says what to pass, not a traceback.
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fivefold generate: error: no tokenizer at ") and "pass --tokenizer" in err
+    assert err.count("\n") == 1
     assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
                  "--max-shard-size", "50KB"]) == 0
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
     torch.testing.assert_close(_logits(_load_hf(tmp_path / "out"), ids), _logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+TOKENIZER_VOCAB = 300  # a byte-level BPE needs >= 257
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def hf_dir_with_tokenizer(tmp_path_factory):
+    """A tiny Llama saved by transformers next to a byte-level BPE saved by transformers (tokenizer.json +
+    tokenizer_config.json), a special_tokens_map.json, and the generation_config.json save_pretrained writes."""
+    path = tmp_path_factory.mktemp("hf-tok")
+    docs = ["The quick brown fox jumps over the lazy dog.", "A quick brown dog outpaces a lazy fox!",
+            "def add(x, y):\n    return x + y\n", "Numbers: 1, 22, 333 and 4444."] * 8
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(docs, TOKENIZER_VOCAB),
+                                        eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
+    tokenizer.save_pretrained(path)
+    (path / "special_tokens_map.json").write_text(json.dumps({"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN}))
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    bos_token_id=eos, eos_token_id=eos), attn_implementation="eager").eval()
+    model.save_pretrained(path, safe_serialization=True)
+    assert {p.name for p in path.iterdir()} >= set(TOKENIZER_FILES)
+    return path
+
+
+def test_import_copies_tokenizer_and_generate_finds_it(hf_dir_with_tokenizer, tmp_path, capsys):
+    src = hf_dir_with_tokenizer
+    assert main(["import-hf", str(src), "--out", str(tmp_path / "ckpt")]) == 0
+    assert "copied tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+    ckpt = resolve_checkpoint(tmp_path / "ckpt")
+    for name in TOKENIZER_FILES:
+        assert (ckpt / name).read_bytes() == (src / name).read_bytes(), name
+    assert not any(".tmp-" in p.name for p in (tmp_path / "ckpt").iterdir())
+
+    # The checkpoint's tokenizer encodes the prompt exactly as transformers' tokenizer of the HF dir does.
+    hf_tok = AutoTokenizer.from_pretrained(src)
+    prompt_ids = hf_tok(PROMPT, add_special_tokens=False)["input_ids"]
+    assert load_tokenizer(ckpt / "tokenizer.json").encode(PROMPT).ids == prompt_ids
+    assert len(prompt_ids) > 1
+
+    # Greedy `fivefold generate` with no --tokenizer prints what transformers generates from those ids.
+    hf = _load_hf(src)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
+                               pad_token_id=hf.config.eos_token_id)[0, len(prompt_ids):].tolist()
+    expected = [t for t in expected if t != hf.config.eos_token_id]
+    assert expected, "the random model stopped at once; pick another seed"
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", PROMPT, "--temperature", "0",
+                 "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert text == PROMPT + hf_tok.decode(expected) + "\n"
+    assert len(text) > len(PROMPT) + 1
+
+
+def test_export_writes_tokenizer_files_back(hf_dir_with_tokenizer, tmp_path, capsys):
+    src = hf_dir_with_tokenizer
+    assert main(["import-hf", str(src), "--out", str(tmp_path / "ckpt")]) == 0
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert "with tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+    for name in TOKENIZER_FILES:
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes(), name
+    assert not any(".tmp-" in p.name for p in (tmp_path / "out").iterdir())
+    # transformers loads the exported directory as a whole: same encoding, same model outputs.
+    out_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert out_tok(PROMPT)["input_ids"] == AutoTokenizer.from_pretrained(src)(PROMPT)["input_ids"]
+    ids = torch.tensor([out_tok(PROMPT, add_special_tokens=False)["input_ids"]])
+    torch.testing.assert_close(_logits(_load_hf(tmp_path / "out"), ids), _logits(_load_hf(src), ids),
+                               atol=ATOL, rtol=RTOL)
 
 
 def test_pickled_checkpoint_is_refused(tmp_path, capsys):

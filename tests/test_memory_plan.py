@@ -13,7 +13,6 @@ from fivefold.memory import formulas
 from fivefold.memory.activations import Shapes, replay_forward
 from fivefold.memory.planner import activation_shapes, parse_bytes, plan_memory
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
-from fivefold.train.optim import no_decay
 from model_shapes import meta_model, random_model_config
 
 GB = 1e9
@@ -53,9 +52,9 @@ def test_parameter_inventory_and_decay_groups_for_random_shapes():
         cfg = random_model_config(rng)
         model = meta_model(cfg)
         assert formulas.parameter_shapes(cfg) == [(n, p.numel()) for n, p in model.named_parameters()], cfg
-        # The optimizer-group split the planner sizes temporaries by is the trainer's own rule.
+        # The one decay rule (optimizer and planner) exempts exactly the vectors and the embeddings.
         assert [formulas.is_no_decay(n) for n, _ in formulas.parameter_shapes(cfg)] == \
-            [no_decay(n, p) for n, p in model.named_parameters()], cfg
+            [p.ndim < 2 or n.startswith("embed") for n, p in model.named_parameters()], cfg
 
 
 def test_pipeline_stages_and_tensor_shards_partition_the_model():
@@ -64,7 +63,7 @@ def test_pipeline_stages_and_tensor_shards_partition_the_model():
         cfg = random_model_config(rng)
         total = formulas.count_params(cfg)
         for pp in range(1, cfg.num_layers + 1):
-            stages = [formulas.stage_layers(cfg.num_layers, pp, s) for s in range(pp)]
+            stages = [formulas.rank_layers(cfg.num_layers, pp, s) for s in range(pp)]
             assert [i for r in stages for i in r] == list(range(cfg.num_layers))
             counts = [sum(n for _, n in formulas.parameter_shapes(cfg, 1, r, s == 0, s == pp - 1))
                       for s, r in enumerate(stages)]

@@ -12,7 +12,7 @@ import pytest
 from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.memory.formulas import micro_batches_in_flight
-from fivefold.parallel.pipeline import partition
+from fivefold.memory.formulas import partition
 from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max_in_flight, peak_held, simulate,
                                                   theoretical_bubble)
 from fivefold.train.compare import compare_runs

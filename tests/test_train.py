@@ -105,7 +105,7 @@ def test_fp32_gradient_accumulation_buffers(tiny_config):
     expected = [torch.zeros_like(m) for m in plain.optimizer.masters]
     num_tokens = labels.numel()
     for mb in torch.arange(len(inputs)).split(4):
-        plain.forward_backward(inputs[mb], labels[mb], torch.tensor(num_tokens))
+        plain.parallel.forward_backward(inputs[mb], labels[mb], torch.tensor(num_tokens))
         for e, p in zip(expected, plain.model.parameters()):
             e += p.grad.float()
             p.grad = None
@@ -168,13 +168,13 @@ def test_chunked_master_weight_step_equals_torch_adamw(tiny_config, precision):
     """Our step (global-norm clip, then one block at a time over fp32 masters) equals torch's AdamW +
     clip_grad_norm_ over an fp32 copy holding the same gradients."""
     from fivefold.model import build_model
-    from fivefold.train.optim import no_decay
+    from fivefold.memory.formulas import is_no_decay
     trainer = Trainer(tiny_config(**{"train.precision": precision, "train.grad_clip": 0.05}), quiet=True)
     ref = build_model(trainer.cfg.model, seed=trainer.cfg.train.seed)
     named = list(ref.named_parameters())
     t = trainer.cfg.train
-    adamw = torch.optim.AdamW([{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": t.weight_decay},
-                               {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}],
+    adamw = torch.optim.AdamW([{"params": [p for n, p in named if not is_no_decay(n)], "weight_decay": t.weight_decay},
+                               {"params": [p for n, p in named if is_no_decay(n)], "weight_decay": 0.0}],
                               lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
     for _ in range(2):
         trainer.accumulate_gradients(*first_batch(trainer, 1))

@@ -94,22 +94,21 @@ def check_model(group, rank, tp, sp, preset):
     cfg = load_config(preset=preset, overrides=["model.vocab_size=512", *heads]).model
     ref = build_model(cfg, "cpu", seed=3, dtype=torch.float64)
     model = build_model(cfg, "cpu", seed=3, dtype=torch.float64)
-    tpl.apply_tensor_parallel(model, group, sp)
+    axes = tpl.apply_tensor_parallel(model, group, sp)
     ids = torch.randint(0, cfg.vocab_size, (2, 8 * tp), generator=torch.Generator().manual_seed(4))
     labels = ids.roll(-1, dims=1)
     ref_loss = F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten(), reduction="sum")
-    loss = tpl.vocab_parallel_cross_entropy(model(ids).flatten(0, 1), labels.flatten(), model.vocab_start,
+    loss = tpl.vocab_parallel_cross_entropy(model(ids).flatten(0, 1), labels.flatten(), model.embed_tokens.start,
                                             group).sum()
     close(loss.double(), ref_loss, f"{preset} loss")
     ref_loss.backward()
     loss.backward()
     full = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        layout = getattr(p, "tp_layout", None)
         expected = full[name].grad
-        if layout is not None:
-            dim = next(d for d, o in enumerate(layout.offsets) if p.shape[d] != layout.global_shape[d])
-            expected = expected.narrow(dim, layout.offsets[dim], p.shape[dim])
+        if name in axes:  # this rank's slice of the full gradient
+            dim = axes[name]
+            expected = expected.narrow(dim, rank * p.shape[dim], p.shape[dim])
         close(p.grad, expected, f"{preset} grad of {name}")
 
 

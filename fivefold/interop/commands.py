@@ -36,7 +36,7 @@ def register(subparsers) -> None:
 
 def _import(args) -> int:
     from fivefold.config import Config, validate
-    from fivefold.interop.hf import import_hf
+    from fivefold.interop.hf import TOKENIZER_FILES, import_hf, read_tokenizer_files
     from fivefold.train.checkpoint import save_model
 
     try:
@@ -47,23 +47,30 @@ def _import(args) -> int:
     if cfg.position == "learned":  # keep the default train.seq_len within the position table
         config.train.seq_len = min(config.train.seq_len, cfg.max_seq_len)
     validate(config)
-    path = save_model(args.out, config, model)
+    path = save_model(args.out, config, model, extra_files=read_tokenizer_files(args.src))
     n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
     print(f"imported {n:,d} parameters from {args.src} -> {path}")
+    copied = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if "tokenizer.json" in copied:
+        print(f"copied {', '.join(copied)} into the checkpoint (fivefold generate uses its tokenizer.json)")
+    else:
+        print(f"note: {args.src} has no tokenizer.json; pass --tokenizer to fivefold generate")
     return 0
 
 
 def _export(args) -> int:
-    from fivefold.interop.hf import export_hf
-    from fivefold.train.checkpoint import load_model
+    from fivefold.interop.hf import export_hf, read_tokenizer_files
+    from fivefold.train.checkpoint import load_model, resolve_checkpoint
 
     try:
-        _, model = load_model(args.checkpoint)
-        out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size)
+        ckpt = resolve_checkpoint(args.checkpoint)
+        _, model = load_model(ckpt)
+        extra = read_tokenizer_files(ckpt)  # tokenizer.json etc., from import-hf or a trained run
+        out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size, extra_files=extra)
     except ValueError as e:
         return _fail("export-hf", e)
     n = sum(p.numel() for p in model.parameters())
-    print(f"exported {n:,d} parameters to {out}")
+    print(f"exported {n:,d} parameters to {out}" + (f" with {', '.join(extra)}" if extra else ""))
     return 0
 
 

@@ -3,11 +3,16 @@
 Our parameter names follow HF's Llama layout (fivefold/model/transformer.py), so the Llama family
 maps name for name. GPT-2 needs real work: its Conv1D layers store weights as (in, out), the
 transpose of nn.Linear, and q, k, v live in one fused `c_attn` matrix.
+
+The tokenizer travels with the weights: import copies tokenizer.json and its companions (TOKENIZER_FILES)
+into the checkpoint, where `fivefold generate` finds tokenizer.json as it does for a trained run, and
+export writes whichever of them the checkpoint holds back out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -24,6 +29,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 _FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
 # transformers' "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation our MLP uses.
 _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+# Copied byte for byte, whichever exist: HF dir -> checkpoint on import, checkpoint -> HF dir on export.
+# None collides with a checkpoint's own files (config.json, state/, trainer_state.json, rng.safetensors).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,6 +327,18 @@ def import_hf(src_dir: str | Path) -> tuple[ModelConfig, Transformer]:
     return cfg, model
 
 
+def read_tokenizer_files(directory: str | Path) -> dict[str, bytes]:
+    """{name: bytes} of the TOKENIZER_FILES present in `directory` (an HF model dir or a checkpoint)."""
+    d = Path(directory)
+    return {name: (d / name).read_bytes() for name in TOKENIZER_FILES if (d / name).is_file()}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
     """Greedy in name order; a tensor larger than max_bytes gets a shard of its own (as HF does)."""
     shards, size = [{}], 0
@@ -333,8 +353,9 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 
 def export_hf(model: Transformer, out_dir: str | Path, arch: str | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write config.json and fp32 safetensors (sharded past max_shard_bytes) that transformers loads."""
+              max_shard_bytes: int = 5 * 2**30, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write config.json and fp32 safetensors (sharded past max_shard_bytes) that transformers loads,
+    plus `extra_files` ({name: bytes}, e.g. read_tokenizer_files(checkpoint)) next to them."""
     cfg = model.cfg
     hf_config = hf_config_from(cfg, arch)
     weights = dict(model.named_parameters())
@@ -348,6 +369,8 @@ def export_hf(model: Transformer, out_dir: str | Path, arch: str | None = None,
     for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors", out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for name, data in (extra_files or {}).items():
+        _write_atomic(out / name, data)
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

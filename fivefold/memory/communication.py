@@ -36,9 +36,9 @@ def step_communication(cfg: Config) -> dict[str, float]:
     micro = t.grad_accum
     tokens = t.micro_batch_size * t.seq_len // p.cp  # per micro-batch on this rank
     bsh = tokens * m.hidden_size * act
-    layers = len(formulas.stage_layers(m.num_layers, p.pp, 0))
-    params = sum(n for _, n in formulas.parameter_shapes(m, p.tp, formulas.stage_layers(m.num_layers, p.pp, 0),
-                                                          True, p.pp == 1, p.ep))
+    stage0 = formulas.rank_layers(m.num_layers, p.pp, 0, p.pp_virtual_stages, p.pp_layers)
+    layers = len(stage0)
+    params = sum(n for _, n in formulas.parameter_shapes(m, p.tp, stage0, True, p.pp == 1, p.ep))
     out: dict[str, float] = {}
     g = p.dp * p.cp  # gradients are reduced over dp x cp
     if g > 1:

@@ -82,10 +82,11 @@ def active_params(cfg: ModelConfig) -> int:
 # Parameter inventory per rank: the model's named parameters, from the config alone.
 
 
-def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers: range | None = None, first_stage: bool = True,
+def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers=None, first_stage: bool = True,
                      last_stage: bool = True, ep: int = 1) -> list[tuple[str, int]]:
     """(name, numel on one tensor-parallel rank) of every parameter a rank holds, named as the model
-    names them. `layers` (default all) and first/last stage select a pipeline stage; the first stage
+    names them. `layers` (default all; a pipeline rank's from rank_layers) and first/last stage select
+    a pipeline stage; the first stage
     holds the embeddings, the last the final norm and LM head, and with tied embeddings and more than
     one stage the last stage keeps its own copy of the shared matrix (Megatron-LM does the same).
 
@@ -120,12 +121,13 @@ def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers: range | None = None,
         norm(f"{p}.mlp_norm")
         if cfg.num_experts:  # experts split over ep ranks; the router and the shared expert are whole
             shapes.append((f"{p}.mlp.router.weight", h * cfg.num_experts))
+            # Under tensor parallelism each expert is itself split like a dense MLP.
             for e in range(cfg.num_experts // ep):
                 for name in ("gate_proj", "up_proj", "down_proj"):
-                    shapes.append((f"{p}.mlp.experts.{e}.{name}.weight", h * cfg.expert_size))
+                    shapes.append((f"{p}.mlp.experts.{e}.{name}.weight", h * cfg.expert_size // tp))
             if cfg.shared_expert_size:
                 for name in ("gate_proj", "up_proj", "down_proj"):
-                    shapes.append((f"{p}.mlp.shared_expert.{name}.weight", h * cfg.shared_expert_size))
+                    shapes.append((f"{p}.mlp.shared_expert.{name}.weight", h * cfg.shared_expert_size // tp))
             continue
         for name in (("gate_proj", "up_proj") if cfg.activation == "swiglu" else ("up_proj",)):
             shapes.append((f"{p}.mlp.{name}.weight", f * h // tp))
@@ -149,9 +151,9 @@ def step_chunk_key(name: str) -> str:
 
 
 def is_no_decay(name: str) -> bool:
-    """The trainer's weight-decay rule (fivefold.train.optim.no_decay), on names: norm gains, biases and
-    embeddings are not decayed. The optimizer keeps the two groups apart, so its per-group temporaries
-    are sized by the larger group."""
+    """The weight-decay rule, on names (the optimizer and the planner both use this one): norm gains,
+    biases and embeddings are not decayed. The optimizer keeps the two groups apart, so its per-group
+    temporaries are sized by the larger group."""
     return name.endswith(".bias") or "embed" in name or "norm" in name
 
 
@@ -198,11 +200,23 @@ def model_state_bytes(num_params: int, precision: str, fp32_grad_accum: bool = F
 # Pipeline parallelism: layers per stage and micro-batches whose activations a stage holds at once.
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """Contiguous layers of `stage`; the first num_layers % pp stages take one extra layer."""
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+def partition(num_layers: int, stages: int, override: str = "") -> list[range]:
+    """Layers of each (virtual) pipeline stage: `override` "3,5" gives them explicitly; otherwise
+    balanced, the first stages taking one more when the count does not divide (the last stage also runs
+    the head). The pipeline runtime and the planner both split by this."""
+    if override:
+        counts = [int(c) for c in override.split(",")]
+    else:
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (i < extra) for i in range(stages)]
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [range(start, start + n) for start, n in zip(starts, counts)]
+
+
+def rank_layers(num_layers: int, pp: int, rank: int, virtual_stages: int = 1, override: str = "") -> list[int]:
+    """The layers pipeline rank `rank` holds: its stage `chunk * pp + rank` of every model chunk."""
+    stages = partition(num_layers, pp * virtual_stages, override)
+    return [i for chunk in range(virtual_stages) for i in stages[chunk * pp + rank]]
 
 
 def micro_batches_in_flight(schedule: str, pp: int, stage: int, micro_batches: int,

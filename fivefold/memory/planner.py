@@ -13,6 +13,8 @@ Per category, for the most loaded rank (the pipeline stage whose total is larges
   total             parameters + optimizer states + the larger of (forward/backward: activations,
                     their gradients, and the gradients already held) and (optimizer step: gradients
                     and the step's intermediates)
+  startup           the peak while the rank materialises its part: its parameters, fp32 masters and
+                    up-front gradient buffers, plus the one full fp32 parameter being made
 
 Local parameters follow Megatron-LM's tensor-parallel split and the pipeline stage's layers
 (formulas.parameter_shapes); ZeRO stages follow Rajbhandari et al. 2020; the sharded data-parallel
@@ -142,6 +144,10 @@ class MemoryPlan:
             if dm:
                 row += f" {100 * value / dm:>11.1f}%"
             lines.append(row)
+        startup = self.memory["startup"]
+        lines.append(f"{'start-up peak':18s} {startup:>18,.0f} {human_bytes(startup):>10s}"
+                     + (f" {100 * startup / dm:>11.1f}%" if dm else "")
+                     + "  (building this rank's part: shards only, one full parameter at a time)")
         if dm:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             lines.append(f"\n{verdict} in {human_bytes(dm)} ({human_bytes(dm - self.memory['total'])} left)"
@@ -165,7 +171,7 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     mixed, accum32 = t.precision == "bf16-mixed", t.fp32_grad_accum
     bpp = formulas.bytes_per_param(t.precision, accum32)
     dp, zero = par.dp, par.zero
-    layers = formulas.stage_layers(m.num_layers, par.pp, stage)
+    layers = formulas.rank_layers(m.num_layers, par.pp, stage, par.pp_virtual_stages, par.pp_layers)
     first, last = stage == 0, stage == par.pp - 1
     shapes = formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep)
     n = sum(numel for _, numel in shapes)
@@ -234,9 +240,30 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     optimizer_step = memory["gradients"] + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
+    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard)
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), n, memory, in_flight, detail)
+
+
+def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard) -> float:
+    """Peak while a rank builds its part (fivefold.parallel.apply): the model is split on the meta
+    device, then each local parameter is materialised from its full fp32 initial value, one at a time.
+    Held at the end: the parameters, the fp32 masters (bf16-mixed; Adam's moments only come with the
+    first step), and the gradient buffers made up front (fp32 accumulation buffers; ZeRO-2/3's fp32
+    gradient shards). On top, the one parameter being made: its full fp32 value, and under tensor
+    parallelism this rank's fp32 slice of it."""
+    t, par = cfg.train, cfg.parallel
+    n = sum(numel for _, numel in shapes)
+    masters = 4 * shard(n, 1) if t.precision == "bf16-mixed" else 0.0
+    grad_buffers = 0.0
+    if par.dp > 1 and par.zero >= 2:
+        grad_buffers = 4 * shard(n, 2)
+    elif t.fp32_grad_accum:
+        grad_buffers = 4 * n
+    full = dict(formulas.parameter_shapes(cfg.model))  # every parameter's global size
+    largest = max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes)
+    return parameters + masters + grad_buffers + 4 * largest
 
 
 def _ffn_width(m) -> int:

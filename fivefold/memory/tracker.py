@@ -195,6 +195,7 @@ class MemoryTimeline:
     device: str
     predicted: dict | None = None  # plan_memory(...).memory for the same config and device
     config: dict = field(default_factory=dict)
+    startup: float | None = None  # peak bytes while the Trainer was built (StartupPeak)
 
     def series(self, category: str) -> list[float]:
         return [row[CATEGORIES.index(category)] for row in self.samples]
@@ -205,6 +206,8 @@ class MemoryTimeline:
         peaks["total"] = max((sum(row[:len(CATEGORIES)]) for row in self.samples), default=0)
         if self.device == "cuda":
             peaks["device_allocated"] = max(row[-1] for row in self.samples)
+        if self.startup is not None:
+            peaks["startup"] = self.startup
         return peaks
 
     def comparison(self) -> list[tuple[str, float, float, float]]:
@@ -232,6 +235,59 @@ class MemoryTimeline:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json())
+
+
+class StartupPeak:
+    """The memory a block of code adds at its peak: on CUDA the caching allocator's high-water mark;
+    on CPU the process's resident set (VmHWM, reset through /proc/self/clear_refs), which also counts
+    what no tensor owns (malloc arenas, communication buffers). Run with MALLOC_MMAP_THRESHOLD_=1048576
+    so glibc returns freed large blocks and the resident set follows live memory."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes = torch.device(device), None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            return_freed_memory()
+            self.base = _proc_status("VmRSS")
+            reset_rss_peak()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self.bytes = _proc_status("VmHWM") - self.base
+
+
+def return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the system at once (as MALLOC_MMAP_THRESHOLD_=1048576
+    would), so the resident set measures live memory instead of the allocator's hoard."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: the resident set may then over-state the peak
+
+
+def reset_rss_peak() -> None:
+    """Restart the process's resident-set high-water mark (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _proc_status(key: str) -> int:
+    """A /proc/self/status memory field, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
 
 
 class RandomTokens:
@@ -272,7 +328,11 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
     cfg.train.peak_flops = cfg.train.peak_flops or 1.0  # MFU is irrelevant here: skip the matmul benchmark
     cfg.train.tensorboard = False
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
+        from fivefold.parallel.mesh import local_device
+        from fivefold.train.trainer import resolve_device
+
+        with StartupPeak(local_device(resolve_device(cfg.train.device))) as startup:
+            trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
         device, stage = trainer.device.type, trainer.mesh.pp_rank
         if cuda_history and device == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -303,4 +363,4 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
     # A pipeline rank is compared with its own stage's plan (plan.memory is the most loaded stage's).
     predicted = plan.stages[stage].memory if cfg.parallel.pp > 1 else plan.memory
     return MemoryTimeline(samples=tracker.samples, marks=tracker.marks, steps=steps, device=device,
-                          predicted=predicted, config=dataclasses.asdict(cfg))
+                          predicted=predicted, config=dataclasses.asdict(cfg), startup=startup.bytes)

@@ -1,15 +1,17 @@
 """Building a model on the meta device and materialising it with layout-independent init.
 
 Each parameter's initial values depend only on (seed, parameter name): a generator is seeded from
-both and draws the *full* tensor on the CPU. A sharded run (TP, FSDP, PP) slices that full tensor to
-its local piece, so every layout starts from bit-identical weights, which is what makes loss parity
-between parallel and single-process runs exact.
+both and draws the *full* tensor on the CPU. A sharded run (TP, EP, PP, ZeRO-3) builds the model on the
+meta device, splits it there (fivefold.parallel.apply), and then materialises parameter by parameter
+only its local piece of each full tensor, so every layout starts from bit-identical weights (what makes
+loss parity with one process exact) while no rank ever holds more than one full parameter at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,22 +23,39 @@ from fivefold.model.transformer import Transformer
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
 
 
+def meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The model's structure, without memory: parameters on the meta device, in `dtype`."""
+    with torch.device("meta"):
+        return Transformer(cfg).to(dtype)
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0,
                 dtype: torch.dtype = torch.float32) -> Transformer:
     """Build on the meta device (no memory), then allocate on `device` and initialise deterministically."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = meta_model(cfg, dtype)
     materialize(model, device, seed, dtype)
     return model
 
 
 def materialize(model: Transformer, device, seed: int, dtype: torch.dtype = torch.float32) -> None:
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.reset_buffers()
-    init_parameters(model, seed)
-    model.to(dtype)
-    model.reset_buffers()  # keep the rope frequencies in fp32 whatever the parameter dtype
+    """Give every meta parameter of `model` its initial value (of the full model: no parallel layout)."""
+    materialize_parameters(model, lambda name, p: initial_value(name, p.shape, model.cfg, seed), device, dtype)
+
+
+@torch.no_grad()
+def materialize_parameters(model: Transformer, value_of: Callable[[str, torch.Tensor], torch.Tensor], device,
+                           dtype: torch.dtype, keep: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    """Replace each meta parameter, one at a time, by `value_of(name, meta_param)` (fp32) cast to
+    `dtype` on `device`. The Parameter objects stay the same (tied weights stay tied). `keep(i, value)`
+    sees each fp32 value before it is dropped, e.g. to keep master weights: at most one value is
+    alive here at any time."""
+    for i, (name, param) in enumerate(model.named_parameters()):
+        value = value_of(name, param).to(device)
+        torch.utils.swap_tensors(param, nn.Parameter(value.to(dtype), requires_grad=param.requires_grad))
+        if keep is not None:
+            keep(i, value)
+        del value
+    model.reset_buffers(device)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -55,10 +74,3 @@ def initial_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> 
         std /= math.sqrt(2 * cfg.num_layers)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.randn(shape, generator=gen) * std
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, seed: int) -> None:
-    cfg = model.cfg
-    for name, param in model.named_parameters():  # tied weights appear once, under their first name
-        param.copy_(initial_value(name, param.shape, cfg, seed))

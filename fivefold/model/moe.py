@@ -8,13 +8,15 @@ z-loss, the mean squared log-sum-exp of the logits (Zoph et al. 2022). With capa
 expert takes at most ceil(factor * tokens * k / E) tokens, in token order, and the rest of its
 assignments are dropped (the token keeps its residual); 0 is dropless.
 
-How routed tokens reach their experts is the dispatcher's business: locally by default, or through
-all-to-all when experts are spread over ranks (fivefold.parallel.expert_parallel).
+How routed tokens reach their experts is an ExpertDispatch's business: locally by default, or through
+all-to-all when experts are spread over ranks (fivefold.parallel.expert_parallel); `parallelize`
+chooses, through `MoE.distribute`, the one declared place where a runtime changes this module.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,15 @@ def expert_config(cfg: ModelConfig, hidden: int) -> ModelConfig:
     from dataclasses import replace
 
     return replace(cfg, ffn_hidden_size=hidden, linear_bias=False)
+
+
+class ExpertDispatch(Protocol):
+    """Sends each routed (token, expert) assignment to its expert and returns the gate-weighted sum of
+    the expert outputs per token: `tokens` (T, h); `expert_ids`, `token_ids`, `weights` (A,) for the A
+    kept assignments; returns (T, h)."""
+
+    def __call__(self, moe: "MoE", tokens: torch.Tensor, expert_ids: torch.Tensor, token_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor: ...
 
 
 class LocalDispatch:
@@ -52,12 +63,19 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(expert_config(cfg, cfg.expert_size)) for _ in range(cfg.num_experts))
         self.shared_expert = MLP(expert_config(cfg, cfg.shared_expert_size)) if cfg.shared_expert_size else None
-        self.dispatch = LocalDispatch()
+        self.dispatch: ExpertDispatch = LocalDispatch()
         # Sums a routing statistic over the ranks holding other tokens of the same sequences (context
         # parallelism), so the router losses are the whole micro-batch's; one process holds them all.
-        self.sum_over_sequence = lambda t: t
+        self.sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
+
+    def distribute(self, dispatch: ExpertDispatch | None = None,
+                   sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """How a parallel runtime runs this layer: its experts' dispatch, and the sum of routing
+        statistics over the ranks that hold the rest of each sequence."""
+        self.dispatch = dispatch or self.dispatch
+        self.sum_over_sequence = sum_over_sequence or self.sum_over_sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

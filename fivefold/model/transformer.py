@@ -51,10 +51,11 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (after materialising from the meta device)."""
+    def reset_buffers(self, device=None) -> None:
+        """Recompute non-persistent buffers in fp32, on `device` (default: where they are), e.g. after
+        materialising from the meta device or casting the parameters."""
         if self.cfg.position == "rope":
-            self.rope_inv_freq = rope_inv_freq(self.cfg).to(self.rope_inv_freq.device)
+            self.rope_inv_freq = rope_inv_freq(self.cfg).to(device or self.rope_inv_freq.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:

@@ -99,12 +99,12 @@ def _measure(args, cfg) -> int:
     cfg.train.peak_flops = cfg.train.peak_flops or 1.0
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(cfg, out_dir=out, quiet=True, datasets=random_datasets(cfg))
-        if trainer.pipeline is None:
+        if trainer.parallel.pipeline is None:
             raise SystemExit("fivefold pipeline --measure: set parallel.pp >= 2")
         for _ in range(args.steps):
             trainer.mesh.barrier()
             trainer.train_step()
-        mine = [(a.kind, a.mb, a.chunk, s, e) for a, s, e in trainer.pipeline.timeline]
+        mine = [(a.kind, a.mb, a.chunk, s, e) for a, s, e in trainer.parallel.pipeline.timeline]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (trainer.mesh.pp_rank, trainer.mesh.dp_rank, trainer.mesh.tp_rank, mine))
     if dist.get_rank() != 0:

@@ -194,7 +194,7 @@ def apply_context_parallel(model: nn.Module, group) -> None:
         if hasattr(block, "attn"):
             block.attn.core = RingAttentionCore(block.attn.core, group)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.sum_over_sequence = lambda t: _summed(t, group)
+        moe.distribute(sum_over_sequence=lambda t: _summed(t, group))
     local_context = model.context
 
     def context(input_ids, positions, doc_ids, dtype, past=0):

@@ -54,7 +54,7 @@ class TimedWaits:
         self.wait_seconds += time.perf_counter() - start
 
 
-class _Bucket:
+class AllReduceBucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.ready = 0
@@ -77,7 +77,7 @@ class BucketedAllReduce(TimedWaits):
         self.params, self.group, self.overlap = list(params), group, overlap
         self.grad_of = grad_of or (lambda p: p.grad)
         self.sync = True
-        self.buckets = [_Bucket([self.params[i] for i in b])
+        self.buckets = [AllReduceBucket([self.params[i] for i in b])
                         for b in size_buckets([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.reduced: dict[nn.Parameter, torch.Tensor] = {}
@@ -92,7 +92,7 @@ class BucketedAllReduce(TimedWaits):
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: AllReduceBucket) -> None:
         grads = [self.grad_of(p) for p in bucket.params]
         # Parameters that got no gradient this step contribute zeros, so every rank reduces equal shapes;
         # a count of the ranks that had one rides along, so that a parameter no rank touched keeps no

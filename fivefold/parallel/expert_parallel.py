@@ -70,18 +70,19 @@ def expert_groups(ranks: torch.Tensor, ep: int):
     return mine_ep, mine_edp
 
 
-def apply_expert_parallel(model: nn.Module, group) -> None:
-    """Keep this rank's experts (the others become placeholders; names stay global), route through
-    all-to-all, and mark expert parameters (each ep rank holds different ones: the gradient norm sums
-    them over the ep group)."""
+def apply_expert_parallel(model: nn.Module, group) -> set[str]:
+    """Keep this rank's experts (the others become placeholders; names stay global) and route through
+    all-to-all. Returns the names of the expert parameters: each ep rank holds different ones, so the
+    gradient norm sums them over the ep group and they are reduced over the expert-data-parallel group."""
     from fivefold.model.moe import MoE
 
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+    names = set()
+    for prefix, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
         per_rank = moe.num_experts // ep
         for e in range(moe.num_experts):
             if not rank * per_rank <= e < (rank + 1) * per_rank:
                 moe.experts[e] = nn.Identity()
-        for p in moe.experts.parameters():
-            p.expert_parallel = True
-        moe.dispatch = AllToAllDispatch(group, moe.num_experts)
+        names |= {f"{prefix}.experts.{n}" for n, _ in moe.experts.named_parameters()}
+        moe.distribute(dispatch=AllToAllDispatch(group, moe.num_experts))
+    return names

@@ -23,19 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.memory.formulas import partition
 from fivefold.parallel.pipeline_schedules import build_schedule, stage_of
-
-
-def partition(num_layers: int, stages: int, override: str = "") -> list[range]:
-    """Layers of each (virtual) stage: `override` "3,5" gives them explicitly; otherwise balanced, the
-    first stages taking one more when the count does not divide (the last stage also runs the head)."""
-    if override:
-        counts = [int(c) for c in override.split(",")]
-    else:
-        base, extra = divmod(num_layers, stages)
-        counts = [base + (i < extra) for i in range(stages)]
-    starts = [sum(counts[:i]) for i in range(stages)]
-    return [range(start, start + n) for start, n in zip(starts, counts)]
 
 
 class _DeferredWeightLinear(torch.autograd.Function):

@@ -22,7 +22,6 @@ their rank's part of the sequence under SP, so their gradients are summed over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -144,28 +143,11 @@ class _GatherToReplicated(torch.autograd.Function):
 # -- sharded layers -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TPLayout:
-    """Where a parameter shard sits in the full parameter (`tp_layout` attribute on the Parameter)."""
-    global_shape: torch.Size
-    offsets: tuple[int, ...]
-
-
 def _shard(full: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
+    """This rank's slice of `full` along `dim` (on the meta device before materialisation; its place in
+    the full tensor goes into the placement record, fivefold.parallel.placement)."""
     size = full.shape[dim] // tp
-    param = nn.Parameter(full.detach().narrow(dim, rank * size, size).clone())
-    offsets = [0] * full.ndim
-    offsets[dim] = rank * size
-    param.tp_layout = TPLayout(full.shape, tuple(offsets))
-    return param
-
-
-def _whole(full: torch.Tensor, in_sequence_region: bool = True) -> nn.Parameter:
-    """A parameter every rank holds whole. Inside the sequence-parallel region (norms, row-parallel
-    biases) each rank's gradient covers only its part of the sequence under SP."""
-    param = nn.Parameter(full.detach())
-    param.tp_partial_grad = in_sequence_region
-    return param
+    return nn.Parameter(full.detach().narrow(dim, rank * size, size).clone())
 
 
 class ColumnParallelLinear(nn.Module):
@@ -199,7 +181,7 @@ class RowParallelLinear(nn.Module):
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard(linear.weight, 1, rank, tp)
-        self.bias = _whole(linear.bias) if linear.bias is not None else None
+        self.bias = linear.bias  # whole: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -309,10 +291,10 @@ class SequenceGatheredInput:
         return output
 
 
-def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
-    """Swap the model's linears and embedding for their sharded versions, in place. Parameters keep
-    their names (checkpoints and the name-seeded init are unchanged); each shard is a slice of the
-    full initial tensor, so every layout starts from the single-process weights."""
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> dict[str, int]:
+    """Swap the model's linears and embedding for their sharded versions, in place (on the meta device,
+    before anything is materialised). Parameters keep their names (checkpoints and the name-seeded
+    init are unchanged). Returns the axis along which each sharded parameter is split, by name."""
     # q/k/v (and gate/up, and the head) share one input: its f / all-gather runs once, at the module's
     # entrance, not once per linear.
     column_input = "ready"
@@ -334,13 +316,10 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
     if tied:
         head.weight = model.embed_tokens.weight
     model.lm_head = head
-    model.vocab_start = model.embed_tokens.start
-    for module in [*(m for block in model.layers for m in (block.attn_norm, block.mlp_norm)), model.norm]:
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, _whole(p))
     if sequence_parallel:
         # The residual stream enters the SP region at the first block and leaves it at the LM head's
-        # all-gather; replicated parameters inside it sum their gradients over the tp group.
+        # all-gather; replicated parameters inside it (norms, row-parallel biases) see only this rank's
+        # part of the sequence, so their gradients are summed over the tp group.
         model.layers[0].register_forward_pre_hook(
             lambda module, args: (_SplitSequence.apply(args[0], group), *args[1:]))
         moe = [block.mlp for block in model.layers if hasattr(block.mlp, "router")]
@@ -353,14 +332,35 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
             module.register_forward_pre_hook(
                 lambda module, args: (_GatherToReplicated.apply(args[0], group), *args[1:]))
             module.register_forward_hook(lambda module, args, output: _SplitSequence.apply(output, group))
-        for p in model.parameters():
-            if getattr(p, "tp_partial_grad", False):
-                p.register_hook(_all_reduce_hook(group))
+        for p in _sequence_region_replicas(model):
+            p.register_hook(_all_reduce_hook(group))
     else:
         # A mixture of experts gets its f per expert instead (its router also reads the input, whole).
         entrances = [m for block in model.layers for m in (block.attn, block.mlp) if not hasattr(m, "router")]
         for module in [*entrances, model.lm_head]:
             module.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+    return sharded_axes(model)
+
+
+def sharded_axes(model: nn.Module) -> dict[str, int]:
+    """{parameter name: axis split across the tp group} of a tensor-parallel model."""
+    axes = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            axes[f"{prefix}.weight"] = 0
+            if getattr(module, "bias", None) is not None:
+                axes[f"{prefix}.bias"] = 0
+        elif isinstance(module, RowParallelLinear):
+            axes[f"{prefix}.weight"] = 1
+    return axes
+
+
+def _sequence_region_replicas(model: nn.Module) -> list[nn.Parameter]:
+    """Whole parameters used inside the sequence-parallel region: the norms and row-parallel biases."""
+    norms = [*(m for block in model.layers for m in (block.attn_norm, block.mlp_norm)), model.norm]
+    params = [p for m in norms for p in m.parameters()]
+    params += [m.bias for m in model.modules() if isinstance(m, RowParallelLinear) and m.bias is not None]
+    return params
 
 
 def _shard_experts(moe: nn.Module, group) -> None:

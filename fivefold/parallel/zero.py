@@ -91,7 +91,10 @@ class FlatGroup:
         return rows[:shape[0]]
 
 
-class _Bucket:
+class Bucket:
+    """One collective's worth of parameters (a size bucket, or under stage 3 a gather unit) and the
+    state of its reduce-scatter, gradient shard and parameter shard."""
+
     def __init__(self, group: FlatGroup, unit: int):
         self.group, self.unit = group, unit
         self.ready = 0
@@ -105,48 +108,51 @@ class _Bucket:
 class ZeroDataParallel(TimedWaits):
     """Sharded optimizer state (1), gradients (2) and parameters (3) for the optimizer's parameters.
 
-    `params`: the parameters in optimizer order; `fp32_values`: their fp32 values (the masters' initial
-    values; the parameters themselves under fp32). The trainer drives it with `sync` (reduce on this
-    micro-batch) and `finish()` after each reduced micro-batch; the optimizer reads `masters` and
-    `local_grads()` and calls `publish()` after updating masters."""
+    `params`: the parameters in optimizer order, with their `placements` (fivefold.parallel.placement).
+    Stages 1-2: the parameters are materialised; `masters` are the fp32 masters of this rank's rows
+    (`rows_of` each initial value) under bf16-mixed, or None under fp32, where they are views of the
+    parameters' rows. Stage 3: the parameters are still on the meta device, and `value_of(i)` gives
+    parameter i's fp32 value one at a time: only this rank's rows of it are kept. The trainer drives
+    it with `sync` (reduce on this micro-batch) and `finish()` after each reduced micro-batch; the
+    optimizer reads `masters` and `local_grads()` and calls `publish()` after updating masters."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], fp32_values: list[torch.Tensor],
-                 stage: int, device_mesh, dp: int, rank: int, grad_of=None, bucket_bytes: int = 25 * 2**20,
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, device_mesh, dp: int, rank: int,
+                 device: torch.device, placements: list, masters: list[torch.Tensor] | None = None,
+                 value_of=None, mixed: bool = False, grad_of=None, bucket_bytes: int = 25 * 2**20,
                  first_bucket_bytes: int = 2**20):
         super().__init__()
-        self.model, self.params, self.stage = model, list(params), stage
+        self.model, self.params, self.stage, self.placements = model, list(params), stage, placements
         self.device_mesh, self.group = device_mesh, device_mesh.get_group()
-        self.dp, self.rank = dp, rank
+        self.dp, self.rank, self.device = dp, rank, device
         self.grad_of = grad_of or (lambda p: p.grad)
         self.reduces_every_micro_batch = stage >= 2
         self.sync = True
-        index = {p: i for i, p in enumerate(self.params)}
+        self._index = {p: i for i, p in enumerate(self.params)}
         if stage == 3:
             self.units = _units(model, self.params)
             groups = [FlatGroup(u, dp, rank) for u in self.units]
         else:
             buckets = size_buckets([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
             groups = [FlatGroup([self.params[i] for i in b], dp, rank) for b in buckets]
-        self.buckets = [_Bucket(g, unit) for unit, g in enumerate(groups)]
+        self.buckets = [Bucket(g, unit) for unit, g in enumerate(groups)]
         if self.reduces_every_micro_batch:  # persistent fp32 gradient shards, zeroed after each step
             for b in self.buckets:
-                b.grad_shard = torch.zeros(b.group.shard_numel, dtype=torch.float32, device=self.params[0].device)
+                b.grad_shard = torch.zeros(b.group.shard_numel, dtype=torch.float32, device=device)
         self.slot = {}  # param -> (bucket, position in its group)
         for b in self.buckets:
             for j, p in enumerate(b.group.params):
                 self.slot[p] = (b, j)
-        # Masters: this rank's rows. Under fp32 stages 1-2 they are views of the parameters themselves.
-        mixed = any(v is not p for v, p in zip(fp32_values, self.params))
-        self.masters = []
-        for p, value in zip(self.params, fp32_values):
-            start, stop = chunk_range(p.shape[0], dp, rank)
-            rows = value.detach()[start:stop]
-            self.masters.append(rows.clone() if mixed or stage == 3 else rows)
-        self._index = index
         self._gathers: dict[int, tuple] = {}
         self._publishing: list = []
         if stage == 3:
-            self._shard_parameters()
+            self.masters: list[torch.Tensor | None] = [None] * len(self.params)
+            self._materialise_shards(value_of, mixed)
+        else:
+            self.masters = list(masters) if masters is not None else [self.rows_of(p.detach()) for p in self.params]
+
+    def rows_of(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a (local) parameter value: a view."""
+        return value[slice(*chunk_range(value.shape[0], self.dp, self.rank))]
 
     def register_hooks(self) -> None:
         """Called once the optimizer exists: fp32 accumulation hooks, if any, must fold gradients first."""
@@ -168,7 +174,7 @@ class ZeroDataParallel(TimedWaits):
         if bucket.ready == len(bucket.group.params):
             self._reduce(bucket)
 
-    def _reduce(self, bucket: _Bucket) -> None:
+    def _reduce(self, bucket: Bucket) -> None:
         grads = [self.grad_of(p) for p in bucket.group.params]
         flat = bucket.group.pack(grads, torch.float32)
         for p in bucket.group.params:
@@ -223,9 +229,10 @@ class ZeroDataParallel(TimedWaits):
         parameter: what torch.distributed.checkpoint saves and reshards."""
         from fivefold.train.checkpoint import Piece
 
-        shape, offsets = global_layout(self.params[i])
+        placement = self.placements[i]
         start, _ = chunk_range(self.params[i].shape[0], self.dp, self.rank)
-        return Piece(local, shape, (offsets[0] + start, *offsets[1:]))
+        offsets = placement.offsets
+        return Piece(local, placement.global_shape, (offsets[0] + start, *offsets[1:]))
 
     # -- parameters after the optimizer step --------------------------------------------------------
     @torch.no_grad()
@@ -256,20 +263,24 @@ class ZeroDataParallel(TimedWaits):
 
     # -- stage 3: parameters gathered around use --------------------------------------------------
     @torch.no_grad()
-    def _shard_parameters(self) -> None:
-        """Keep this rank's chunks in one persistent shard per unit; release the full parameters'
-        storage (its size is restored, and refilled, at every gather)."""
+    def _materialise_shards(self, value_of, mixed: bool) -> None:
+        """Fill one persistent shard per unit with this rank's rows of each parameter's value, taken one
+        parameter at a time; the full parameters get storage of size zero (restored, and refilled, at
+        every gather). Under fp32 the masters are the shard's own rows."""
         for unit, bucket in enumerate(self.buckets):
             params = bucket.group.params
-            bucket.shard = bucket.group.pack_local([p.detach()[slice(*r)] for p, r in
-                                                    zip(params, bucket.group.ranges)], params[0].dtype)
-            if params[0].dtype == torch.float32:  # fp32: the masters are the chunks themselves
-                for j, p in enumerate(params):
-                    self.masters[self._index[p]] = bucket.group.local(bucket.shard, j)
-            for p in params:
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            bucket.shard = torch.zeros(bucket.group.shard_numel, dtype=params[0].dtype, device=self.device)
+            for j, p in enumerate(params):
+                i = self._index[p]
+                rows = value_of(i)[slice(*bucket.group.ranges[j])]
+                local = bucket.group.local(bucket.shard, j)
+                local.copy_(rows)
+                self.masters[i] = rows.clone() if mixed else local
+                del rows
+                full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                torch.utils.swap_tensors(p, nn.Parameter(full, requires_grad=p.requires_grad))
+                p.untyped_storage().resize_(0)
             bucket.gathered = False
-            self._free(unit)
 
     def _free(self, unit: int) -> None:
         for p in self.buckets[unit].group.params:
@@ -327,12 +338,6 @@ class ZeroDataParallel(TimedWaits):
         if not (torch.is_grad_enabled() and output.requires_grad):
             self._free(0)  # evaluation: no backward will need the root
         return output
-
-
-def global_layout(param: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]]:
-    """(full shape, offsets of this tensor in it): set by tensor parallelism on its shards."""
-    layout = getattr(param, "tp_layout", None)
-    return (layout.global_shape, layout.offsets) if layout is not None else (param.shape, (0,) * param.ndim)
 
 
 def _units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

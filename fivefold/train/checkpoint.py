@@ -266,7 +266,10 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
         p.copy_(weights[name])
 
 
-def save_model(out_dir: str | Path, cfg: Config, model: torch.nn.Module) -> Path:
-    """A weights-only checkpoint (used by import-hf): out_dir/step_00000000, with `latest`."""
+def save_model(out_dir: str | Path, cfg: Config, model: torch.nn.Module,
+               extra_files: dict[str, bytes] | None = None) -> Path:
+    """A weights-only checkpoint (used by import-hf): out_dir/step_00000000, with `latest`. `extra_files`
+    (e.g. the tokenizer) are renamed into place with the weights: never one model's weights with
+    another's tokenizer."""
     weights = {f"model.{n}": p.detach().float() for n, p in model.named_parameters()}
-    return write_checkpoint(out_dir, "step_00000000", cfg, weights)
+    return write_checkpoint(out_dir, "step_00000000", cfg, weights, extra_files=extra_files)

@@ -15,26 +15,22 @@ import torch
 from torch import nn
 
 from fivefold.config import TrainConfig, parse_batch_schedule
-from fivefold.memory.formulas import step_chunk_key
-
-
-def no_decay(name: str, param: torch.Tensor) -> bool:
-    """Norm gains, biases and embeddings are not decayed (they are not 'weights' that decay should shrink)."""
-    return param.ndim < 2 or "embed" in name or "norm" in name
+from fivefold.memory.formulas import is_no_decay, step_chunk_key
 
 
 class MasterWeightAdamW:
     def __init__(self, model: nn.Module, cfg: TrainConfig, masters: list[torch.Tensor] | None = None,
-                 gradients=None, sharding=None, tp_group=None, pp_group=None, ep_group=None):
+                 gradients=None, sharding=None, tp_group=None, pp_group=None, ep_group=None, placements=None):
         """`masters`: the fp32 values of the (bf16) parameters, taken before they were rounded to bf16;
         without them the masters start from the rounded values. `gradients()`: the step's gradient of
         every parameter, handed over (default: each .grad, or the fp32 accumulation buffer); a
         data-parallel reducer supplies the reduced ones. `sharding`: a ZeRO engine
         (fivefold.parallel.zero) that owns the masters of this rank's rows and publishes updates.
-        `tp_group`: parameters marked as tensor-parallel shards count in the norm across that group;
-        `pp_group`: each pipeline stage holds different parameters, all of which count; `ep_group`:
-        expert parameters differ across that group."""
+        `placements` (fivefold.parallel.placement, by name): tensor-parallel shards count in the norm
+        across `tp_group`, expert parameters across `ep_group`; `pp_group`: each pipeline stage holds
+        different parameters, all of which count."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        self.placements = [placements[n] for n in self.names] if placements else None
         self.mixed = cfg.precision == "bf16-mixed"
         self.sharding, self.tp_group, self.pp_group, self.ep_group = sharding, tp_group, pp_group, ep_group
         self.syncs: list[tuple[int, object]] = []  # (parameter index, group summing its gradient)
@@ -53,8 +49,8 @@ class MasterWeightAdamW:
             for p, buf in zip(self.params, self.main_grads):
                 p.register_post_accumulate_grad_hook(_accumulate_into(buf))
         self.gradients = gradients or self._own_gradients
-        decay = [m for n, p, m in zip(self.names, self.params, self.masters) if not no_decay(n, p)]
-        rest = [m for n, p, m in zip(self.names, self.params, self.masters) if no_decay(n, p)]
+        decay = [m for n, m in zip(self.names, self.masters) if not is_no_decay(n)]
+        rest = [m for n, m in zip(self.names, self.masters) if is_no_decay(n)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         self.chunks = step_chunks(self.names)
         impl = {"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": True}
@@ -122,9 +118,8 @@ class MasterWeightAdamW:
         # same on every rank of those groups); ZeRO rows partition all of them across dp, pipeline
         # stages hold different parameters.
         # kind: bit 0 = a tensor-parallel shard, bit 1 = an expert of this rank only
-        kind = torch.tensor([(getattr(self.params[i], "tp_layout", None) is not None)
-                             + 2 * getattr(self.params[i], "expert_parallel", False) for i in present],
-                            device=norms.device)
+        kind = torch.tensor([self.placements[i].tp_sharded + 2 * self.placements[i].expert for i in present]
+                            if self.placements else [0] * len(present), device=norms.device)
         squares = norms.square()
         parts = torch.stack([squares[kind == k].sum() for k in range(4)])  # whole, tp, ep, tp and ep
         if self.sharding is not None:
@@ -172,12 +167,12 @@ class MasterWeightAdamW:
         tensor-parallel shard), or the tensor itself when every rank holds all of it."""
         if self.sharding is not None:
             return self.sharding.as_global(i, tensor)
-        layout = getattr(self.params[i], "tp_layout", None)
-        if layout is None:
+        placement = self.placements[i] if self.placements else None
+        if placement is None or not placement.tp_sharded:
             return tensor
         from fivefold.train.checkpoint import Piece
 
-        return Piece(tensor, layout.global_shape, layout.offsets)
+        return Piece(tensor, placement.global_shape, placement.offsets)
 
     def moment(self, master: torch.Tensor, key: str) -> torch.Tensor:
         """An Adam moment, created (zero, at step 0) before the first step so a checkpoint can load into it."""

@@ -11,18 +11,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from fivefold.config import Config, ConfigError, validate
+from fivefold.data.dataset import ResumableSampler, load_datasets
 from fivefold.memory.formulas import count_params, flops_per_token
-from fivefold.model import build_model, doc_ids_from_tokens
+from fivefold.parallel.apply import compute_dtype, parallelize
+from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401  (the trainer's loss, re-exported)
 from fivefold.train.metrics import MetricsLog, memory_bytes, peak_flops, progress_bar
-from fivefold.train.optim import MasterWeightAdamW, grad_accum_at, lr_at
-from fivefold.train.recompute import apply_recompute
-
-IGNORE_INDEX = -100
+from fivefold.train.optim import grad_accum_at, lr_at
+from fivefold.train.routing import RouterLosses
 
 
 class TrainingError(RuntimeError):
@@ -38,40 +37,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def compute_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else torch.float32
-
-
-
-def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config, tp_group=None,
-                   positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the non-ignored labels of one micro-batch, in fp32. Under
-    tensor parallelism (`tp_group`) the logits are this rank's vocabulary shard and stay sharded; under
-    context parallelism the tokens are this rank's, at their global `positions` and in their documents
-    of the whole sequence (`doc_ids`; otherwise found from `inputs` when documents are masked)."""
-    if doc_ids is None and cfg.model.document_mask:
-        doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id)
-    return logits_loss_sum(model, model(inputs, positions=positions, doc_ids=doc_ids), labels, tp_group)
-
-
-def logits_loss_sum(model, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Summed cross-entropy of (B, S, V) logits, or of this rank's (B, S, V / tp) vocabulary shard."""
-    if tp_group is not None:
-        from fivefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
-
-        return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), model.vocab_start, tp_group,
-                                            IGNORE_INDEX).sum()
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: bool = False,
                  quiet: bool = False, datasets=None):
         validate(cfg)
-        from fivefold.data.dataset import ResumableSampler, load_datasets
-        from fivefold.parallel.mesh import init_mesh, local_device
-
         self.cfg = cfg
         self.out_dir = Path(out_dir or cfg.train.out_dir)
         self.device = local_device(resolve_device(cfg.train.device))
@@ -83,41 +52,14 @@ class Trainer:
         self.data = datasets or load_datasets(cfg)
         if datasets is None and self.mesh.is_main:
             self.mesh.barrier()
-        self.model = build_model(cfg.model, self.device, seed=cfg.train.seed, dtype=torch.float32)
-        self.tp_group = None
-        if self.mesh.tp_size > 1:
-            from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-
-            self.tp_group = self.mesh.tp_group
-            apply_tensor_parallel(self.model, self.tp_group, cfg.parallel.sequence_parallel)
-        from fivefold.model.moe import MoE
-
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        if self.mesh.ep_size > 1:
-            from fivefold.parallel.expert_parallel import apply_expert_parallel
-
-            apply_expert_parallel(self.model, self.mesh.ep_group)
-        if self.mesh.cp_size > 1:
-            from fivefold.parallel.context_parallel import apply_context_parallel
-
-            apply_context_parallel(self.model, self.mesh.cp_group)
-        self.pipeline = None
-        if self.mesh.pp_size > 1:  # keeps only this rank's stages
-            from fivefold.parallel.pipeline import Pipeline
-
-            self.pipeline = Pipeline(self.model, cfg, self.mesh, compute_dtype(cfg), lambda: self.reducer,
-                                     self._positions, self._router_loss if self.moe_layers else None)
-            self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]  # this rank's stages'
-        masters = None
-        if compute_dtype(cfg) != torch.float32:  # masters keep the fp32 initial values, not bf16-rounded ones
-            masters = [p.detach().clone() for p in self.model.parameters()]
-            self.model.to(compute_dtype(cfg))
-            self.model.reset_buffers()
-        apply_recompute(self.model, cfg.train.recompute)
-        if cfg.train.compile:
-            for block in self.model.layers:
-                block.compile()  # per block: one compiled graph reused by every layer of the same shape
-        self.optimizer, self.reducer = self._build_optimizer(masters)
+        # The layout is applied to a model without memory; then this rank's parameters are materialised.
+        self.parallel = parallelize(cfg, self.mesh, self.device)
+        self.model = self.parallel.model
+        self.routing = None
+        if self.parallel.moe_layers:
+            self.routing = RouterLosses(cfg.model.num_experts, self.device, self.parallel.sum_over_model)
+            self.parallel.router_loss = self.routing
+        self.optimizer, self.reducer = self.parallel.materialise()
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -129,53 +71,6 @@ class Trainer:
         if resume:
             self.load_latest()
 
-    def _build_optimizer(self, masters):
-        """The optimizer and, under data parallelism, the gradient reducer feeding it: bucketed
-        all-reduce (parallel.zero=0) or the ZeRO engine, which also owns the sharded masters."""
-        cfg, mesh = self.cfg, self.mesh
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
-        zero = None
-        if mesh.grad_size > 1 and cfg.parallel.zero > 0:
-            from fivefold.parallel.zero import ZeroDataParallel
-
-            zero = ZeroDataParallel(self.model, params, masters or params, cfg.parallel.zero, mesh.grad_mesh,
-                                    mesh.grad_size, mesh.grad_rank, bucket_bytes=bucket_bytes)
-        optimizer = MasterWeightAdamW(self.model, cfg.train, masters, sharding=zero, tp_group=self.tp_group,
-                                      pp_group=self.mesh.pp_group if self.pipeline else None,
-                                      ep_group=mesh.ep_group)
-        if self.pipeline is not None and cfg.model.tie_embeddings:
-            from fivefold.parallel.pipeline import tied_group
-
-            group = tied_group(mesh, cfg.parallel.pp)  # every rank takes part in creating the groups
-            tied = self.pipeline.tied_parameter()
-            if tied is not None:  # the first and last stages' copies of the matrix take the summed gradient
-                optimizer.sync_gradient(tied, group, counted=self.pipeline.first)
-        reducer = zero
-        if zero is not None:
-            zero.grad_of = optimizer.grad_of
-            zero.register_hooks()  # after the optimizer's: fp32 accumulation folds each gradient first
-        elif self.moe_layers and mesh.grad_size > 1:
-            # Expert parameters are reduced over the ranks holding the same experts, after backward and in
-            # order (an expert may get no token on some rank); everything else as usual.
-            from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
-
-            routed = {id(p) for m in self.moe_layers for p in m.experts.parameters()}
-            dense, experts = [p for p in params if id(p) not in routed], [p for p in params if id(p) in routed]
-            parts = [BucketedAllReduce(dense, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)]
-            if mesh.grad_size > mesh.ep_size:
-                group = mesh.expert_grad_group if mesh.ep_size > 1 else mesh.grad_group
-                parts.append(BucketedAllReduce(experts, group, optimizer.grad_of, bucket_bytes=bucket_bytes,
-                                               overlap=False))
-            reducer = Reducers(params, parts, optimizer.grad_of)
-        elif mesh.grad_size > 1:
-            from fivefold.parallel.data_parallel import BucketedAllReduce
-
-            reducer = BucketedAllReduce(params, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)
-        if reducer is not None:
-            optimizer.gradients = reducer.local_grads
-        return optimizer, reducer
-
     # ---------------------------------------------------------------------------------------------
     def global_batch(self, grad_accum: int) -> torch.Tensor:
         """The step's global batch, (micro_batch_size * grad_accum * dp, seq_len + 1) token ids: the same
@@ -183,112 +78,22 @@ class Trainer:
         n = self.cfg.train.micro_batch_size * grad_accum * self.mesh.dp_size
         return self.data.train.batch(self.sampler.take(n)).to(self.device)
 
-    def local_rows(self, rows: int) -> slice:
-        """This data-parallel rank's contiguous share of `rows` sequences (equal shares when dp divides
-        rows, as it does for training batches; a ragged evaluation tail may leave a rank none)."""
-        dp, rank = self.mesh.dp_size, self.mesh.dp_rank
-        return slice(rank * rows // dp, (rank + 1) * rows // dp)
-
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor,
-                         doc_ids: torch.Tensor | None = None):
-        """One micro-batch: loss scaled by the global batch's token count, so summing micro-batch
-        gradients yields the gradient of the global mean."""
-        loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs),
-                              doc_ids) / num_tokens
-        total = loss + self._router_loss(self.moe_layers) if self.moe_layers else loss
-        total.backward()
-        return loss.detach()
-
-    def _router_loss(self, layers: list) -> torch.Tensor:
-        """The router losses of `layers`' latest forward, averaged over the global batch's micro-batches
-        like the token loss; their routing statistics are counted into the step's record."""
-        aux = sum(m.aux_loss for m in layers) / self._micro_batches
-        self._routing["aux_loss"] += aux.detach()
-        for m in layers:
-            self._routing["tokens_per_expert"] += m.stats["tokens_per_expert"]
-            self._routing["dropped"] += m.stats["dropped"]
-            self._routing["assignments"] += m.stats["assignments"]
-        return aux
-
-    def _routing_record(self) -> dict:
-        """Routing statistics of the step over all ranks: router loss, dropped assignments, and the most
-        loaded expert's share relative to a perfectly even one (1.0)."""
-        r = self._routing
-        stats = torch.cat([r["tokens_per_expert"].double(), torch.stack([r["dropped"], r["assignments"]]).double(),
-                           r["aux_loss"].double().reshape(1)])
-        if self.mesh.grad_size > 1:
-            dist.all_reduce(stats, group=self.mesh.grad_group)
-        if self.pipeline is not None:  # each stage counted its own layers
-            dist.all_reduce(stats, group=self.mesh.pp_group)
-        experts = self.cfg.model.num_experts
-        load, dropped, assignments = stats[:experts], stats[experts], stats[experts + 1]
-        return {"router_loss": stats[-1].item(),
-                "moe_dropped_fraction": (dropped / assignments).item(),
-                "moe_max_expert_load": (load.max() / load.mean()).item()}
-
-    def local_columns(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """This context-parallel rank's tokens of every sequence (zig-zag chunks r and 2cp-1-r), and with
-        packed documents masked (cp > 1) their documents' ids in the whole sequence, else None."""
-        if self.mesh.cp_size == 1:
-            return inputs, labels, None
-        from fivefold.parallel.context_parallel import zigzag_positions
-
-        cols = zigzag_positions(inputs.shape[1], self.mesh.cp_size, self.mesh.cp_rank, inputs.device)
-        docs = doc_ids_from_tokens(inputs, self.cfg.model.eos_token_id)[:, cols] if self.cfg.model.document_mask \
-            else None
-        return inputs[:, cols], labels[:, cols], docs
-
-    def _positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        if self.mesh.cp_size == 1:
-            return None
-        from fivefold.parallel.context_parallel import zigzag_positions
-
-        cols = zigzag_positions(inputs.shape[1] * self.mesh.cp_size, self.mesh.cp_size, self.mesh.cp_rank,
-                                inputs.device)
-        return cols.expand(inputs.shape[0], -1)
-
-    def _loss_of_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return logits_loss_sum(self.model, logits, labels, self.tp_group)
-
     def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward over a global batch (N, S) in micro-batches; returns the global mean loss
         over the labels that are not IGNORE_INDEX (padding)."""
         num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
-        mine = self.local_rows(len(inputs))
-        inputs, labels, docs = self.local_columns(inputs[mine], labels[mine])
-        micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
-        self._micro_batches = len(micro_batches) * self.mesh.dp_size  # of the global batch; cp ranks share one
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(inputs, labels, num_tokens, self._loss_of_logits)
-            if self.reducer is not None:
-                self.reducer.finish()
-            dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
-            if self.reducer is not None:
-                dist.all_reduce(loss, group=self.mesh.grad_group)
-            return loss
-        loss = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro_batches):
-            if self.reducer is not None:
-                # Communicate on the last micro-batch only, except ZeRO-2/3, which keep gradient shards.
-                self.reducer.sync = i == len(micro_batches) - 1 or self.reducer.reduces_every_micro_batch
-            loss += self.forward_backward(inputs[mb], labels[mb], num_tokens, None if docs is None else docs[mb])
-            if self.reducer is not None and self.reducer.sync:
-                self.reducer.finish()
-        if self.reducer is not None:
-            dist.all_reduce(loss, group=self.mesh.grad_group)
-        return loss
+        mine = self.parallel.local_rows(len(inputs))
+        inputs, labels, docs = self.parallel.local_columns(inputs[mine], labels[mine])
+        if self.routing is not None:
+            micro_batches = -(-len(inputs) // self.cfg.train.micro_batch_size)
+            self.routing.start_step(micro_batches * self.mesh.dp_size)  # context-parallel ranks share one
+        return self.parallel.forward_backward(inputs, labels, num_tokens, docs)
 
     def train_step(self) -> dict:
         cfg = self.cfg.train
         start = time.perf_counter()
         accum = grad_accum_at(self.tokens_seen, cfg)
         batch = self.global_batch(accum)
-        if self.moe_layers:
-            zero = torch.zeros((), dtype=torch.long, device=self.device)
-            self._routing = {"aux_loss": torch.zeros((), device=self.device), "dropped": zero.clone(),
-                             "assignments": zero.clone(),
-                             "tokens_per_expert": torch.zeros(self.cfg.model.num_experts, dtype=torch.long,
-                                                              device=self.device)}
         loss_value = self.accumulate_gradients(batch[:, :-1], batch[:, 1:]).item()
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
@@ -308,7 +113,7 @@ class Trainer:
         self.step += 1
         self.tokens_seen += batch_tokens
         tokens_per_sec = batch_tokens / elapsed
-        routing = self._routing_record() if self.moe_layers else {}
+        routing = self.routing.record() if self.routing is not None else {}
         return {**routing, "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / (self.peak_flops * self.mesh.world_size),
                 "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
@@ -324,21 +129,15 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
         for first in range(0, n, per_step):
             rows = list(range(first, min(n, first + per_step)))
-            mine = rows[self.local_rows(len(rows))]
+            mine = rows[self.parallel.local_rows(len(rows))]
             # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
             # parameters inside it, collectively), and counts nothing.
             batch = self.data.val.batch(mine or rows[:1]).to(self.device)
-            inputs, labels, docs = self.local_columns(batch[:, :-1], batch[:, 1:])
-            if self.pipeline is not None:
-                loss = self.pipeline.forward_only(inputs, labels, self._loss_of_logits)
-                dist.all_reduce(loss, group=self.mesh.pp_group)
-            else:
-                loss = token_loss_sum(self.model, inputs, labels, self.cfg, self.tp_group, self._positions(inputs),
-                                      docs)
+            inputs, labels, docs = self.parallel.local_columns(batch[:, :-1], batch[:, 1:])
+            loss = self.parallel.eval_loss_sum(inputs, labels, docs)
             if mine:
                 totals += torch.tensor([loss.item(), labels.numel()], dtype=torch.float64, device=self.device)
-        if self.mesh.grad_size > 1:
-            dist.all_reduce(totals, group=self.mesh.grad_group)
+        self.parallel.sum_over_batch(totals)
         return (totals[0] / totals[1]).item()
 
     def unigram_loss(self) -> float:

@@ -1,0 +1,262 @@
+"""parallelize(): a run's parallel layout applied to a plain model from outside, in one order, before
+any parameter has memory.
+
+    meta model (fivefold.model.meta_model, in the compute dtype: no memory)
+      -> tensor / sequence parallel   linears and embedding swapped for their shards (tensor_parallel)
+      -> expert parallel              other ranks' experts dropped, all-to-all dispatch (expert_parallel)
+      -> context parallel             ring attention, routing counts summed over the ring (context_parallel)
+      -> pipeline split               other stages' blocks dropped (pipeline)
+      -> placement record             global shape and shard axes of every local parameter (placement)
+    materialise(values)
+      -> this rank's parameters       each from its own slice of the full initial value, one at a time
+      -> recomputation, compile       (fivefold.train.recompute; per block)
+      -> data parallel / ZeRO         the gradient reducer; under ZeRO-3 only this rank's rows ever exist
+      -> optimizer                    fp32 masters of what this rank updates
+
+What it returns (ParallelModel) is everything the trainer needs to know about the layout: the local
+model, how a global batch becomes this rank's tokens, the loss of (possibly vocabulary-sharded) logits,
+sums of statistics over the ranks that split a batch, and the step executor. The trainer itself has no
+per-dimension code.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fivefold.config import Config
+from fivefold.model import doc_ids_from_tokens, initial_value, materialize_parameters, meta_model
+from fivefold.model.moe import MoE
+from fivefold.parallel.context_parallel import apply_context_parallel, zigzag_positions
+from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
+from fivefold.parallel.expert_parallel import apply_expert_parallel
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.pipeline import Pipeline, tied_group
+from fivefold.parallel.placement import Placement, Placements, record
+from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from fivefold.parallel.zero import ZeroDataParallel, chunk_range
+from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
+from fivefold.train.optim import MasterWeightAdamW
+from fivefold.train.recompute import apply_recompute
+
+# A source of parameter values: (name, placement) -> this rank's part of the parameter, in fp32.
+ValueSource = Callable[[str, Placement], torch.Tensor]
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else torch.float32
+
+
+def initial_values(cfg: Config) -> ValueSource:
+    """The layout-independent initialisation: each parameter's full value from (seed, name), sliced."""
+    return lambda name, placement: placement.local(
+        initial_value(name, torch.Size(placement.global_shape), cfg.model, cfg.train.seed))
+
+
+class ParallelModel:
+    """This rank's part of the model under `mesh`, still on the meta device until `materialise`."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.dtype = compute_dtype(cfg)
+        model = meta_model(cfg.model, self.dtype)
+        tp_axes, experts = {}, set()
+        self.tp_group = mesh.tp_group if mesh.tp_size > 1 else None
+        if self.tp_group is not None:
+            tp_axes = apply_tensor_parallel(model, self.tp_group, cfg.parallel.sequence_parallel)
+        if mesh.ep_size > 1:
+            experts = apply_expert_parallel(model, mesh.ep_group)
+        if mesh.cp_size > 1:
+            apply_context_parallel(model, mesh.cp_group)
+        self.model = model
+        self.pipeline = None
+        self.router_loss: Callable | None = None  # set by the trainer for models with experts
+        self.reducer = None
+        if mesh.pp_size > 1:  # keeps only this rank's stages
+            self.pipeline = Pipeline(model, cfg, mesh, self.dtype, lambda: self.reducer, self.positions,
+                                     lambda layers: self.router_loss(layers) if self.router_loss else None)
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this rank's stages'
+        self.placements: Placements = record(model, tp_axes, experts, mesh.tp_rank, mesh.tp_size)
+        self.vocab_start = mesh.tp_rank * (cfg.model.vocab_size // mesh.tp_size)
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def materialise(self, values: ValueSource | None = None):
+        """Give this rank's parameters their values (default: the seeded initialisation), then set up
+        recomputation, compilation, the gradient reducer and the optimizer. Returns (optimizer, reducer).
+
+        Peak while doing so: the parameters this rank keeps, its masters, and one full parameter."""
+        cfg, mesh, model = self.cfg, self.mesh, self.model
+        values = values or initial_values(cfg)
+        mixed = self.dtype != torch.float32
+        zero = cfg.parallel.zero if mesh.grad_size > 1 else 0
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        placements = [self.placements[n] for n in names]
+        masters: list | None = [None] * len(names) if mixed else None
+        engine = None
+        if zero == 3:  # the parameters stay on meta: the engine keeps only this rank's rows of each value
+            apply_recompute(model, cfg.train.recompute)
+            engine = self._zero(zero, placements, None, lambda i: values(names[i], placements[i]).to(self.device),
+                                mixed)
+            model.reset_buffers(self.device)
+        else:
+            def keep(i, value):  # the fp32 value, before the bf16 parameter replaces it: this rank's masters
+                masters[i] = value[slice(*chunk_range(len(value), mesh.grad_size, mesh.grad_rank))].clone() \
+                    if zero else value
+
+            materialize_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
+                                   self.dtype, keep if mixed else None)
+            apply_recompute(model, cfg.train.recompute)
+            if cfg.train.compile:
+                for block in model.layers:
+                    block.compile()  # per block: one compiled graph reused by every layer of the same shape
+            if zero:
+                engine = self._zero(zero, placements, masters, None, mixed)
+        optimizer = MasterWeightAdamW(model, cfg.train, masters, sharding=engine, tp_group=self.tp_group,
+                                      pp_group=mesh.pp_group if self.pipeline else None, ep_group=mesh.ep_group,
+                                      placements=self.placements)
+        self._tie_pipeline_copies(optimizer)
+        self.reducer = self._reducer(optimizer, engine)
+        if self.reducer is not None:
+            optimizer.gradients = self.reducer.local_grads
+        return optimizer, self.reducer
+
+    def _zero(self, stage: int, placements: list[Placement], masters, value_of, mixed: bool) -> ZeroDataParallel:
+        mesh = self.mesh
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return ZeroDataParallel(self.model, params, stage, mesh.grad_mesh, mesh.grad_size, mesh.grad_rank,
+                                self.device, placements, masters=masters, value_of=value_of, mixed=mixed,
+                                bucket_bytes=int(self.cfg.parallel.bucket_mb * 2**20))
+
+    def _tie_pipeline_copies(self, optimizer: MasterWeightAdamW) -> None:
+        if self.pipeline is None or not self.cfg.model.tie_embeddings:
+            return
+        group = tied_group(self.mesh, self.cfg.parallel.pp)  # every rank takes part in creating the groups
+        tied = self.pipeline.tied_parameter()
+        if tied is not None:  # the first and last stages' copies of the matrix take the summed gradient
+            optimizer.sync_gradient(tied, group, counted=self.pipeline.first)
+
+    def _reducer(self, optimizer: MasterWeightAdamW, engine: ZeroDataParallel | None):
+        """The data-parallel gradient reducer feeding the optimizer: the ZeRO engine, or bucketed
+        all-reduce (expert parameters apart, over the ranks that hold the same experts)."""
+        mesh = self.mesh
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+        if engine is not None:
+            engine.grad_of = optimizer.grad_of
+            engine.register_hooks()  # after the optimizer's: fp32 accumulation folds each gradient first
+            return engine
+        if mesh.grad_size == 1:
+            return None
+        if not self.moe_layers:
+            return BucketedAllReduce(params, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)
+        # Expert parameters are reduced over the ranks holding the same experts, after backward and in
+        # order (an expert may get no token on some rank); everything else as usual.
+        routed = {id(p) for m in self.moe_layers for p in m.experts.parameters()}
+        dense, experts = [p for p in params if id(p) not in routed], [p for p in params if id(p) in routed]
+        parts = [BucketedAllReduce(dense, mesh.grad_group, optimizer.grad_of, bucket_bytes=bucket_bytes)]
+        if mesh.grad_size > mesh.ep_size:
+            group = mesh.expert_grad_group if mesh.ep_size > 1 else mesh.grad_group
+            parts.append(BucketedAllReduce(experts, group, optimizer.grad_of, bucket_bytes=bucket_bytes,
+                                           overlap=False))
+        return Reducers(params, parts, optimizer.grad_of)
+
+    # -- tokens -----------------------------------------------------------------------------------------
+    def local_rows(self, rows: int) -> slice:
+        """This data-parallel rank's contiguous share of `rows` sequences (equal shares when dp divides
+        rows, as it does for training batches; a ragged evaluation tail may leave a rank none)."""
+        dp, rank = self.mesh.dp_size, self.mesh.dp_rank
+        return slice(rank * rows // dp, (rank + 1) * rows // dp)
+
+    def local_columns(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This rank's tokens of every sequence (under context parallelism its zig-zag chunks r and
+        2cp-1-r), and with packed documents masked the documents' ids in the whole sequence, else None
+        (the model then finds them from its tokens)."""
+        if self.mesh.cp_size == 1:
+            return inputs, labels, None
+        cols = zigzag_positions(inputs.shape[1], self.mesh.cp_size, self.mesh.cp_rank, inputs.device)
+        docs = doc_ids_from_tokens(inputs, self.cfg.model.eos_token_id)[:, cols] \
+            if self.cfg.model.document_mask else None
+        return inputs[:, cols], labels[:, cols], docs
+
+    def positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Global positions of this rank's tokens (None: 0..S-1, the model's default)."""
+        if self.mesh.cp_size == 1:
+            return None
+        cols = zigzag_positions(inputs.shape[1] * self.mesh.cp_size, self.mesh.cp_size, self.mesh.cp_rank,
+                                inputs.device)
+        return cols.expand(inputs.shape[0], -1)
+
+    # -- losses -----------------------------------------------------------------------------------------
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of (B, S, V) logits, or of this rank's (B, S, V / tp) vocabulary shard
+        (never gathered), over the labels that are not IGNORE_INDEX; fp32."""
+        if self.tp_group is not None:
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_start,
+                                                self.tp_group, IGNORE_INDEX).sum()
+        return cross_entropy_sum(logits, labels)
+
+    def token_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                       doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward of one micro-batch of this rank's tokens, and its summed token loss."""
+        return token_loss_sum(self.model, inputs, labels, self.cfg, self.positions(inputs), doc_ids, self.loss_sum)
+
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+        """Summed token loss of a batch of this rank's tokens, with no gradient (every stage's rank
+        returns the same value)."""
+        with torch.no_grad():
+            if self.pipeline is None:
+                return self.token_loss_sum(inputs, labels, docs)
+            loss = self.pipeline.forward_only(inputs, labels, self.loss_sum)
+            dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
+            return loss
+
+    # -- sums over ranks ----------------------------------------------------------------------------------
+    def sum_over_batch(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum, in place, a statistic each rank counted over its own rows and tokens (dp x cp)."""
+        if self.mesh.grad_size > 1:
+            dist.all_reduce(t, group=self.mesh.grad_group)
+        return t
+
+    def sum_over_model(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum, in place, a statistic of the model's layers over every rank's tokens and stages."""
+        self.sum_over_batch(t)
+        if self.pipeline is not None:  # each stage counted its own layers
+            dist.all_reduce(t, group=self.mesh.pp_group)
+        return t
+
+    # -- one step's forward and backward --------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor,
+                         docs: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward over this rank's tokens of a global batch, in micro-batches, through the
+        pipeline schedule or one after the other; gradients are reduced as the layout requires. Returns
+        the global batch's mean loss (the loss of every micro-batch is its token-loss sum divided by the
+        global batch's `num_tokens`, so the gradients add up to the big-batch gradient)."""
+        reducer = self.reducer
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(inputs, labels, num_tokens, self.loss_sum)
+            if reducer is not None:
+                reducer.finish()
+            dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
+            return self.sum_over_batch(loss)
+        micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
+        loss = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro_batches):
+            if reducer is not None:
+                # Communicate on the last micro-batch only, except ZeRO-2/3, which keep gradient shards.
+                reducer.sync = i == len(micro_batches) - 1 or reducer.reduces_every_micro_batch
+            part = self.token_loss_sum(inputs[mb], labels[mb], None if docs is None else docs[mb]) / num_tokens
+            total = part + self.router_loss(self.moe_layers) if self.moe_layers and self.router_loss else part
+            total.backward()
+            loss += part.detach()
+            if reducer is not None and reducer.sync:
+                reducer.finish()
+        return self.sum_over_batch(loss)
+
+
+def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
+    """The model of `cfg` split for this rank of `mesh`, on the meta device (see the module docstring);
+    call `.materialise()` to give it memory and build its optimizer."""
+    return ParallelModel(cfg, mesh, device)
+

@@ -1,0 +1,34 @@
+"""The training loss: summed next-token cross-entropy, in fp32, over the labels that are not padding.
+
+One convention everywhere: the loss of a global batch is the mean over all its non-padding target tokens,
+whatever the micro-batching or the parallel layout. Micro-batches therefore return *sums*, which the
+step divides by the global batch's token count before backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fivefold.config import Config
+from fivefold.model import doc_ids_from_tokens
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of (B, S, V) logits against (B, S) labels, skipping IGNORE_INDEX."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config,
+                   positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                   loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum) -> torch.Tensor:
+    """Forward of one micro-batch and its summed token loss. With packed documents masked, the
+    documents are found from `inputs` unless `doc_ids` are given (e.g. for a part of each sequence)."""
+    if doc_ids is None and cfg.model.document_mask:
+        doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id)
+    return loss_sum(model(inputs, positions=positions, doc_ids=doc_ids), labels)
