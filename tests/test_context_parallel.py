@@ -14,9 +14,8 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict, load_config
-from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, launch_layouts, measured_memory, metrics, torchrun
+from parity import BASE, assert_parity, assert_matches_plan, launch_layouts, measured_memory, metrics, torchrun
 
 HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}
 
@@ -90,8 +89,7 @@ def runs(tmp_path_factory, data_cache):
 def test_every_step_matches_one_process(runs, lay):
     reference = runs / ("single_4layers" if len(lay) > 4 and lay[4] > 1 else
                         "single_docs" if len(lay) > 6 and lay[6] else "single")
-    result = compare_runs(runs / name(*lay), reference, rtol=1e-5)
-    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+    assert_parity(runs / name(*lay), reference)
     ours, ref = ([r["val_loss"] for r in metrics(run) if "val_loss" in r] for run in (runs / name(*lay), reference))
     assert len(ours) == len(ref) == 2 and ours == pytest.approx(ref, rel=1e-5)  # evaluation shared over cp too
 

@@ -26,7 +26,10 @@ def measure(preset: str, *overrides: str, steps: int = 2):
 
 def assert_matches_plan(timeline):
     rows = {name: (predicted, measured, error) for name, predicted, measured, error in timeline.comparison()}
-    assert set(rows) == set(CATEGORIES) | {"total"}
+    # The start-up peak is the process's resident set on CPU: for a tiny model it is interpreter noise
+    # (bench/startup_memory.py checks it where it means something, a 300M model).
+    assert set(rows) == set(CATEGORIES) | {"total", "startup"}
+    rows.pop("startup")
     for name, (predicted, measured, error) in rows.items():
         assert abs(error) <= TOLERANCE[name], f"{name}: predicted {predicted:,.0f}, measured {measured:,.0f}"
 
@@ -79,8 +82,10 @@ def test_memory_cli_timeline(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert png.stat().st_size > 20_000
     assert out["steps"] == 4 and out["device"] == "cpu"
+    assert out["peaks"]["startup"] >= 0  # measured while the Trainer was built (see assert_matches_plan)
     for row in out["comparison"]:
-        assert abs(row["error"]) <= TOLERANCE[row["category"]], row
+        if row["category"] != "startup":
+            assert abs(row["error"]) <= TOLERANCE[row["category"]], row
     samples, marks = out["samples"], out["marks"]
     column = {c: i for i, c in enumerate(out["categories"])}
     starts = [i for i, label in marks if label.startswith("step")]

@@ -18,9 +18,8 @@ import torch
 
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.model.moe import MoE
-from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, launch_layouts, metrics, torchrun
+from parity import BASE, assert_parity, launch_layouts, metrics, torchrun
 
 
 def moe_layer(**overrides) -> MoE:
@@ -124,8 +123,7 @@ def runs(tmp_path_factory, data_cache):
 
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
 def test_every_step_matches_one_process(runs, lay):
-    result = compare_runs(runs / name(*lay), runs / reference(lay), rtol=1e-5)
-    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+    assert_parity(runs / name(*lay), runs / reference(lay))
 
 
 @pytest.mark.parametrize("lay", [(4, 4), (2, 2, 1, 2, "zero-bubble"), (2, 1, 1, 1, "1f1b", False, 2)],

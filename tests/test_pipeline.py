@@ -15,9 +15,8 @@ from fivefold.memory.formulas import micro_batches_in_flight
 from fivefold.memory.formulas import partition
 from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max_in_flight, peak_held, simulate,
                                                   theoretical_bubble)
-from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, metrics
+from parity import BASE, assert_parity, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, metrics
 
 GRID = [(pp, m) for pp in (2, 3, 4) for m in (4, 8, 12) if m % pp == 0]
 
@@ -149,8 +148,7 @@ def runs(tmp_path_factory, data_cache):
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
 def test_every_step_matches_one_process(runs, lay):
     reference = runs / ("single_gqa" if len(lay) > 3 and lay[3] > 1 else "single")
-    result = compare_runs(runs / name(*lay), reference, rtol=1e-5)
-    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+    assert_parity(runs / name(*lay), reference)
 
 
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
@@ -161,8 +159,7 @@ def test_evaluation_through_the_stages_matches_one_process(runs, lay):
 
 
 def test_tied_embeddings_across_first_and_last_stage(runs):
-    result = compare_runs(runs / "tied", runs / "single_tied", rtol=1e-5)
-    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+    assert_parity(runs / "tied", runs / "single_tied")
 
 
 def test_pipeline_checkpoint_resumes_in_one_process(runs, data_cache):
@@ -171,8 +168,7 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs, data_cache):
     trainer = Trainer(config_from_dict(config(data_cache, resumed, **{"train.micro_batch_size": 8})),
                       resume=True, quiet=True)
     trainer.fit()
-    result = compare_runs(resumed, runs / name(4, "interleaved"), rtol=1e-5)
-    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+    assert_parity(resumed, runs / name(4, "interleaved"), steps=5)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "afab"])

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from fivefold.config import ConfigError, config_from_dict, load_config
-from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, torchrun
+from parity import BASE, assert_parity, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, torchrun
 
 HEADS = {"model.num_heads": 8, "model.num_kv_heads": 4}  # whole heads for tp up to 4, still GQA
 GLOBAL_SEQUENCES = 8
@@ -59,8 +58,7 @@ def runs(tmp_path_factory, data_cache):
 
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
 def test_every_step_matches_one_process(runs, lay):
-    result = compare_runs(runs / name(*lay), runs / "single", rtol=1e-5)
-    assert result.ok and len(result.steps) == BASE["train.steps"], result.summary()
+    assert_parity(runs / name(*lay), runs / "single")
 
 
 def test_tensor_parallel_checkpoint_resumes_in_one_process(runs, data_cache):
@@ -70,8 +68,7 @@ def test_tensor_parallel_checkpoint_resumes_in_one_process(runs, data_cache):
     trainer = Trainer(config_from_dict(config(data_cache, resumed, **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
                       resume=True, quiet=True)
     trainer.fit()
-    result = compare_runs(resumed, runs / name(2, True), rtol=1e-5)
-    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+    assert_parity(resumed, runs / name(2, True), steps=5)
 
 
 @pytest.mark.parametrize("overrides, message", [

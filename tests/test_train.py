@@ -200,3 +200,24 @@ def test_evaluation_runs_on_its_own_schedule(tiny_config):
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6, 7]
     with torch.no_grad():
         assert records[-1]["val_loss"] == pytest.approx(trainer.evaluate(), rel=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_trainer_memory_is_freed_on_del_without_gc(tiny_config, precision):
+    """No reference cycle keeps a finished trainer's parameters, masters or Adam moments alive until the
+    cycle collector runs (tests/run_layouts.py checks the same for every parallel layout)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        trainer = Trainer(tiny_config(**{"train.precision": precision}), quiet=True)
+        trainer.train_step()
+        opt = trainer.optimizer
+        refs = [weakref.ref(t) for t in (*trainer.model.parameters(), *opt.masters,
+                                         *(v for s in opt.inner.state.values() for v in s.values()))]
+        del trainer, opt
+        assert [r() for r in refs].count(None) == len(refs)
+    finally:
+        gc.enable()

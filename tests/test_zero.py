@@ -9,10 +9,8 @@ so the matrix costs two launches."""
 import pytest
 
 from fivefold.config import load_config
-from fivefold.train.compare import compare_runs
 from fivefold.train.trainer import Trainer
-from parity import (BASE, assert_matches_plan, assert_weights_match, copy_checkpoint, final_weights,
-                    launch_layouts, measured_memory)
+from parity import BASE, assert_matches_plan, assert_parity, copy_checkpoint, launch_layouts, measured_memory
 
 STEPS, GLOBAL_SEQUENCES = BASE["train.steps"], 8
 LAYOUTS = [(dp, zero, accum) for dp in (2, 4) for zero in (0, 1, 2, 3) for accum in (1, 2)]
@@ -49,9 +47,7 @@ def runs(tmp_path_factory, data_cache):
 @pytest.mark.parametrize("dp, zero, accum", LAYOUTS)
 def test_every_step_matches_one_process(runs, dp, zero, accum):
     run = runs / f"dp{dp}_zero{zero}_accum{accum}"
-    result = compare_runs(run, runs / "single", rtol=1e-5)
-    assert result.ok and len(result.steps) == STEPS, result.summary()
-    assert_weights_match(final_weights(run), final_weights(runs / "single"))
+    assert_parity(run, runs / "single")
 
 
 def test_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, data_cache):
@@ -64,13 +60,11 @@ def test_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, data_cache)
                       resume=True, quiet=True)
     assert trainer.step == 5
     trainer.fit()
-    result = compare_runs(resumed, runs / "dp4_zero3_accum1", rtol=1e-5)
-    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+    assert_parity(resumed, runs / "dp4_zero3_accum1", steps=5)
 
 
 def test_one_process_checkpoint_resumes_under_zero2(runs):
-    result = compare_runs(runs / "single_to_dp2_zero2", runs / "single", rtol=1e-5)
-    assert result.ok and result.steps == [6, 7, 8, 9, 10], result.summary()
+    assert_parity(runs / "single_to_dp2_zero2", runs / "single", steps=5)
 
 
 def test_each_rank_writes_only_its_rows(runs):

@@ -260,7 +260,7 @@ class StartupPeak:
         if self.device.type == "cuda":
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
         else:
-            self.bytes = _proc_status("VmHWM") - self.base
+            self.bytes = max(0, _proc_status("VmHWM") - self.base)
 
 
 def return_freed_memory() -> None:

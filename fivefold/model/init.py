@@ -14,6 +14,7 @@ import math
 from typing import Callable
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
 
 from fivefold.config import ModelConfig
@@ -21,6 +22,11 @@ from fivefold.model.transformer import Transformer
 
 # Residual-branch output projections, scaled by 1/sqrt(2 * num_layers) (GPT-2, Radford et al. 2019).
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+
+
+# Imported up front on purpose: the first meta-device init op imports torch._dynamo lazily, and a frame of
+# that import stays referenced for the life of the process, pinning the whole calling stack (a Trainer
+# and every tensor it holds) unless the import has already happened here.
 
 
 def meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:

@@ -32,6 +32,7 @@ from fivefold.model.moe import MoE
 from fivefold.parallel.context_parallel import apply_context_parallel, zigzag_positions
 from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
 from fivefold.parallel.expert_parallel import apply_expert_parallel
+from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline import Pipeline, tied_group
 from fivefold.parallel.placement import Placement, Placements, record
@@ -75,11 +76,18 @@ class ParallelModel:
         self.router_loss: Callable | None = None  # set by the trainer for models with experts
         self.reducer = None
         if mesh.pp_size > 1:  # keeps only this rank's stages
-            self.pipeline = Pipeline(model, cfg, mesh, self.dtype, lambda: self.reducer, self.positions,
-                                     lambda layers: self.router_loss(layers) if self.router_loss else None)
+            # Weakly: the pipeline is ours, and must not keep us (and every tensor we hold) alive.
+            self.pipeline = Pipeline(model, cfg, mesh, self.dtype, weak(self._current_reducer), weak(self.positions),
+                                     weak(self._router_loss))
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this rank's stages'
         self.placements: Placements = record(model, tp_axes, experts, mesh.tp_rank, mesh.tp_size)
         self.vocab_start = mesh.tp_rank * (cfg.model.vocab_size // mesh.tp_size)
+
+    def _current_reducer(self):
+        return self.reducer
+
+    def _router_loss(self, layers: list) -> torch.Tensor | None:
+        return self.router_loss(layers) if self.router_loss is not None else None
 
     # -- memory ---------------------------------------------------------------------------------------
     def materialise(self, values: ValueSource | None = None):
@@ -119,7 +127,7 @@ class ParallelModel:
         self._tie_pipeline_copies(optimizer)
         self.reducer = self._reducer(optimizer, engine)
         if self.reducer is not None:
-            optimizer.gradients = self.reducer.local_grads
+            optimizer.gradient_source = self.reducer.local_grads
         return optimizer, self.reducer
 
     def _zero(self, stage: int, placements: list[Placement], masters, value_of, mixed: bool) -> ZeroDataParallel:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.parallel.hooks import weak
+
 
 def size_buckets(numels: list[int], bucket_bytes: int, first_bucket_bytes: int = 2**20) -> list[list[int]]:
     """Indices of parameters (given by element count, in registration order) cut into fp32 buckets, in
@@ -82,7 +84,7 @@ class BucketedAllReduce(TimedWaits):
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.reduced: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(weak(self._grad_ready))
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self.sync or not self.overlap:

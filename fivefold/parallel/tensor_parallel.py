@@ -181,7 +181,7 @@ class RowParallelLinear(nn.Module):
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard(linear.weight, 1, rank, tp)
-        self.bias = linear.bias  # whole: added once, after the sum
+        self.bias = nn.Parameter(linear.bias.detach()) if linear.bias is not None else None  # whole: added after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

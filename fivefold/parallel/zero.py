@@ -24,12 +24,17 @@ fp32 shards the optimizer reads directly.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
+from fivefold.parallel.hooks import weak
+
+# Gradient reduce-scatters a rank lets run at once (fivefold.memory.planner counts their buffers).
+MAX_REDUCES_IN_FLIGHT = 2
 
 # torch 2.13 renamed the flat collectives; older versions only have the former names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -101,6 +106,7 @@ class Bucket:
         self.work = None
         self.output: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None  # fp32 sum of the reduced micro-batches
+        self.folded = False  # this micro-batch's reduce-scatter is done and added to grad_shard
         self.shard: torch.Tensor | None = None  # stage 3: this rank's chunks of the parameters
         self.gathered = False
 
@@ -144,6 +150,8 @@ class ZeroDataParallel(TimedWaits):
                 self.slot[p] = (b, j)
         self._gathers: dict[int, tuple] = {}
         self._publishing: list = []
+        self._in_flight: list[Bucket] = []
+        self.max_in_flight = MAX_REDUCES_IN_FLIGHT
         if stage == 3:
             self.masters: list[torch.Tensor | None] = [None] * len(self.params)
             self._materialise_shards(value_of, mixed)
@@ -157,13 +165,13 @@ class ZeroDataParallel(TimedWaits):
     def register_hooks(self) -> None:
         """Called once the optimizer exists: fp32 accumulation hooks, if any, must fold gradients first."""
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
-        if self.stage == 3:
-            self.model.register_forward_pre_hook(self._before_model_forward)
-            self.model.register_forward_hook(self._after_model_forward)
+            p.register_post_accumulate_grad_hook(weak(self._grad_ready))
+        if self.stage == 3:  # weakly, as every hook here: the model must not keep this engine alive
+            self.model.register_forward_pre_hook(weak(self._before_model_forward))
+            self.model.register_forward_hook(weak(self._after_model_forward))
             for unit, block in enumerate(self.model.layers, start=1):
-                block.register_forward_pre_hook(self._before_block(unit))
-                block.register_forward_hook(self._after_block(unit))
+                block.register_forward_pre_hook(partial(weak(self._before_block), unit))
+                block.register_forward_hook(partial(weak(self._after_block), unit))
 
     # -- gradients --------------------------------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -184,20 +192,35 @@ class ZeroDataParallel(TimedWaits):
         bucket.work = _reduce_scatter(bucket.output, flat, group=self.group, async_op=True)
         if self.stage == 3:
             self._free(bucket.unit)
+        # Each reduce-scatter in flight holds its bucket's full fp32 gradients (and on gloo a full copy
+        # of them). Backward can outrun the network, so without a bound every block's would queue up:
+        # ~2x the planned memory at 20 blocks. Waiting for the oldest keeps one overlapping the next
+        # block's backward, which is all the overlap there is to have.
+        self._in_flight.append(bucket)
+        while len(self._in_flight) > self.max_in_flight:
+            self._fold(self._in_flight.pop(0))
+
+    def _fold(self, bucket: Bucket) -> None:
+        """Wait for a bucket's reduce-scatter and add its result to the fp32 gradient shard."""
+        self.wait(bucket.work)
+        with torch.no_grad():
+            if bucket.grad_shard is None:
+                bucket.grad_shard = bucket.output
+            else:
+                bucket.grad_shard += bucket.output
+        bucket.work, bucket.output, bucket.folded = None, None, True
 
     @torch.no_grad()
     def finish(self) -> None:
         """After a reduced micro-batch's backward: wait for its reduce-scatters, fold them into the fp32
         gradient shards."""
         for bucket in self.buckets:
-            if bucket.work is None:
+            if bucket.work is None and not bucket.folded:
                 self._reduce(bucket)  # parameters that got no gradient still take part, as zeros
-            self.wait(bucket.work)
-            if bucket.grad_shard is None:
-                bucket.grad_shard = bucket.output
-            else:
-                bucket.grad_shard += bucket.output
-            bucket.ready, bucket.work, bucket.output = 0, None, None
+        while self._in_flight:
+            self._fold(self._in_flight.pop(0))
+        for bucket in self.buckets:
+            bucket.ready, bucket.folded = 0, False
 
     def local_grads(self) -> list[torch.Tensor | None]:
         """fp32 gradients of this rank's rows, aligned with `masters`; one reference each: the optimizer
@@ -305,29 +328,23 @@ class ZeroDataParallel(TimedWaits):
                     p.data.copy_(bucket.group.full(gathered, j))  # via .data: autograd's saved views stay valid
             bucket.gathered = True
 
-    def _before_block(self, unit: int):
-        def hook(module, args):
-            self._gather(unit, wait=True)
-            if not _in_backward():
-                self._gather(unit + 1, wait=False)  # prefetch: the next block's gather overlaps this one
-        return hook
+    def _before_block(self, unit: int, module, args) -> None:
+        self._gather(unit, wait=True)
+        if not _in_backward():
+            self._gather(unit + 1, wait=False)  # prefetch: the next block's gather overlaps this one
 
-    def _after_block(self, unit: int):
-        def hook(module, args, output):
-            if _in_backward():
-                return output
-            self._free(unit)
-            if torch.is_grad_enabled() and output.requires_grad:
-                output.register_hook(self._before_block_backward(unit))
+    def _after_block(self, unit: int, module, args, output):
+        if _in_backward():
             return output
-        return hook
+        self._free(unit)
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(partial(weak(self._before_block_backward), unit))
+        return output
 
-    def _before_block_backward(self, unit: int):
-        def hook(grad):
-            self._gather(unit, wait=True)
-            if unit > 1:
-                self._gather(unit - 1, wait=False)
-        return hook
+    def _before_block_backward(self, unit: int, grad) -> None:
+        self._gather(unit, wait=True)
+        if unit > 1:
+            self._gather(unit - 1, wait=False)
 
     def _before_model_forward(self, module, args):
         self._gather(0, wait=False)

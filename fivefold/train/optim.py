@@ -42,25 +42,22 @@ class MasterWeightAdamW:
         else:
             self.masters = list(self.params)
         self.main_grads = None
+        self.grad_of = _dot_grad  # where a parameter's gradient accumulates: its fp32 buffer, or its .grad
         if cfg.fp32_grad_accum and (sharding is None or not sharding.reduces_every_micro_batch):
             # ZeRO-2/3 already accumulate every micro-batch's reduced gradients in fp32 shards.
             self.main_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-            self._main_grad_of = dict(zip(self.params, self.main_grads))
+            self.grad_of = dict(zip(self.params, self.main_grads)).__getitem__
             for p, buf in zip(self.params, self.main_grads):
                 p.register_post_accumulate_grad_hook(_accumulate_into(buf))
-        self.gradients = gradients or self._own_gradients
+        # A plain function or another object's method, never one of ours: a reference to ourselves
+        # would be a cycle that keeps every tensor here alive until gc runs.
+        self.gradient_source = gradients
         decay = [m for n, m in zip(self.names, self.masters) if not is_no_decay(n)]
         rest = [m for n, m in zip(self.names, self.masters) if is_no_decay(n)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         self.chunks = step_chunks(self.names)
         impl = {"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": True}
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
-
-    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
-        """Where parameter p's gradient accumulates: its fp32 buffer, or its .grad."""
-        if self.main_grads is None:
-            return p.grad
-        return self._main_grad_of[p]
 
     def _own_gradients(self) -> list[torch.Tensor | None]:
         if self.main_grads is not None:
@@ -77,7 +74,7 @@ class MasterWeightAdamW:
         Stepping one chunk at a time bounds the step's temporaries (the fp32 copy of bf16 gradients,
         foreach AdamW's sqrt(exp_avg_sq)) by the largest chunk instead of the whole model, and frees each
         chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm."""
-        grads = self.gradients()
+        grads = self.gradient_source() if self.gradient_source is not None else self._own_gradients()
         for i, group in self.syncs:
             if grads[i] is not None:
                 import torch.distributed as dist
@@ -206,6 +203,10 @@ def step_chunks(names: list[str]) -> list[list[int]]:
     for i, name in enumerate(names):
         chunks.setdefault(step_chunk_key(name), []).append(i)
     return list(chunks.values())
+
+
+def _dot_grad(p: nn.Parameter) -> torch.Tensor | None:
+    return p.grad
 
 
 def _accumulate_into(buffer: torch.Tensor):

@@ -16,6 +16,7 @@ from fivefold.config import Config, ConfigError, validate
 from fivefold.data.dataset import ResumableSampler, load_datasets
 from fivefold.memory.formulas import count_params, flops_per_token
 from fivefold.parallel.apply import compute_dtype, parallelize
+from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401  (the trainer's loss, re-exported)
@@ -57,7 +58,7 @@ class Trainer:
         self.model = self.parallel.model
         self.routing = None
         if self.parallel.moe_layers:
-            self.routing = RouterLosses(cfg.model.num_experts, self.device, self.parallel.sum_over_model)
+            self.routing = RouterLosses(cfg.model.num_experts, self.device, weak(self.parallel.sum_over_model))
             self.parallel.router_loss = self.routing
         self.optimizer, self.reducer = self.parallel.materialise()
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
