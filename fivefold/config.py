@@ -105,6 +105,9 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
+    # Start from these weights instead of the seeded init: a Hugging Face model directory (streamed, each
+    # rank reading only its slices) or a fivefold run / checkpoint (its weights; optimizer starts afresh).
+    init_from: str = ""
     peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul on this device at start
     device: str = "auto"
     tensorboard: bool = True

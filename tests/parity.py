@@ -53,28 +53,34 @@ def final_weights(run) -> dict:
 
 
 def assert_weights_match(ours: dict, ref: dict) -> None:
-    """Final weights agree element for element: every element within rtol 1e-4 / atol 2e-5 (0.2% of one
-    Adam step at lr 1e-2) and every tensor within 5e-5 in relative norm. BASE trains with Adam's eps at
-    1e-6 rather than 1e-8, still far below the gradients: an element whose gradient is a near-cancelling
-    sum (whose terms each layout adds in another order) then steps in proportion to that sum, instead of
-    a full +-lr step from m / sqrt(v) = +-1 that turns rounding noise into a 0.4 lr difference. Measured
-    (dp=4, accumulation 2, 10 steps): at most 8.5e-6 off, relative norms at most 1.6e-5."""
+    """Final weights agree element for element: every element within rtol 1e-4 / atol 1e-4 (1% of one
+    Adam step at lr 1e-2, where a wrong or missing reduction moves an element by about lr per step)
+    and every tensor within 1e-4 in relative norm. BASE trains with Adam's eps at 1e-6 rather than 1e-8,
+    still far below real gradients: an element whose gradient is a near-cancelling sum (whose terms each
+    layout adds in another order) then steps in proportion to that sum, instead of a full +-lr step from
+    m / sqrt(v) = +-1 that turns rounding noise into a 0.4 lr difference. Measured over the parity runs
+    (10 steps): at most 5.4e-5 off (an embedding row under tp=2) and 4.1e-5 in relative norm (GPT-2's
+    k_proj bias, whose exact gradient is zero: softmax ignores a shift of every score)."""
     assert ours.keys() == ref.keys()
     for name in ref:
-        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
-        assert (ours[name] - ref[name]).norm() <= 5e-5 * ref[name].norm(), name
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert (ours[name] - ref[name]).norm() <= 1e-4 * ref[name].norm(), name
 
 
 def assert_parity(run: Path, reference: Path, steps: int = BASE["train.steps"], weights: bool = True) -> None:
     """The parity criterion: every step's loss (rtol 1e-5) and gradient norm (rtol 1e-4: a norm of sums
     whose terms each layout adds in another order; observed up to 1.5e-5, where a wrong or missing
     reduction changes it by a large fraction) equal the reference run's, and the final weights match
-    (assert_weights_match). A loss alone can hide a wrong gradient."""
-    from fivefold.train.compare import compare_runs
+    (assert_weights_match). A loss alone can hide a wrong gradient. Where both runs evaluated, their
+    validation losses agree too (rtol 1e-5)."""
+    from fivefold.train.compare import compare_runs, read_metric
 
     for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
         result = compare_runs(run, reference, key=key, rtol=rtol)
         assert result.ok and len(result.steps) == steps, f"{key}: {result.summary()}"
+    if read_metric(run, "val_loss") and read_metric(reference, "val_loss"):
+        result = compare_runs(run, reference, key="val_loss", rtol=1e-5)
+        assert result.ok, f"val_loss: {result.summary()}"
     if weights:
         assert_weights_match(final_weights(run), final_weights(reference))
 

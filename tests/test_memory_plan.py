@@ -278,3 +278,20 @@ def test_communication_per_step_follows_the_collectives():
     cp = load_config(preset="tiny", overrides=["parallel.cp=2", "train.seq_len=64", "train.micro_batch_size=2"])
     kv = 2 * 2 * 2 * 32 * 16  # K and V: batch 2, 2 kv heads, 32 local tokens, head size 16
     assert step_communication(cp)["cp"] == 2 * (kv * 4 * 2 + kv * 4 * 2)
+
+
+def test_pipeline_split_of_the_plan_is_the_runtimes():
+    """parallel.pp_layers and interleaving change the plan as they change what each rank builds
+    (tests/run_layouts.py checks planned == built parameters for every parity layout)."""
+    def plan(*extra):
+        cfg = load_config(preset="tiny", overrides=["model.num_layers=8", "parallel.pp=2", *extra])
+        return plan_memory(cfg, device="cpu", suggest=False)
+
+    even, custom = plan(), plan("parallel.pp_layers=1,7")
+    interleaved = plan("parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", "parallel.pp_layers=1,3,2,2",
+                       "train.grad_accum=2")
+    assert [s.layers for s in even.stages] == [4, 4] and [s.layers for s in custom.stages] == [1, 7]
+    assert [s.layers for s in interleaved.stages] == [3, 5]  # rank 0: stages 0 and 2 (1 + 2 layers)
+    block = formulas.layer_params(load_config(preset="tiny").model)
+    assert custom.stages[1].params - even.stages[1].params == 3 * block
+    assert custom.stages[0].params - even.stages[0].params == -3 * block

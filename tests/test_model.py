@@ -1,5 +1,6 @@
 """Model: parameter counts, deterministic layout-independent init, attention implementations, masks, KV cache."""
 
+import dataclasses
 import random
 
 import pytest
@@ -87,3 +88,18 @@ def test_kv_cache_decoding_matches_full_forward(preset, attention):
     for t in range(5, 12):
         steps.append(model(ids[:, t:t + 1], kv_cache=cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_materialising_keeps_parameter_identity_ties_and_gradient_hooks():
+    """Parallelism registers gradient hooks (e.g. SP's all-reduce of norm gradients) on the meta model;
+    giving a parameter memory must keep the object, its ties and those hooks."""
+    from fivefold.model import meta_model
+    from fivefold.model.init import give_memory
+
+    model = meta_model(dataclasses.replace(PRESETS["tiny"], tie_embeddings=True))
+    weight = model.embed_tokens.weight
+    weight.register_hook(lambda g: g * 2)
+    give_memory(weight, torch.ones(weight.shape))
+    assert model.embed_tokens.weight is weight is model.lm_head.weight and weight.device.type == "cpu"
+    weight.sum().backward()
+    assert torch.equal(weight.grad, torch.full(weight.shape, 2.0))

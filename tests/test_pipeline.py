@@ -111,20 +111,26 @@ def config(cache, out, **overrides) -> dict:
     return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 
-def layout(pp, schedule, dp=1, tp=1) -> dict:
+def layout(pp, schedule, dp=1, tp=1, zero=None, split="") -> dict:
+    """`zero`: default 1 with dp > 1; `split`: parallel.pp_layers (the layers of each stage)."""
     return {"parallel.pp": pp, "parallel.pp_schedule": schedule, "parallel.dp": dp, "parallel.tp": tp,
             "parallel.pp_virtual_stages": 2 if schedule == "interleaved" else 1,
-            "parallel.zero": 1 if dp > 1 else 0, "train.grad_accum": 4, "train.micro_batch_size": 2 // dp,
+            "parallel.zero": (1 if dp > 1 else 0) if zero is None else zero, "parallel.pp_layers": split,
+            "train.grad_accum": 4, "train.micro_batch_size": 2 // dp,
             **({"model.num_heads": 8, "model.num_kv_heads": 4} if tp > 1 else {})}
 
 
-def name(pp, schedule, dp=1, tp=1) -> str:
-    return f"pp{pp}_{schedule}_dp{dp}_tp{tp}"
+def name(pp, schedule, dp=1, tp=1, zero=None, split="") -> str:
+    extra = (f"_zero{zero}" if zero is not None else "") + (f"_split{split.replace(',', '-')}" if split else "")
+    return f"pp{pp}_{schedule}_dp{dp}_tp{tp}{extra}"
 
 
 LAUNCHES = {
-    2: [(2, s) for s in SCHEDULES],
-    4: [(4, s) for s in SCHEDULES] + [(2, s, 2) for s in SCHEDULES] + [(2, s, 1, 2) for s in SCHEDULES],
+    # A custom split (3 + 5 layers) also proves the plan follows parallel.pp_layers: every layout checks
+    # that its ranks built exactly the parameters `fivefold plan` counts for their stage (run_layouts.py).
+    2: [(2, s) for s in SCHEDULES] + [(2, "1f1b", 1, 1, None, "3,5")],
+    4: [(4, s) for s in SCHEDULES] + [(2, s, 2) for s in SCHEDULES] + [(2, s, 1, 2) for s in SCHEDULES]
+       + [(2, "1f1b", 2, 1, 0)],  # pp x dp with plain all-reduce
     8: [(4, s, 2) for s in ("1f1b", "interleaved")] + [(4, s, 1, 2) for s in ("afab", "zero-bubble")],
 }
 

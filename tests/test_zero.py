@@ -17,7 +17,9 @@ LAYOUTS = [(dp, zero, accum) for dp in (2, 4) for zero in (0, 1, 2, 3) for accum
 
 
 def config(cache, out, **overrides) -> dict:
-    values = {**BASE, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    values = {**BASE, "train.eval_every": 5, "data.cache_dir": cache, "train.out_dir": str(out), **overrides}
+    # Evaluation is shared over the dp ranks; every layout evaluates the same 16 validation sequences.
+    values["train.eval_batches"] = 16 // int(values.get("train.micro_batch_size", 8))
     return load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]).to_dict()
 
 

@@ -316,6 +316,84 @@ def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(src)!r}")
 
 
+# Fields that decide which tensors a model has and their shapes: a checkpoint can only start a model that
+# agrees on all of them.
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                 "head_size", "tie_embeddings", "qkv_bias", "linear_bias", "norm", "activation", "position")
+
+
+def check_same_shapes(ours: ModelConfig, theirs: ModelConfig, source: str) -> None:
+    """A clear error naming the first shape-deciding setting on which `theirs` (a checkpoint's) differs."""
+    for name in _SHAPE_FIELDS:
+        mine, wanted = getattr(ours, name), getattr(theirs, name)
+        if mine != wanted:
+            key = "head_dim" if name == "head_size" else name  # head_size is derived from head_dim
+            raise ConfigError(f"{source} has model.{key}={wanted} but the config says {mine}; use --set "
+                              f"model.{key}={wanted} (or the matching --preset)")
+
+
+class HFWeights:
+    """A Hugging Face model directory as a source of parameter values for `ParallelModel.materialise`:
+    (our name, placement) -> this rank's part, in fp32. Tensors are read one at a time from the
+    safetensors files, and a tensor-parallel rank reads only its slice (safe_open(...).get_slice), so no
+    rank ever holds the checkpoint, nor more than one whole tensor of it."""
+
+    def __init__(self, src_dir: str | Path, cfg: ModelConfig):
+        from safetensors import safe_open
+
+        self.src = Path(src_dir)
+        if not (self.src / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {str(self.src)!r}; expected a Hugging Face model directory")
+        theirs = config_from_hf(json.loads((self.src / "config.json").read_text(encoding="utf-8")))
+        check_same_shapes(cfg, theirs, f"train.init_from={str(self.src)!r}")
+        self.cfg = cfg
+        index = self.src / "model.safetensors.index.json"
+        if (self.src / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        elif index.is_file():
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        else:
+            read_hf_tensors(self.src)  # raises the same clear error as import-hf (pickles, nothing)
+            files = []
+        self.handles = {}
+        for file in files:
+            handle = safe_open(str(self.src / file), framework="pt")
+            self.handles.update({name: handle for name in handle.keys()})
+
+    def _read(self, hf_name: str, placement=None, transposed: bool = False) -> torch.Tensor:
+        if hf_name not in self.handles:
+            raise ValueError(f"{self.src} lacks tensor {hf_name!r}")
+        part = self.handles[hf_name].get_slice(hf_name)
+        if placement is None or not placement.tp_sharded:
+            return part[:].float()
+        axis = placement.tp_axis if not transposed else 1 - placement.tp_axis
+        start = placement.offsets[placement.tp_axis]
+        index = [slice(None)] * len(placement.global_shape)
+        index[axis] = slice(start, start + placement.local_shape[placement.tp_axis])
+        # A slice along a later axis is a strided view into the whole tensor: copy it out, contiguous,
+        # so the whole tensor is not kept alive and the parameter's strides are its gradient's.
+        return part[tuple(index)].float().contiguous()
+
+    def __call__(self, name: str, placement) -> torch.Tensor:
+        if self.cfg.position != "learned":
+            return self._read(_llama_name(name, _LLAMA_MODULES, "", "model."), placement)
+        return placement.local(self._gpt2(name))
+
+    def _gpt2(self, name: str) -> torch.Tensor:
+        """Our tensor `name`, whole, from GPT-2's layout (Conv1D transposes, fused q/k/v)."""
+        hf = dict((ours, theirs) for theirs, ours in _gpt2_names(self.cfg)).get(name)
+        if hf is not None:
+            t = self._read("transformer." + hf)
+            return t.T.contiguous() if _is_conv1d(hf) else t
+        if name == "lm_head.weight":
+            return self._read("lm_head.weight")
+        layer, proj, kind = re.fullmatch(r"layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)", name).groups()
+        fused = self._read(f"transformer.h.{layer}.attn.c_attn.{kind}")
+        fused = fused.T if kind == "weight" else fused
+        c = self.cfg
+        return fused.split([c.q_size, c.kv_size, c.kv_size])["qkv".index(proj)].contiguous()
+
+
 def import_hf(src_dir: str | Path) -> tuple[ModelConfig, Transformer]:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as an fp32 fivefold model."""
     src = Path(src_dir)

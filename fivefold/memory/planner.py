@@ -262,6 +262,8 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     elif t.fp32_grad_accum:
         grad_buffers = 4 * n
     full = dict(formulas.parameter_shapes(cfg.model))  # every parameter's global size
+    # (a tied model's last pipeline stage holds a copy of the embedding as lm_head.weight)
+    full.setdefault("lm_head.weight", full["embed_tokens.weight"])
     largest = max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes)
     return parameters + masters + grad_buffers + 4 * largest
 

@@ -56,12 +56,22 @@ def materialize_parameters(model: Transformer, value_of: Callable[[str, torch.Te
     sees each fp32 value before it is dropped, e.g. to keep master weights: at most one value is
     alive here at any time."""
     for i, (name, param) in enumerate(model.named_parameters()):
-        value = value_of(name, param).to(device)
-        torch.utils.swap_tensors(param, nn.Parameter(value.to(dtype), requires_grad=param.requires_grad))
+        value = value_of(name, param).to(device).contiguous()  # a value source may hand out strided views
+        give_memory(param, value.to(dtype))
         if keep is not None:
             keep(i, value)
         del value
     model.reset_buffers(device)
+
+
+def give_memory(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Make the meta Parameter `param` hold `data`, keeping the Python object (modules, tied weights,
+    optimizers and hooks keep referring to it) and the gradient hooks already registered on it."""
+    hooks = dict(param._backward_hooks or {})
+    torch.utils.swap_tensors(param, nn.Parameter(data, requires_grad=param.requires_grad))
+    param._backward_hooks = None  # the swap left its hook dict registered with the old (meta) tensor only
+    for hook in hooks.values():
+        param.register_hook(hook)
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.model.init import give_memory
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
 from fivefold.parallel.hooks import weak
 
@@ -300,8 +301,7 @@ class ZeroDataParallel(TimedWaits):
                 local.copy_(rows)
                 self.masters[i] = rows.clone() if mixed else local
                 del rows
-                full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                torch.utils.swap_tensors(p, nn.Parameter(full, requires_grad=p.requires_grad))
+                give_memory(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
                 p.untyped_storage().resize_(0)
             bucket.gathered = False
 

@@ -60,7 +60,7 @@ class Trainer:
         if self.parallel.moe_layers:
             self.routing = RouterLosses(cfg.model.num_experts, self.device, weak(self.parallel.sum_over_model))
             self.parallel.router_loss = self.routing
-        self.optimizer, self.reducer = self.parallel.materialise()
+        self.optimizer, self.reducer = self.parallel.materialise(self._initial_weights())
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -69,8 +69,40 @@ class Trainer:
         self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, compute_dtype(cfg),
                                                              torch.get_num_threads())
         self.num_params = count_params(cfg.model)
-        if resume:
-            self.load_latest()
+        if not (resume and self.load_latest()) and cfg.train.init_from and not self._init_source_is_hf():
+            self._load_weights(ckpt.resolve_checkpoint(cfg.train.init_from))
+
+    # -- where the weights come from ----------------------------------------------------------------
+    def _init_source_is_hf(self) -> bool:
+        return (Path(self.cfg.train.init_from) / "config.json").is_file() and not \
+            (Path(self.cfg.train.init_from) / "state").is_dir()
+
+    def _initial_weights(self):
+        """The value source `materialise` makes this rank's parameters from: a Hugging Face directory
+        (train.init_from), streamed slice by slice; otherwise the seeded init (a fivefold checkpoint in
+        train.init_from is loaded into this rank's shards afterwards, by _load_weights)."""
+        if not self.cfg.train.init_from:
+            return None
+        if not Path(self.cfg.train.init_from).exists():
+            raise ConfigError(f"train.init_from={self.cfg.train.init_from!r} does not exist; give a Hugging Face "
+                              f"model directory or a fivefold run or checkpoint directory")
+        if not self._init_source_is_hf():
+            return None
+        from fivefold.interop.hf import HFWeights
+
+        return HFWeights(self.cfg.train.init_from, self.cfg.model)
+
+    def _load_weights(self, path: Path) -> None:
+        """A fivefold checkpoint's weights (fp32 masters) into this rank's shards; the optimizer starts
+        afresh (zero moments, step 0)."""
+        from fivefold.interop.hf import check_same_shapes
+
+        check_same_shapes(self.cfg.model, ckpt.read_config(path).model, f"train.init_from={str(path)!r}")
+        tensors = {k: v for k, v in self.optimizer.checkpoint_tensors().items() if k.startswith("model.")}
+        ckpt.read_state(path, tensors)
+        self.optimizer.loaded(0)
+        if not self.quiet:
+            print(f"initialised from {path}")
 
     # ---------------------------------------------------------------------------------------------
     def global_batch(self, grad_accum: int) -> torch.Tensor:
