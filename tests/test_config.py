@@ -54,7 +54,22 @@ def test_world_size_must_match_the_layout():
         validate(cfg, world_size=8)
 
 
-def test_example_configs_load():
+def test_example_configs_load_with_every_value_they_set():
+    """Each shipped example: every key its TOML sets is in the loaded config with that value, the config
+    validates, and it survives the round trip through the checkpoint's dict form."""
+    import tomllib
     from pathlib import Path
-    for path in sorted(Path(__file__).parent.parent.glob("configs/*.toml")):
-        load_config(path)
+
+    from fivefold.config import config_from_dict
+
+    paths = sorted(Path(__file__).parent.parent.glob("configs/*.toml"))
+    assert len(paths) >= 3
+    for path in paths:
+        cfg = load_config(path)
+        validate(cfg)
+        for section, values in tomllib.loads(path.read_text()).items():
+            if section == "preset":
+                continue
+            for key, value in values.items():
+                assert getattr(getattr(cfg, section), key) == value, (path.name, section, key)
+        assert config_from_dict(cfg.to_dict()) == cfg

@@ -8,7 +8,7 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.memory.formulas import count_params
-from fivefold.model import KVCache, build_model, doc_ids_from_tokens, initial_value
+from fivefold.model import ForwardContext, KVCache, build_model, doc_ids_from_tokens, initial_value
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
 from model_shapes import meta_model, random_model_config
 
@@ -63,10 +63,10 @@ def test_causality_and_document_mask():
     ids[0, 7] = cfg.eos_token_id  # document 0 is tokens 0..7, document 1 starts at 8
     doc_ids = doc_ids_from_tokens(ids, cfg.eos_token_id)
     assert doc_ids[0, 7] == 0 and doc_ids[0, 8] == 1
-    base = model(ids, doc_ids=doc_ids)
+    base = model(ids, ForwardContext(doc_ids=doc_ids))
     changed = ids.clone()
     changed[0, 2] = (ids[0, 2] + 1) % cfg.vocab_size
-    out = model(changed, doc_ids=doc_ids_from_tokens(changed, cfg.eos_token_id))
+    out = model(changed, ForwardContext(doc_ids=doc_ids_from_tokens(changed, cfg.eos_token_id)))
     torch.testing.assert_close(out[0, 8:], base[0, 8:], rtol=0, atol=0)  # later document unaffected
     assert not torch.allclose(out[0, 2:8], base[0, 2:8])
     # Without the document mask, later tokens do see the earlier document; earlier never see later.
@@ -84,9 +84,9 @@ def test_kv_cache_decoding_matches_full_forward(preset, attention):
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     full = model(ids)
     cache = KVCache(cfg, batch=2, capacity=12, device="cpu", dtype=torch.float32)
-    steps = [model(ids[:, :5], kv_cache=cache)]  # prefill
+    steps = [model(ids[:, :5], ForwardContext(kv_cache=cache))]  # prefill
     for t in range(5, 12):
-        steps.append(model(ids[:, t:t + 1], kv_cache=cache))
+        steps.append(model(ids[:, t:t + 1], ForwardContext(kv_cache=cache)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 

@@ -33,6 +33,25 @@ def test_every_action_once_and_no_deadlock(schedule, pp, m):
     simulate(lists)  # raises on a deadlock
 
 
+ORDERS = {  # pp=2, m=4, per rank: what tells the schedules apart (AFAB and 1F1B share their bubble)
+    "afab": ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"],
+    "1f1b": ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],  # pp - rank warm-up forwards
+    # 2(pp-1) + (v-1)pp = 4 warm-up chunk forwards on rank 0 (Megatron-LM's interleaving); .c = model chunk
+    "interleaved": ["F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0",
+                    "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"],
+    # ZB-H1: weight passes (W) fill what would be bubbles; the last rank defers its W's
+    "zero-bubble": ["F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3", "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"],
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_schedule_runs_its_own_order(schedule):
+    v = 2 if schedule == "interleaved" else 1
+    lists = build_schedule(schedule, 2, 4, v)
+    assert [" ".join(f"{a.kind}{a.mb}" + (f".{a.chunk}" if v > 1 else "") for a in actions)
+            for actions in lists] == ORDERS[schedule]
+
+
 @pytest.mark.parametrize("pp, m", GRID)
 def test_simulated_bubbles_are_the_textbook_ones(pp, m):
     bubbles = {s: simulate(build_schedule(s, pp, m, 2 if s == "interleaved" else 1)).bubble for s in SCHEDULES}
@@ -147,6 +166,9 @@ def runs(tmp_path_factory, data_cache):
         if nproc == 2:  # a tied embedding split between the first and the last stage
             todo.append({"config": config(data_cache, root / "tied", **layout(2, "1f1b"),
                                           **{"model.tie_embeddings": True})})
+        if nproc == 4:  # the two-stage run's step-5 checkpoint, resumed by four stages
+            copy_checkpoint(root / name(2, "1f1b"), root / "pp2_to_pp4", 5)
+            todo.append({"config": config(data_cache, root / "pp2_to_pp4", **layout(4, "1f1b")), "resume": True})
         launch_layouts(nproc, todo, root / f"pp_{nproc}.json")
     return root
 
@@ -175,6 +197,10 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs, data_cache):
                       resume=True, quiet=True)
     trainer.fit()
     assert_parity(resumed, runs / name(4, "interleaved"), steps=5)
+
+
+def test_two_stage_checkpoint_resumes_in_four_stages(runs):
+    assert_parity(runs / "pp2_to_pp4", runs / name(2, "1f1b"), steps=5)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "afab"])

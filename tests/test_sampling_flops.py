@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fivefold.config import ModelConfig
-from fivefold.infer.sampling import sample_next
+from fivefold.infer.sampling import next_token_probs, sample_next
 from fivefold.memory.formulas import flops_per_token
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
@@ -29,11 +29,20 @@ def test_top_k_renormalises_over_the_k_most_likely():
     torch.testing.assert_close(empirical(top_k=3), expected, atol=0.03, rtol=0)
 
 
-def test_top_p_keeps_the_smallest_nucleus_reaching_p():
-    # Sorted: 0.40, 0.30, 0.15, ...: 0.40 + 0.30 = 0.70 < 0.75, so the nucleus needs 0.15 as well.
+@pytest.mark.parametrize("top_p, kept", [(0.39, [1]), (0.41, [1, 3]), (0.69, [1, 3]), (0.71, [1, 3, 4]),
+                                         (0.84, [1, 3, 4]), (0.86, [1, 3, 4, 2]), (0.96, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_the_smallest_nucleus_reaching_p(top_p, kept):
+    """Sorted probabilities 0.40, 0.30, 0.15, 0.10, 0.05: the nucleus grows by one token each time p
+    passes a cumulative sum (0.40, 0.70, 0.85, 0.95); tested 0.01 on either side of each, exactly."""
+    base = LOGITS.softmax(-1)[0]
+    expected = torch.zeros(5)
+    expected[kept] = base[kept] / base[kept].sum()
+    torch.testing.assert_close(next_token_probs(LOGITS, top_p=top_p)[0], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_sampling_follows_the_filtered_distribution():
     expected = torch.tensor([0, 0.40, 0, 0.30, 0.15]) / 0.85
     torch.testing.assert_close(empirical(top_p=0.75), expected, atol=0.03, rtol=0)
-    torch.testing.assert_close(empirical(top_p=0.70), torch.tensor([0, 0.4, 0, 0.3, 0]) / 0.7, atol=0.03, rtol=0)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.infer.sampling import sample_next
-from fivefold.model import KVCache, Transformer
+from fivefold.model import ForwardContext, KVCache, Transformer
 
 
 @torch.no_grad()
@@ -27,7 +27,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, tem
     tokens = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(tokens, kv_cache=cache)[:, -1]  # (1, V): only the last position is needed
+        logits = model(tokens, ForwardContext(kv_cache=cache))[:, -1]  # (1, V): only the last position is needed
         next_id = sample_next(logits, temperature, top_k, top_p, generator)
         token = int(next_id.item())
         if eos_id is not None and token == eos_id:

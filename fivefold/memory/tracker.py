@@ -252,7 +252,7 @@ class StartupPeak:
             self.base = torch.cuda.memory_allocated(self.device)
         else:
             return_freed_memory()
-            self.base = _proc_status("VmRSS")
+            self.base = proc_status("VmRSS")
             reset_rss_peak()
         return self
 
@@ -260,7 +260,7 @@ class StartupPeak:
         if self.device.type == "cuda":
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
         else:
-            self.bytes = max(0, _proc_status("VmHWM") - self.base)
+            self.bytes = max(0, proc_status("VmHWM") - self.base)
 
 
 def return_freed_memory() -> None:
@@ -275,13 +275,18 @@ def return_freed_memory() -> None:
         pass  # not glibc: the resident set may then over-state the peak
 
 
-def reset_rss_peak() -> None:
-    """Restart the process's resident-set high-water mark (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def reset_rss_peak() -> bool:
+    """Restart the process's resident-set high-water mark (Linux: clear_refs 5); False where the kernel
+    does not allow it (VmHWM then counts from the process's start)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
-def _proc_status(key: str) -> int:
+def proc_status(key: str) -> int:
     """A /proc/self/status memory field, in bytes."""
     with open("/proc/self/status") as f:
         for line in f:

@@ -12,6 +12,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.model.attention import Attention
+from fivefold.model.context import ForwardContext
 from fivefold.model.layers import MLP, make_norm
 from fivefold.model.moe import MoE
 from fivefold.model.rope import rope_cos_sin, rope_inv_freq
@@ -57,30 +58,26 @@ class Transformer(nn.Module):
         if self.cfg.position == "rope":
             self.rope_inv_freq = rope_inv_freq(self.cfg).to(device or self.rope_inv_freq.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        """input_ids (B, S) -> logits (B, S, V).
-
-        positions (B, S): absolute positions (default 0..S-1, offset by the cache length when decoding).
-        doc_ids (B, S): document index of each token; when given, tokens attend only within their document.
-        """
-        past = kv_cache.length if kv_cache is not None else 0
-        positions = self.positions(input_ids, positions, past)
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """input_ids (B, S) -> logits (B, S, V); `ctx` (ForwardContext): positions, documents, KV cache."""
+        ctx = ctx or ForwardContext()
+        positions = self.positions(input_ids, ctx)
         x = self.embed(input_ids, positions)
-        rope, mask = self.context(input_ids, positions, doc_ids, x.dtype, past)
+        rope, mask = self.context(input_ids, positions, ctx, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, mask, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[1])
+            x = layer(x, rope, mask, ctx.kv_cache)
+        if ctx.kv_cache is not None:
+            ctx.kv_cache.advance(input_ids.shape[1])
         return self.head(x)
 
     # The pieces of forward, so that a pipeline stage can run only its own (fivefold.parallel.pipeline).
     @staticmethod
-    def positions(input_ids: torch.Tensor, positions: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:
+    def positions(input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.positions is not None:
+            return ctx.positions
         b, s = input_ids.shape
-        if positions is None:
-            positions = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
-        return positions
+        past = ctx.kv_cache.length if ctx.kv_cache is not None else 0
+        return torch.arange(past, past + s, device=input_ids.device).expand(b, s)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (B, S, h)
@@ -88,11 +85,14 @@ class Transformer(nn.Module):
             x = x + self.embed_positions(positions)
         return x
 
-    def context(self, input_ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None,
-                dtype: torch.dtype, past: int = 0):
-        """What every block needs besides its input: RoPE's (cos, sin) in `dtype` and the attention mask."""
+    def context(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, dtype: torch.dtype):
+        """What every block needs besides its input: RoPE's (cos, sin) in `dtype` and the attention mask
+        (the context's own, or the causal / document mask of this call's tokens)."""
         rope = rope_cos_sin(self.rope_inv_freq, positions, dtype) if self.cfg.position == "rope" else None
-        return rope, attention_mask(input_ids.shape[1], past, doc_ids, input_ids.device)
+        if ctx.mask is not None:
+            return rope, ctx.mask
+        past = ctx.kv_cache.length if ctx.kv_cache is not None else 0
+        return rope, attention_mask(input_ids.shape[1], past, ctx.doc_ids, input_ids.device)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
-from fivefold.model import doc_ids_from_tokens, initial_value, materialize_parameters, meta_model
+from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_value, materialize_parameters,
+                            meta_model)
 from fivefold.model.moe import MoE
-from fivefold.parallel.context_parallel import apply_context_parallel, zigzag_positions
+from fivefold.parallel.context_parallel import DocumentBlocks, apply_context_parallel, zigzag_positions
 from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
 from fivefold.parallel.expert_parallel import apply_expert_parallel
 from fivefold.parallel.hooks import weak
@@ -77,8 +78,8 @@ class ParallelModel:
         self.reducer = None
         if mesh.pp_size > 1:  # keeps only this rank's stages
             # Weakly: the pipeline is ours, and must not keep us (and every tensor we hold) alive.
-            self.pipeline = Pipeline(model, cfg, mesh, self.dtype, weak(self._current_reducer), weak(self.positions),
-                                     weak(self._router_loss))
+            self.pipeline = Pipeline(model, cfg, mesh, self.dtype, weak(self._current_reducer),
+                                     weak(self.forward_context), weak(self._router_loss))
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this rank's stages'
         self.placements: Placements = record(model, tp_axes, experts, mesh.tp_rank, mesh.tp_size)
         self.vocab_start = mesh.tp_rank * (cfg.model.vocab_size // mesh.tp_size)
@@ -188,6 +189,15 @@ class ParallelModel:
             if self.cfg.model.document_mask else None
         return inputs[:, cols], labels[:, cols], docs
 
+    def forward_context(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None = None) -> ForwardContext:
+        """The ForwardContext of a micro-batch of this rank's tokens: their global positions and, with
+        packed documents, their documents (found from `inputs` unless given); under context parallelism
+        the ring's document blocks are every attention core's mask (one gather per forward)."""
+        if doc_ids is None and self.cfg.model.document_mask:
+            doc_ids = doc_ids_from_tokens(inputs, self.cfg.model.eos_token_id)
+        mask = DocumentBlocks(doc_ids, self.mesh.cp_group) if self.mesh.cp_size > 1 and doc_ids is not None else None
+        return ForwardContext(positions=self.positions(inputs), doc_ids=doc_ids, mask=mask)
+
     def positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Global positions of this rank's tokens (None: 0..S-1, the model's default)."""
         if self.mesh.cp_size == 1:
@@ -208,7 +218,8 @@ class ParallelModel:
     def token_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
                        doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward of one micro-batch of this rank's tokens, and its summed token loss."""
-        return token_loss_sum(self.model, inputs, labels, self.cfg, self.positions(inputs), doc_ids, self.loss_sum)
+        return token_loss_sum(self.model, inputs, labels, self.cfg, self.forward_context(inputs, doc_ids),
+                              self.loss_sum)
 
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         """Summed token loss of a batch of this rank's tokens, with no gradient (every stage's rank

@@ -183,11 +183,10 @@ def _summed(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def apply_context_parallel(model: nn.Module, group) -> None:
-    """Swap every block's attention core for ring attention over `group`, let mixtures of experts sum
-    their routing counts over it (their router losses are means over the micro-batch), and the model's per-forward
-    context so that the mask its blocks pass down is the document ids of the whole ring (a local
-    (s, s) mask means nothing across ranks). The document ids given to the model must be global: each
-    token's document in the whole sequence, counted before the sequence was split."""
+    """Swap every block's attention core for ring attention over `group`, and let mixtures of experts
+    sum their routing counts over it (their router losses are means over the micro-batch). With packed
+    documents, each forward's ForwardContext must carry `mask=DocumentBlocks(global doc ids, group)`: a
+    local (s, s) mask means nothing across ranks (fivefold.parallel.apply does this)."""
     from fivefold.model.moe import MoE
 
     for block in model.layers:
@@ -195,10 +194,3 @@ def apply_context_parallel(model: nn.Module, group) -> None:
             block.attn.core = RingAttentionCore(block.attn.core, group)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.distribute(sum_over_sequence=lambda t: _summed(t, group))
-    local_context = model.context
-
-    def context(input_ids, positions, doc_ids, dtype, past=0):
-        rope, _ = local_context(input_ids, positions, None, dtype, past)
-        return rope, None if doc_ids is None else DocumentBlocks(doc_ids, group)
-
-    model.context = context

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.memory.formulas import partition
+from fivefold.model import ForwardContext
 from fivefold.parallel.pipeline_schedules import build_schedule, stage_of
 
 
@@ -78,10 +79,10 @@ class Pipeline:
     """This rank's stages of `model` (pruned in place) and the executor of its action list."""
 
     def __init__(self, model: nn.Module, cfg, mesh, dtype: torch.dtype, reducer_of=lambda: None,
-                 positions_of=lambda ids: None, router_loss_of=None):
+                 context_of=lambda ids: ForwardContext(), router_loss_of=None):
         par = cfg.parallel
         self.model, self.cfg, self.dtype, self.reducer_of = model, cfg, dtype, reducer_of
-        self.positions_of = positions_of  # global token positions under context parallelism, else None
+        self.context_of = context_of  # the ForwardContext of a micro-batch's tokens (positions, documents)
         # A mixture of experts' router losses join the backward of the chunk whose layers made them.
         self.router_loss_of = router_loss_of
         self.pp, self.rank, self.v = par.pp, mesh.pp_rank, par.pp_virtual_stages
@@ -222,15 +223,11 @@ class Pipeline:
     def forward_chunk(self, chunk: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The blocks of one chunk; the embeddings before them on stage 0, the head after on the last."""
         model, stage = self.model, stage_of(self.rank, chunk, self.pp)
-        positions = model.positions(ids, self.positions_of(ids))
+        ctx = self.context_of(ids)
+        positions = model.positions(ids, ctx)
         if stage == 0:
             x = model.embed(ids, positions)
-        doc_ids = None
-        if self.cfg.model.document_mask:
-            from fivefold.model import doc_ids_from_tokens
-
-            doc_ids = doc_ids_from_tokens(ids, self.cfg.model.eos_token_id)
-        rope, mask = model.context(ids, positions, doc_ids, self.dtype)
+        rope, mask = model.context(ids, positions, ctx, self.dtype)
         for i in self.chunks[chunk]:
             x = model.layers[i](x, rope, mask)
         return model.head(x) if stage == self.num_stages - 1 else x

@@ -7,13 +7,14 @@ step divides by the global batch's token count before backward.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from fivefold.config import Config
-from fivefold.model import doc_ids_from_tokens
+from fivefold.model import ForwardContext, doc_ids_from_tokens
 
 IGNORE_INDEX = -100
 
@@ -24,11 +25,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            reduction="sum")
 
 
-def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config,
-                   positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+def token_loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, cfg: Config, ctx: ForwardContext | None = None,
                    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum) -> torch.Tensor:
     """Forward of one micro-batch and its summed token loss. With packed documents masked, the
-    documents are found from `inputs` unless `doc_ids` are given (e.g. for a part of each sequence)."""
-    if doc_ids is None and cfg.model.document_mask:
-        doc_ids = doc_ids_from_tokens(inputs, cfg.model.eos_token_id)
-    return loss_sum(model(inputs, positions=positions, doc_ids=doc_ids), labels)
+    documents are found from `inputs` unless the context gives them (e.g. for a part of each sequence)."""
+    ctx = ctx or ForwardContext()
+    if ctx.doc_ids is None and cfg.model.document_mask:
+        ctx = replace(ctx, doc_ids=doc_ids_from_tokens(inputs, cfg.model.eos_token_id))
+    return loss_sum(model(inputs, ctx), labels)
