@@ -221,10 +221,14 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
             unit += 4 * shard(decay + rest, 1)
         step = max(step, unit)
     gather = 0.0
-    if zero == 3 and dp > 1 and len(layers):  # FSDP: current + prefetched layer, and one layer's full grads
-        gather = 3 * d.p * formulas.layer_params(m) // par.tp
+    if zero == 3 and dp > 1 and len(layers):
+        # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward, the
+        # current + prefetched layer, and one layer's full grads.
+        root = sum(numel for name, numel in shapes if not name.startswith("layers."))
+        gather = d.p * root + 3 * d.p * formulas.layer_params(m) // par.tp
+    reduce_t = _reductions_in_flight(cfg, shapes, device)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
-    memory["temporary"] = max(loss_t, layer_t + tied_pending, step, gather) + batch
+    memory["temporary"] = max(loss_t, layer_t + tied_pending, step, gather, reduce_t) + batch
 
     held_grads = 0.0  # gradients alive while activations are: fp32 buffers, or accumulation
     if accum32:
@@ -237,6 +241,9 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
         in_block = held + _block_backward(replay, d, t.recompute, *(grads if not held_grads else (0, 0, 0)))
         in_block += tied_pending
     forward_backward = max(act_peak, held + saved_end + loss_t, in_block) + held_grads + gather
+    # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
+    # reductions in flight beside every gradient shard.
+    forward_backward = max(forward_backward, memory["gradients"] + reduce_t)
     optimizer_step = memory["gradients"] + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
@@ -244,6 +251,33 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), n, memory, in_flight, detail)
+
+
+def _reductions_in_flight(cfg: Config, shapes: list[tuple[str, int]], device: str) -> float:
+    """ZeRO-2/3's reduce-scatters in flight (fivefold.parallel.zero, at most MAX_REDUCES_IN_FLIGHT): each
+    holds its unit's full fp32 gradients and the fp32 output shard; gloo (device "cpu") reduce-scatters
+    through an all-reduce of a copy of the input. At the end of backward the last unit reduced is the
+    largest (ZeRO-3: the root; ZeRO-2: the first, small bucket follows a full one)."""
+    par = cfg.parallel
+    if par.dp == 1 or par.zero < 2:
+        return 0.0
+    from fivefold.parallel.data_parallel import size_buckets
+    from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
+
+    if par.zero == 3:
+        root = sum(numel for name, numel in shapes if not name.startswith("layers."))
+        blocks: dict[str, int] = {}
+        for name, numel in shapes:
+            if name.startswith("layers."):
+                key = formulas.step_chunk_key(name)
+                blocks[key] = blocks.get(key, 0) + numel
+        units = sorted([root, *blocks.values()], reverse=True)
+    else:
+        numels = [numel for _, numel in shapes]
+        units = sorted((sum(numels[i] for i in b) for b in size_buckets(numels, int(par.bucket_mb * 2**20))),
+                       reverse=True)
+    copies = 2 if device == "cpu" else 1
+    return sum(4 * u * (copies + 1 / par.dp) for u in units[:MAX_REDUCES_IN_FLIGHT])
 
 
 def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard) -> float:

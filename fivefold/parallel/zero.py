@@ -68,10 +68,14 @@ class FlatGroup:
         n = (stop - start) * self.row_numel[i]
         return shard[self.offsets[i]:self.offsets[i] + n].view(stop - start, *self.shapes[i][1:])
 
-    def pack(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-        """Full tensors -> the (dp * shard_numel,) rank-ordered buffer; None and padding become zeros."""
+    def pack(self, tensors: list[torch.Tensor | None], dtype: torch.dtype, release=None) -> torch.Tensor:
+        """Full tensors -> the (dp * shard_numel,) rank-ordered buffer; None and padding become zeros.
+        `release(param)` is called as soon as a parameter's tensor is copied in (and the list lets it go)."""
         buffer = torch.empty(self.dp, self.shard_numel, dtype=dtype, device=self.params[0].device)
-        for t, shape, off, rows, n in zip(tensors, self.shapes, self.offsets, self.chunk_rows, self.chunk_numel):
+        for i, (shape, off, rows, n) in enumerate(zip(self.shapes, self.offsets, self.chunk_rows, self.chunk_numel)):
+            t, tensors[i] = tensors[i], None
+            if release is not None:
+                release(self.params[i])
             region = buffer[:, off:off + n]
             if t is None:
                 region.zero_()
@@ -184,15 +188,12 @@ class ZeroDataParallel(TimedWaits):
             self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
-        grads = [self.grad_of(p) for p in bucket.group.params]
-        flat = bucket.group.pack(grads, torch.float32)
-        for p in bucket.group.params:
-            if p.grad is not None:
-                p.grad = None  # its reduced rows now live in `flat`: full gradients are not kept (2, 3)
+        if self.stage == 3:
+            self._free(bucket.unit)  # its backward is done: the gathered weights go before the buffer comes
+        flat = bucket.group.pack([self.grad_of(p) for p in bucket.group.params], torch.float32,
+                                 release=_drop_grad)  # each .grad freed once its rows are in `flat` (2, 3)
         bucket.output = torch.empty(bucket.group.shard_numel, dtype=torch.float32, device=flat.device)
         bucket.work = _reduce_scatter(bucket.output, flat, group=self.group, async_op=True)
-        if self.stage == 3:
-            self._free(bucket.unit)
         # Each reduce-scatter in flight holds its bucket's full fp32 gradients (and on gloo a full copy
         # of them). Backward can outrun the network, so without a bound every block's would queue up:
         # ~2x the planned memory at 20 blocks. Waiting for the oldest keeps one overlapping the next
@@ -363,6 +364,10 @@ def _units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Paramet
     owned = {p for block in in_blocks for p in block}
     wanted = set(params)
     return [[p for p in params if p not in owned]] + [[p for p in block if p in wanted] for block in in_blocks]
+
+
+def _drop_grad(param: nn.Parameter) -> None:
+    param.grad = None
 
 
 def _in_backward() -> bool:
