@@ -174,7 +174,7 @@ class TorchReference:
         return contextlib.nullcontext()
 
     def step(self) -> tuple[float, float]:
-        from fivefold.train.trainer import IGNORE_INDEX, token_loss_sum
+        from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
 
         t = self.cfg.train
         batch = self.data.batch(self.sampler.take(t.micro_batch_size * t.grad_accum * self.world))

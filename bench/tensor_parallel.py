@@ -121,7 +121,7 @@ class TorchTP(TorchReference):
     def step(self) -> tuple[float, float]:
         from torch.distributed.tensor.experimental import implicit_replication
 
-        from fivefold.train.trainer import IGNORE_INDEX, token_loss_sum
+        from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
 
         t = self.cfg.train
         batch = self.data.batch(self.sampler.take(t.micro_batch_size * t.grad_accum))  # the same on all tp ranks

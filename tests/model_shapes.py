@@ -1,9 +1,8 @@
-"""Model shapes shared by tests: random valid configs (both families) and meta-device builds."""
+"""Model shapes shared by tests: random valid configs of both families."""
 
 import random
 
 from fivefold.config import ModelConfig
-from fivefold.model import meta_model  # noqa: F401  (re-exported for the tests)
 
 
 def random_model_config(rng: random.Random) -> ModelConfig:

@@ -13,7 +13,8 @@ from fivefold.memory import formulas
 from fivefold.memory.activations import Shapes, replay_forward
 from fivefold.memory.planner import activation_shapes, parse_bytes, plan_memory
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
-from model_shapes import meta_model, random_model_config
+from fivefold.model import meta_model
+from model_shapes import random_model_config
 
 GB = 1e9
 

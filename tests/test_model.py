@@ -8,9 +8,9 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.memory.formulas import count_params
-from fivefold.model import ForwardContext, KVCache, build_model, doc_ids_from_tokens, initial_value
+from fivefold.model import ForwardContext, KVCache, build_model, doc_ids_from_tokens, initial_value, meta_model
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
-from model_shapes import meta_model, random_model_config
+from model_shapes import random_model_config
 
 
 @pytest.mark.parametrize("name", sorted(REAL_PARAM_COUNTS))
@@ -93,7 +93,6 @@ def test_kv_cache_decoding_matches_full_forward(preset, attention):
 def test_materialising_keeps_parameter_identity_ties_and_gradient_hooks():
     """Parallelism registers gradient hooks (e.g. SP's all-reduce of norm gradients) on the meta model;
     giving a parameter memory must keep the object, its ties and those hooks."""
-    from fivefold.model import meta_model
     from fivefold.model.init import give_memory
 
     model = meta_model(dataclasses.replace(PRESETS["tiny"], tie_embeddings=True))

@@ -39,7 +39,7 @@ def test_accumulation_gives_the_same_losses_over_several_steps(tiny_config):
 
 def test_padding_tokens_do_not_count(tiny_config):
     """The loss is the mean over non-padding labels of the whole global batch, across micro-batches."""
-    from fivefold.train.trainer import token_loss_sum
+    from fivefold.train.loss import token_loss_sum
     trainer = Trainer(tiny_config(**{"train.micro_batch_size": 2, "train.grad_accum": 2}), quiet=True)
     inputs, labels = first_batch(trainer, 2)
     labels = labels.clone()

@@ -38,7 +38,7 @@ from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline import Pipeline, tied_group
 from fivefold.parallel.placement import Placement, Placements, record
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
-from fivefold.parallel.zero import ZeroDataParallel, chunk_range
+from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute
@@ -111,8 +111,7 @@ class ParallelModel:
             model.reset_buffers(self.device)
         else:
             def keep(i, value):  # the fp32 value, before the bf16 parameter replaces it: this rank's masters
-                masters[i] = value[slice(*chunk_range(len(value), mesh.grad_size, mesh.grad_rank))].clone() \
-                    if zero else value
+                masters[i] = own_rows(value, mesh.grad_size, mesh.grad_rank).clone() if zero else value
 
             materialize_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
                                    self.dtype, keep if mixed else None)

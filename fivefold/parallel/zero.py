@@ -49,6 +49,11 @@ def chunk_range(rows: int, dp: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
+def own_rows(value: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s dim-0 chunk of a (local) parameter value: a view."""
+    return value[slice(*chunk_range(value.shape[0], dp, rank))]
+
+
 class FlatGroup:
     """Parameters communicated together, with their offsets in a rank's shard of the group."""
 
@@ -121,7 +126,7 @@ class ZeroDataParallel(TimedWaits):
 
     `params`: the parameters in optimizer order, with their `placements` (fivefold.parallel.placement).
     Stages 1-2: the parameters are materialised; `masters` are the fp32 masters of this rank's rows
-    (`rows_of` each initial value) under bf16-mixed, or None under fp32, where they are views of the
+    (`own_rows` of each initial value) under bf16-mixed, or None under fp32, where they are views of the
     parameters' rows. Stage 3: the parameters are still on the meta device, and `value_of(i)` gives
     parameter i's fp32 value one at a time: only this rank's rows of it are kept. The trainer drives
     it with `sync` (reduce on this micro-batch) and `finish()` after each reduced micro-batch; the
@@ -156,16 +161,12 @@ class ZeroDataParallel(TimedWaits):
         self._gathers: dict[int, tuple] = {}
         self._publishing: list = []
         self._in_flight: list[Bucket] = []
-        self.max_in_flight = MAX_REDUCES_IN_FLIGHT
         if stage == 3:
             self.masters: list[torch.Tensor | None] = [None] * len(self.params)
             self._materialise_shards(value_of, mixed)
         else:
-            self.masters = list(masters) if masters is not None else [self.rows_of(p.detach()) for p in self.params]
-
-    def rows_of(self, value: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a (local) parameter value: a view."""
-        return value[slice(*chunk_range(value.shape[0], self.dp, self.rank))]
+            self.masters = list(masters) if masters is not None else \
+                [own_rows(p.detach(), dp, rank) for p in self.params]
 
     def register_hooks(self) -> None:
         """Called once the optimizer exists: fp32 accumulation hooks, if any, must fold gradients first."""
@@ -199,7 +200,7 @@ class ZeroDataParallel(TimedWaits):
         # ~2x the planned memory at 20 blocks. Waiting for the oldest keeps one overlapping the next
         # block's backward, which is all the overlap there is to have.
         self._in_flight.append(bucket)
-        while len(self._in_flight) > self.max_in_flight:
+        while len(self._in_flight) > MAX_REDUCES_IN_FLIGHT:
             self._fold(self._in_flight.pop(0))
 
     def _fold(self, bucket: Bucket) -> None:

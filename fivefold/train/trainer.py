@@ -19,7 +19,7 @@ from fivefold.parallel.apply import compute_dtype, parallelize
 from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401  (the trainer's loss, re-exported)
+from fivefold.train.loss import IGNORE_INDEX
 from fivefold.train.metrics import MetricsLog, memory_bytes, peak_flops, progress_bar
 from fivefold.train.optim import grad_accum_at, lr_at
 from fivefold.train.routing import RouterLosses
