@@ -144,11 +144,27 @@ class ParallelConfig:
 
 
 @dataclass
+class ServeConfig:
+    """The serving engine (fivefold.serve): KV pool, batching limits and the server's queue."""
+    block_size: int = 16  # tokens per KV block
+    # KV pool size: GB if >= 1, else a fraction of free accelerator memory (CPU: of available RAM).
+    kv_memory: float = 0.5
+    num_blocks: int = 0  # > 0: exactly this many KV blocks, overriding kv_memory
+    max_num_seqs: int = 64  # sequences in one forward
+    max_num_batched_tokens: int = 2048  # tokens in one forward (decodes + prefill chunks)
+    max_model_len: int = 0  # longest prompt + output; 0 = model.max_seq_len
+    prefix_cache: bool = True
+    max_waiting: int = 256  # requests queued beyond the running ones; the server answers 429 past it
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -281,6 +297,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def validate_serve(cfg: Config) -> None:
+    s = cfg.serve
+    for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"serve.{key}={getattr(s, key)} must be at least 1")
+    if s.kv_memory <= 0:
+        raise ConfigError(f"serve.kv_memory={s.kv_memory} must be > 0 (GB if >= 1, else a fraction of free memory)")
+    if s.num_blocks < 0:
+        raise ConfigError(f"serve.num_blocks={s.num_blocks} must be >= 0 (0 = sized from serve.kv_memory)")
+    if s.max_model_len < 0:
+        raise ConfigError(f"serve.max_model_len={s.max_model_len} must be >= 0 (0 = model.max_seq_len)")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = {
@@ -295,6 +324,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    validate_serve(cfg)
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0")
     if m.num_heads % m.num_kv_heads:

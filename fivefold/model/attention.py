@@ -65,7 +65,8 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = self.core(q, k, v, mask)  # (B, H, S, d)
+        if kv_cache is None:
+            out = self.core(q, k, v, mask)  # (B, H, S, d)
+        else:  # the cache stores this call's keys and values, then runs the core over what it holds
+            out = kv_cache.attend(self.layer_idx, q, k, v, self.core, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

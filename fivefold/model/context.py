@@ -23,3 +23,7 @@ class ForwardContext:
     # e.g. context parallelism's document blocks of the whole ring (fivefold.parallel.context_parallel).
     # None: the model builds the causal / document mask of this call's tokens.
     mask: object | None = None
+    # (N,) indices into the flattened (B*S) tokens whose logits are wanted (e.g. the last token of each
+    # sequence of a serving batch); None: all of them, shaped (B, S, V). The head is the largest matmul
+    # of a long prompt, so computing it only where a token is sampled matters.
+    logits_at: torch.Tensor | None = None

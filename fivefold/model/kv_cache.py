@@ -25,6 +25,11 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, mask) -> torch.Tensor:
+        """The attention of one layer's queries over every cached key, this call's included."""
+        k, v = self.update(layer, k, v)
+        return core(q, k, v, mask)
+
     def advance(self, tokens: int) -> None:
         """The tokens of the forward pass that just ran become part of the cache."""
         self.length += tokens

@@ -59,7 +59,8 @@ class Transformer(nn.Module):
             self.rope_inv_freq = rope_inv_freq(self.cfg).to(device or self.rope_inv_freq.device)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """input_ids (B, S) -> logits (B, S, V); `ctx` (ForwardContext): positions, documents, KV cache."""
+        """input_ids (B, S) -> logits (B, S, V), or (N, V) at `ctx.logits_at`; `ctx` (ForwardContext):
+        positions, documents, KV cache."""
         ctx = ctx or ForwardContext()
         positions = self.positions(input_ids, ctx)
         x = self.embed(input_ids, positions)
@@ -68,6 +69,8 @@ class Transformer(nn.Module):
             x = layer(x, rope, mask, ctx.kv_cache)
         if ctx.kv_cache is not None:
             ctx.kv_cache.advance(input_ids.shape[1])
+        if ctx.logits_at is not None:
+            x = x.reshape(-1, x.shape[-1])[ctx.logits_at]  # (N, h) -> logits (N, V)
         return self.head(x)
 
     # The pieces of forward, so that a pipeline stage can run only its own (fivefold.parallel.pipeline).

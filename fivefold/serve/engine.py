@@ -1,0 +1,342 @@
+"""The serving engine: requests in, one batched forward per step, tokens out.
+
+`Engine` owns the KV pool, the block manager and the scheduler, and runs the same `Transformer` that
+trains, with a `PagedBatch` as the forward context's cache. `LLM` is the offline front: a list of
+prompts in, their outputs back in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
+from fivefold.model import ForwardContext, Transformer
+from fivefold.serve.blocks import BlockManager, blocks_for
+from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
+from fivefold.serve.sampling import SamplingParams, sample
+from fivefold.serve.scheduler import Scheduler, Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the message says what to change."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None  # per output token: token_id, logprob, top [(token_id, logprob), ...]
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    ttft: float | None  # seconds from arrival to the first output token
+    tpot: float | None  # seconds per output token after the first
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object | None  # tokenizers.Tokenizer
+    source: str
+    chat_template: str | None = None
+
+
+def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = None, dtype: str = "float32",
+                           device: str | torch.device = "cpu") -> LoadedModel:
+    """A Hugging Face directory (or a fivefold export), or a fivefold run / checkpoint (sharded ones
+    included), with its tokenizer.json and, from tokenizer_config.json, its chat template."""
+    import json
+
+    from fivefold.data.tokenizer import load_tokenizer
+
+    src = Path(source)
+    if (src / "config.json").is_file():
+        from fivefold.interop.hf import import_hf
+        _, model = import_hf(src)
+        directory = src
+    else:
+        from fivefold.train.checkpoint import load_model, resolve_checkpoint
+        directory = resolve_checkpoint(src)
+        _, model = load_model(directory)
+    model = model.to(device=torch.device(device), dtype=DTYPES[dtype])
+    model.reset_buffers()
+    model.eval()
+    tok_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
+    tok = load_tokenizer(tok_path) if tokenizer or tok_path.is_file() else None
+    template = None
+    config_path = directory / "tokenizer_config.json"
+    if config_path.is_file():
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return LoadedModel(model, tok, str(source), template)
+
+
+def serve_config(options: Mapping) -> ServeConfig:
+    """ServeConfig from keyword options, validated; unknown names are an error that lists the valid ones."""
+    names = {f.name for f in fields(ServeConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    cfg = Config(serve=replace(ServeConfig(), **options))
+    validate_serve(cfg)
+    return cfg.serve
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer=None, serve: ServeConfig | None = None, seed: int = 0):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.cfg = serve or ServeConfig()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        mc = model.cfg
+        self.eos_id = mc.eos_token_id
+        self.max_model_len = self.cfg.max_model_len or mc.max_seq_len
+        if mc.position == "learned" and self.max_model_len > mc.max_seq_len:
+            raise ConfigError(f"serve.max_model_len={self.max_model_len} exceeds the learned positions of "
+                              f"model.max_seq_len={mc.max_seq_len}")
+        self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
+                                    free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks)
+        if self.plan.num_blocks < 1:
+            raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
+                              f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
+                              f"bytes); raise serve.kv_memory")
+        self.pool = KVPool(mc, self.plan, self.device, self.dtype)
+        self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self.seeds = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
+        self.ids = itertools.count()
+        self.arrivals = itertools.count()
+        self.lock = threading.RLock()  # the server steps in one thread and adds or aborts from others
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+
+    # ---- requests
+
+    def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt).ids, prompt
+        ids = list(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.model.cfg.vocab_size})")
+        return ids, None
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises RequestError at once when it could never be served."""
+        params = params or SamplingParams()
+        ids, text = self.encode(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty: it needs at least one token")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                               f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+        if blocks_for(total, self.cfg.block_size) > self.plan.num_blocks:
+            raise RequestError(f"prompt + max_tokens = {total} tokens needs {blocks_for(total, self.cfg.block_size)} "
+                               f"KV blocks but the pool holds {self.plan.num_blocks}; raise serve.kv_memory")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self.seeds))
+        with self.lock:
+            request_id = request_id or f"req-{next(self.ids)}"
+            if request_id in self.requests:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            seq = Sequence(request_id, ids, params, torch.Generator().manual_seed(seed), next(self.arrivals), text)
+            self.requests[request_id] = seq
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its client went away) and free its blocks; unknown or finished ids are ignored."""
+        with self.lock:
+            seq = self.requests.pop(request_id, None)
+            if seq is not None and not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+                self.stats["aborted"] += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled tokens; the outputs of the requests that got a token (or finished)."""
+        with self.lock:
+            work = self.scheduler.schedule()
+            if not work:
+                return []
+            work.sort(key=lambda e: e[1] != 1)  # single tokens first: they attend as one padded batch
+            batch = PagedBatch(self.pool, [(s.block_table, s.num_computed, n) for s, n in work], self.device)
+            ids = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
+            sampled = [i for i, (s, n) in enumerate(work) if s.num_computed + n == len(s.token_ids)]
+            ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=batch.last[sampled])
+            logits = self.model(torch.tensor([ids], device=self.device), ctx)
+            for s, n in work:
+                s.num_computed += n
+                self.blocks.register(s)
+            self.stats["steps"] += 1
+            self.stats["prompt_tokens"] += sum(n for i, (_, n) in enumerate(work) if i not in set(sampled)) + \
+                sum(work[i][1] - 1 for i in sampled)
+            if not sampled:
+                return []
+            seqs = [work[i][0] for i in sampled]
+            tokens, entries = sample(logits, seqs)
+            now = time.perf_counter()
+            for seq, token, entry in zip(seqs, tokens, entries):
+                self._append(seq, token, entry, now)
+            self.stats["generation_tokens"] += len(seqs)
+            return [self.output(s) for s in seqs]
+
+    def _append(self, seq: Sequence, token: int, entry: dict | None, now: float) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(token)
+        if entry is not None:
+            seq.logprobs.append(entry)
+        p = seq.params
+        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop:
+            before = len(seq.text)
+            self.detokenize(seq)
+            # Only the new text (and a stop string's length before it) can hold a new match.
+            start = max(0, before - max(map(len, p.stop)))
+            hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+            if hits:
+                seq.text = seq.text[:min(hits)]
+                seq.finish_reason = "stop"
+        if seq.finish_reason is None and len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finished:
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+            self.stats["finished"] += 1
+            if not p.stop or seq.finish_reason != "stop":
+                self.detokenize(seq)
+
+    def detokenize(self, seq: Sequence) -> str:
+        """The output as text (a stop token is not part of it); also kept on the sequence."""
+        if self.tokenizer is not None:
+            ids = seq.output_ids
+            if ids and seq.finish_reason == "stop" and (ids[-1] == self.eos_id or ids[-1] in seq.params.stop_token_ids):
+                ids = ids[:-1]
+            seq.text = self.tokenizer.decode(ids)
+        return seq.text
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        n = len(seq.output_ids)
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+        tpot = ((seq.finish_time - seq.first_token_time) / (n - 1)) if seq.finish_time and n > 1 else None
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_ids, seq.text, list(seq.output_ids),
+                             list(seq.logprobs) if seq.params.logprobs is not None else None,
+                             seq.finish_reason, seq.num_cached, ttft, tpot)
+
+    # ---- weights
+
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """New values for some or all parameters (fivefold names), between steps. Queued requests stay;
+        running ones are recomputed under the new weights, and the prefix cache is forgotten."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(weights) - set(params))
+        if unknown:
+            raise ValueError(f"update_weights: no parameter named {unknown[:5]}")
+        for name, value in weights.items():
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, "
+                                 f"the model's is {tuple(params[name].shape)}")
+        with self.lock:
+            for name, value in weights.items():
+                params[name].copy_(value)
+            self.scheduler.preempt_all()
+            self.blocks.reset_prefix_cache()
+
+
+class LLM:
+    """Offline generation: `LLM(model, **engine_options).generate(prompts, SamplingParams(...))`.
+
+    `model`: a Hugging Face directory, a fivefold export, run or checkpoint, or a Transformer (then pass
+    `tokenizer` for text prompts). Engine options are ServeConfig's fields (block_size, kv_memory,
+    num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, prefix_cache, dtype), plus device and seed.
+    """
+
+    def __init__(self, model: str | Path | Transformer, tokenizer=None, device: str = "auto", seed: int = 0,
+                 **engine_options):
+        from fivefold.train.trainer import resolve_device
+
+        serve = serve_config(engine_options)
+        self.chat_template = None
+        if isinstance(model, Transformer):
+            if isinstance(tokenizer, (str, Path)):
+                from fivefold.data.tokenizer import load_tokenizer
+                tokenizer = load_tokenizer(tokenizer)
+        else:
+            loaded = load_model_for_serving(model, tokenizer, serve.dtype, resolve_device(device))
+            model, tokenizer, self.chat_template = loaded.model, loaded.tokenizer, loaded.chat_template
+        self.engine = Engine(model, tokenizer, serve, seed)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a text, a token-id list, or a list of either)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except RequestError as e:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise RequestError(f"prompt {len(ids)}: {e}") from None
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar:
+                        bar.update()
+        if bar:
+            bar.close()
+        return [done[i] for i in ids]

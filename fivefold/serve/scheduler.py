@@ -1,0 +1,123 @@
+"""Continuous batching: which sequences run in the next forward, and how many of their tokens.
+
+Prefill and decode are one operation here: a sequence has `num_computed` tokens whose keys and values
+are cached, and the next forward computes some of the rest. When that reaches its last token, a new
+token is sampled (a decode is the case of exactly one token left). Each step fills a token budget:
+running sequences first, oldest first, then waiting ones in arrival order, their prompts in chunks.
+When the pool runs out, the latest arrival is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed from its prompt and the tokens it already produced (its sampler
+state is kept, so its output is the same as if it had never been interrupted).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from fivefold.serve.blocks import BlockManager
+from fivefold.serve.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    arrival: int  # admission order: preemption picks the largest
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    num_cached: int = 0  # of the prompt, found in the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # by arrival
+        self.preemptions = 0
+        # Blocks kept free when admitting while others run, so running sequences can grow for a few steps
+        # before anyone is preempted.
+        self.reserve = max(1, blocks.num_blocks // 100)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next forward: (sequence, tokens to compute) pairs."""
+        budget, scheduled, preempted = self.max_num_batched_tokens, [], False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted below by an older sequence
+                continue
+            n = min(seq.remaining, budget)
+            while not self.blocks.grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+        while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self.blocks.start(seq, budget, reserve=self.reserve if self.running else 0)
+            if not n:
+                break
+            self.waiting.popleft()
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        # Victims go latest first, so the earliest ends up in front.
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> None:
+        """Every running sequence back to the queue, to recompute its cache (e.g. after new weights)."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
