@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "fivefold.interop.commands",    # import-hf, export-hf
     "fivefold.memory.commands",     # plan, memory
     "fivefold.parallel.commands",   # pipeline
+    "fivefold.serve.commands",      # serve
 ]
 
 

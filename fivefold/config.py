@@ -147,7 +147,8 @@ class ParallelConfig:
 class ServeConfig:
     """The serving engine (fivefold.serve): KV pool, batching limits and the server's queue."""
     block_size: int = 16  # tokens per KV block
-    # KV pool size: GB if >= 1, else a fraction of free accelerator memory (CPU: of available RAM).
+    # KV pool size: GB if >= 1, else a fraction of free accelerator memory (CPU: of available RAM); never
+    # more than max_num_seqs sequences of max_model_len tokens need.
     kv_memory: float = 0.5
     num_blocks: int = 0  # > 0: exactly this many KV blocks, overriding kv_memory
     max_num_seqs: int = 64  # sequences in one forward

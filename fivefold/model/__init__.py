@@ -2,8 +2,7 @@
 
 from fivefold.model.init import build_model, initial_value, materialize, materialize_parameters, meta_model
 from fivefold.model.context import ForwardContext
-from fivefold.model.kv_cache import KVCache
 from fivefold.model.transformer import Block, Transformer, attention_mask, doc_ids_from_tokens
 
 __all__ = ["Transformer", "Block", "build_model", "meta_model", "materialize", "materialize_parameters",
-           "initial_value", "ForwardContext", "KVCache", "attention_mask", "doc_ids_from_tokens"]
+           "initial_value", "ForwardContext", "attention_mask", "doc_ids_from_tokens"]

@@ -67,8 +67,6 @@ class Transformer(nn.Module):
         rope, mask = self.context(input_ids, positions, ctx, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, mask, ctx.kv_cache)
-        if ctx.kv_cache is not None:
-            ctx.kv_cache.advance(input_ids.shape[1])
         if ctx.logits_at is not None:
             x = x.reshape(-1, x.shape[-1])[ctx.logits_at]  # (N, h) -> logits (N, V)
         return self.head(x)
@@ -79,8 +77,7 @@ class Transformer(nn.Module):
         if ctx.positions is not None:
             return ctx.positions
         b, s = input_ids.shape
-        past = ctx.kv_cache.length if ctx.kv_cache is not None else 0
-        return torch.arange(past, past + s, device=input_ids.device).expand(b, s)
+        return torch.arange(s, device=input_ids.device).expand(b, s)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (B, S, h)
@@ -94,25 +91,18 @@ class Transformer(nn.Module):
         rope = rope_cos_sin(self.rope_inv_freq, positions, dtype) if self.cfg.position == "rope" else None
         if ctx.mask is not None:
             return rope, ctx.mask
-        past = ctx.kv_cache.length if ctx.kv_cache is not None else 0
-        return rope, attention_mask(input_ids.shape[1], past, ctx.doc_ids, input_ids.device)
+        return rope, attention_mask(input_ids.shape[1], ctx.doc_ids, input_ids.device)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))
 
 
-def attention_mask(s: int, past: int, doc_ids: torch.Tensor | None, device) -> torch.Tensor | None:
-    """None when plain causal attention over equal query/key lengths suffices (lets SDPA pick flash);
-    otherwise a boolean (B|1, 1, S, past+S) mask, True where attention is allowed."""
-    if doc_ids is None and past == 0:
-        return None
-    if doc_ids is None and s == 1:
-        return torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=device)
-    causal = torch.ones(s, past + s, dtype=torch.bool, device=device).tril(past)
+def attention_mask(s: int, doc_ids: torch.Tensor | None, device) -> torch.Tensor | None:
+    """None when plain causal attention suffices (lets SDPA pick flash); otherwise a boolean (B, 1, S, S)
+    mask, True where attention is allowed: causal and within the same packed document."""
     if doc_ids is None:
-        return causal[None, None]
-    if past:
-        raise ValueError("document masking is for training on packed sequences, not for cached decoding")
+        return None
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, S, S)
     return (causal & same_doc)[:, None]
 

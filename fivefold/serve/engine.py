@@ -18,6 +18,7 @@ import torch
 
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
 from fivefold.model import ForwardContext, Transformer
+from fivefold.model.moe import MoE
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.sampling import SamplingParams, sample
@@ -101,6 +102,9 @@ def serve_config(options: Mapping) -> ServeConfig:
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, serve: ServeConfig | None = None, seed: int = 0):
         self.model, self.tokenizer = model.eval(), tokenizer
+        for module in model.modules():
+            if isinstance(module, MoE):  # dropping tokens would make an output depend on its batch companions
+                module.capacity_factor = 0.0
         self.cfg = serve or ServeConfig()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -111,7 +115,8 @@ class Engine:
             raise ConfigError(f"serve.max_model_len={self.max_model_len} exceeds the learned positions of "
                               f"model.max_seq_len={mc.max_seq_len}")
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
-                                    free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks)
+                                    free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks,
+                                    max_blocks=self.cfg.max_num_seqs * blocks_for(self.max_model_len, self.cfg.block_size))
         if self.plan.num_blocks < 1:
             raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "

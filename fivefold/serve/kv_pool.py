@@ -53,13 +53,15 @@ def available_memory(device: torch.device) -> int:
 
 
 def kv_plan(cfg: ModelConfig, kv_memory: float, block_size: int, dtype: torch.dtype,
-            free_bytes: int | None = None, tp: int = 1, num_blocks: int = 0) -> KVPlan:
-    """`num_blocks` if > 0; else `kv_memory` >= 1: GB for the pool; below 1: that fraction of `free_bytes`."""
+            free_bytes: int | None = None, tp: int = 1, num_blocks: int = 0, max_blocks: int | None = None) -> KVPlan:
+    """`num_blocks` if > 0; else as many as `kv_memory` allows (>= 1: GB; below 1: that fraction of
+    `free_bytes`), but no more than `max_blocks` (what the engine could ever fill at once)."""
     per_token = kv_bytes_per_token(cfg, dtype, tp)
     if num_blocks:
         return KVPlan(per_token, block_size, num_blocks)
     budget = kv_memory * 1e9 if kv_memory >= 1 else kv_memory * (free_bytes or 0)
-    return KVPlan(per_token, block_size, int(budget // (per_token * block_size)))
+    blocks = int(budget // (per_token * block_size))
+    return KVPlan(per_token, block_size, blocks if max_blocks is None else min(blocks, max_blocks))
 
 
 class KVPool:

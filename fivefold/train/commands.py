@@ -31,8 +31,8 @@ def register(sub) -> None:
     cmp.add_argument("--atol", type=float, default=0.0)
     cmp.set_defaults(func=run_compare)
 
-    gen = sub.add_parser("generate", help="generate text from a checkpoint")
-    gen.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses its latest)")
+    gen = sub.add_parser("generate", help="generate text from a checkpoint (or a Hugging Face directory)")
+    gen.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -100,19 +100,16 @@ def run_compare(args) -> int:
 
 
 def run_generate(args) -> int:
-    from fivefold.data.tokenizer import load_tokenizer
-    from fivefold.infer.generate import generate
-    from fivefold.train.checkpoint import load_model, resolve_checkpoint
-    from fivefold.train.trainer import resolve_device
+    from fivefold.serve import LLM, SamplingParams
+    from fivefold.train.checkpoint import resolve_checkpoint
 
-    path = resolve_checkpoint(args.checkpoint)
-    tokenizer_path = Path(args.tokenizer) if args.tokenizer else path / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise FileNotFoundError(f"no tokenizer at {tokenizer_path}; pass --tokenizer tokenizer.json")
-    tokenizer = load_tokenizer(tokenizer_path)
-    cfg, model = load_model(path, device=resolve_device(args.device))
-    prompt_ids = tokenizer.encode(args.prompt).ids
-    new_ids = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                       eos_id=cfg.model.eos_token_id, seed=args.seed)
-    print(args.prompt + tokenizer.decode(new_ids))
+    src = Path(args.checkpoint)
+    if not args.tokenizer:  # before loading any weights
+        found = (src if (src / "config.json").is_file() else resolve_checkpoint(src)) / "tokenizer.json"
+        if not found.is_file():
+            raise FileNotFoundError(f"no tokenizer at {found}; pass --tokenizer tokenizer.json")
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    print(args.prompt + llm.generate(args.prompt, params)[0].text)
     return 0

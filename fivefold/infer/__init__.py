@@ -1,1 +1,0 @@
-"""Inference: sampling and generation with a KV cache."""

@@ -1,0 +1,63 @@
+"""`fivefold serve`: a model behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                     "/v1/chat/completions, /metrics)")
+    p.add_argument("model", metavar="MODEL",
+                   help="a Hugging Face model directory, a fivefold export, or a fivefold run or checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the one next to the model)")
+    p.add_argument("--model-name", help="the model id clients send (default: MODEL's directory name)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed of their own")
+    p.add_argument("--config", help="TOML config file; only its [serve] table is read")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
+                   help="engine option, e.g. --set serve.kv_memory=0.3 --set serve.max_num_seqs=32 (repeatable)")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    from fivefold.config import ConfigError, load_config
+    from fivefold.serve.chat import special_tokens
+    from fivefold.serve.engine import Engine, load_model_for_serving
+    from fivefold.serve.server import serve
+    from fivefold.train.trainer import resolve_device
+
+    # The model comes from MODEL, so an override of anything but the engine would be silently ignored.
+    other = [text for text in args.overrides if not text.strip().startswith("serve.")]
+    if other:
+        raise ConfigError(f"--set {other[0]!r}: fivefold serve takes only serve.* keys (the model comes from MODEL)")
+    cfg = load_config(args.config, None, args.overrides).serve
+    device = resolve_device(args.device)
+    try:
+        loaded = load_model_for_serving(args.model, args.tokenizer, cfg.dtype, device)
+    except ValueError as e:  # e.g. an architecture import_hf does not support
+        return _fail(e)
+    if loaded.tokenizer is None:
+        return _fail(f"{args.model} has no tokenizer.json; pass --tokenizer tokenizer.json")
+    engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed)
+    source = Path(args.model)
+    if not (source / "config.json").is_file():  # a fivefold run or checkpoints root: its checkpoint's files
+        from fivefold.train.checkpoint import resolve_checkpoint
+        source = resolve_checkpoint(source)
+    bos_token, eos_token = special_tokens(source)
+    name = args.model_name or Path(args.model).resolve().name
+    n = sum(p.numel() for p in loaded.model.parameters())
+    print(f"model: {args.model} ({n:,} parameters, {cfg.dtype}, {device})")
+    print(engine.plan.describe(engine.max_model_len))
+    print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.serve.chat)"))
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    serve(engine, name, args.host, args.port, loaded.chat_template, bos_token=bos_token, eos_token=eos_token or None)
+    return 0
+
+
+def _fail(error) -> int:
+    print(f"fivefold serve: error: {error}", file=sys.stderr)
+    return 2

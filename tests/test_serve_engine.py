@@ -1,0 +1,324 @@
+"""The serving engine against plain full forwards: paged attention, batching, chunking, the prefix cache,
+preemption, seeded sampling, stops, logprobs, weight updates, and the requests it must refuse."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fivefold.config import ConfigError
+from fivefold.model import ForwardContext, build_model
+from fivefold.presets import PRESETS
+from fivefold.serve import LLM, RequestError, SamplingParams
+from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
+from fivefold.serve.sampling import apply_penalties, filtered_probs
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def tiny(preset="tiny", seed=3, **changes):
+    cfg = dataclasses.replace(PRESETS[preset], max_seq_len=256, **changes)
+    return build_model(cfg, seed=seed).eval()
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by a full forward over the whole sequence for every token: no cache at all."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def mixed_prompts(count: int, vocab: int, seed: int = 0, shared: int = 0, longest: int = 70):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    lengths = torch.randint(1, longest, (count,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2", "tiny-moe"])
+@torch.no_grad()
+def test_paged_attention_equals_full_forward(preset, attention):
+    """Two sequences advanced together through the pool in uneven chunks and single tokens: every
+    position's logits equal the full forward of that sequence alone."""
+    model = tiny(preset, attention=attention)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 13)]
+    full = [model(torch.tensor([s]))[0] for s in seqs]
+    pool = KVPool(cfg, kv_plan(cfg, 1, 4, torch.float32, num_blocks=16), "cpu", torch.float32)
+    tables = [[3, 9, 1, 14, 6, 12], [0, 7, 2, 11]]  # scattered blocks: reads must go through the table
+    plan = [[(0, 5), (0, 3)], [(5, 1), (3, 7)], [(6, 1), (10, 1)], [(7, 14), (11, 2)]]  # (past, n) per step
+    for step in plan:
+        entries = sorted(((tables[i], past, n, i) for i, (past, n) in enumerate(step)), key=lambda e: e[2] != 1)
+        batch = PagedBatch(pool, [e[:3] for e in entries], "cpu")
+        ids = torch.tensor([[t for table, past, n, i in entries for t in seqs[i][past:past + n]]])
+        ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch,
+                             logits_at=torch.arange(ids.shape[1]))
+        logits = model(ids, ctx)
+        start = 0
+        for table, past, n, i in entries:
+            torch.testing.assert_close(logits[start:start + n], full[i][past:past + n], rtol=1e-5, atol=1e-5)
+            start += n
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2", "tiny-moe"])
+def test_greedy_batched_equals_each_alone_and_no_cache(preset):
+    model = tiny(preset)
+    prompts = mixed_prompts(24, model.cfg.vocab_size)
+    lengths = [1 + i % 17 for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in lengths]
+    batched = LLM(model).generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batched):
+        assert out.token_ids == reference_greedy(model, prompt, p.max_tokens)
+        assert out.finish_reason == "length" and out.ttft > 0
+    alone = [LLM(model).generate(prompt, p)[0].token_ids for prompt, p in zip(prompts[:6], params[:6])]
+    assert alone == [o.token_ids for o in batched[:6]]
+
+
+def test_greedy_equals_transformers_on_an_imported_model(tmp_path):
+    """32 mixed-length prompts batched through a model imported from a transformers checkpoint: the
+    token ids of transformers' own greedy generate, prompt by prompt."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256), attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    prompts = mixed_prompts(32, 384, seed=1, longest=90)
+    lengths = [4 + (7 * i) % 21 for i in range(32)]
+    outs = LLM(str(tmp_path), device="cpu", max_num_batched_tokens=256).generate(
+        prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths])
+    for prompt, n, out in zip(prompts, lengths, outs):
+        with torch.no_grad():
+            # An explicit attention mask: without one, generate() takes every token equal to pad_token_id
+            # for padding. The eos id is cleared rather than suppressed (min_new_tokens would change logits).
+            ids = torch.tensor([prompt])
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert out.token_ids == expected
+
+
+def test_prefix_cache_shares_blocks_and_changes_nothing():
+    model = tiny()
+    prompts = mixed_prompts(12, model.cfg.vocab_size, seed=2, shared=48)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    without = LLM(model, prefix_cache=False).generate(prompts, params)
+    llm = LLM(model, block_size=16)
+    first = llm.generate(prompts[:1], params)  # its prefix blocks stay cached after it finishes
+    rest = llm.generate(prompts[1:], params)
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in without]
+    assert all(o.num_cached_tokens == 48 for o in rest)  # the 3 shared blocks of 16, for each later request
+    blocks = llm.engine.blocks
+    assert blocks.hit_rate == pytest.approx(48 * 11 / sum(map(len, prompts)))
+    assert blocks.num_used == 0 and len(blocks.cached) >= 3
+
+
+def test_chunked_prefill_equals_unchunked():
+    model = tiny()
+    prompts = mixed_prompts(10, model.cfg.vocab_size, seed=3, longest=120)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    whole = LLM(model).generate(prompts, params)
+    llm = LLM(model, max_num_batched_tokens=5, max_num_seqs=4)
+    chunked = llm.generate(prompts, params)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    assert llm.engine.stats["steps"] > sum(map(len, prompts)) // 5  # it really ran in chunks of 5
+
+
+def test_preemption_by_recompute_gives_identical_outputs():
+    """A pool of 12 blocks of 4 tokens for 16 requests that grow to ~60 tokens: sequences are preempted
+    (latest first) and recomputed, yet every request finishes with the output of an unconstrained run,
+    sampled ones included (their generators are not reset)."""
+    model = tiny()
+    prompts = mixed_prompts(16, model.cfg.vocab_size, seed=4, longest=30)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0 if i % 2 else 0.9, top_p=0.95, seed=i)
+              for i in range(16)]
+    free = LLM(model).generate(prompts, params)
+    llm = LLM(model, num_blocks=14, block_size=4)
+    tight = llm.generate(prompts, params)
+    assert llm.engine.scheduler.preemptions > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in free]
+    assert all(o.finish_reason == "length" for o in tight)
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = tiny()
+    prompts = mixed_prompts(8, model.cfg.vocab_size, seed=5)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=40, top_p=0.9, min_p=0.01, seed=100 + i,
+                             ignore_eos=True) for i in range(8)]
+    together = LLM(model).generate(prompts, params)
+    alone = [LLM(model).generate(p, s)[0] for p, s in zip(prompts, params)]
+    reversed_batch = LLM(model).generate(prompts[::-1], params[::-1])[::-1]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone] == [o.token_ids for o in reversed_batch]
+    other_seed = LLM(model).generate(prompts[0], dataclasses.replace(params[0], seed=7))[0]
+    assert other_seed.token_ids != together[0].token_ids
+
+
+def test_blocks_return_to_zero_after_finishing_and_aborting():
+    model = tiny()
+    llm = LLM(model, block_size=4)
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=30, **GREEDY))
+           for p in mixed_prompts(6, model.cfg.vocab_size, seed=6)]
+    for _ in range(3):
+        engine.step()
+    assert engine.blocks.num_used > 0
+    engine.abort(ids[0])
+    engine.abort(ids[3])
+    engine.abort("no-such-request")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_used == 0 and set(engine.blocks.ref) == {0}
+    assert engine.stats["aborted"] == 2 and engine.stats["finished"] == 4
+
+
+def test_requests_that_can_never_run_are_refused_at_once():
+    model = tiny()
+    llm = LLM(model, num_blocks=4, block_size=16)
+    with pytest.raises(RequestError, match=r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds the model's "
+                                           r"context of 256 tokens"):
+        llm.generate([1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="needs 5 KV blocks but the pool holds 4; raise serve.kv_memory"):
+        llm.generate([1] * 70, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="empty"):
+        llm.engine.add_request([], SamplingParams())
+    with pytest.raises(RequestError, match=r"integers in \[0, 512\)"):
+        llm.engine.add_request([5, 512], SamplingParams())
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.engine.add_request("text", SamplingParams())
+    assert not llm.engine.has_unfinished()
+    # A batch with one impossible prompt is refused as a whole, naming it, and leaves nothing queued.
+    with pytest.raises(RequestError, match="prompt 1: "):
+        llm.generate([[1, 2], [1] * 300], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
+    for bad, message in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+                         (dict(logprobs=21), "logprobs"), (dict(min_p=2), "min_p")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        LLM(model, block_sise=16)
+    with pytest.raises(ConfigError, match="serve.max_num_seqs=0 must be at least 1"):
+        LLM(model, max_num_seqs=0)
+
+
+def test_logprobs_are_the_models_own():
+    model = tiny()
+    prompt = mixed_prompts(1, model.cfg.vocab_size, seed=7)[0]
+    out = LLM(model).generate(prompt, SamplingParams(max_tokens=5, logprobs=3, **GREEDY))[0]
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt + out.token_ids]))[0].log_softmax(-1)
+    assert len(out.logprobs) == 5
+    for i, entry in enumerate(out.logprobs):
+        row = logp[len(prompt) - 1 + i]
+        assert entry["token_id"] == out.token_ids[i]
+        assert entry["logprob"] == pytest.approx(float(row[out.token_ids[i]]), abs=1e-5)
+        top = row.topk(3)
+        assert [t for t, _ in entry["top"]] == top.indices.tolist()
+        assert [lp for _, lp in entry["top"]] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_stop_token_ids_eos_and_stop_strings():
+    from fivefold.data.tokenizer import train_tokenizer
+
+    docs = ["the cat sat on the mat", "a dog ran in the park", "numbers 12 345 6789"] * 10
+    tokenizer = train_tokenizer(docs, 300)
+    model = tiny(vocab_size=300)
+    llm = LLM(model, tokenizer=tokenizer)
+    free = llm.generate("the cat", SamplingParams(max_tokens=20, **GREEDY))[0]
+    assert free.text == tokenizer.decode(free.token_ids) and len(free.text) > 6
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    by_id = llm.generate("the cat", SamplingParams(max_tokens=20, stop_token_ids=[stop_id], **GREEDY))[0]
+    assert by_id.token_ids == free.token_ids[:first + 1] and by_id.finish_reason == "stop"
+    assert by_id.text == tokenizer.decode(free.token_ids[:first])
+    stop = free.text[4:7]
+    by_text = llm.generate("the cat", SamplingParams(max_tokens=20, stop=[stop, "never-there"], **GREEDY))[0]
+    assert by_text.text == free.text[:free.text.index(stop)] and by_text.finish_reason == "stop"
+    # eos ends a request unless ignore_eos; the eos token is not part of the text.
+    eos_model = tiny(vocab_size=300, eos_token_id=free.token_ids[2])
+    out = LLM(eos_model, tokenizer=tokenizer).generate("the cat", SamplingParams(max_tokens=20, temperature=0))[0]
+    first_eos = free.token_ids.index(free.token_ids[2])
+    assert out.token_ids == free.token_ids[:first_eos + 1] and out.finish_reason == "stop"
+
+
+def test_penalties_and_filters_by_hand():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    p = SamplingParams(repetition_penalty=2.0)
+    assert apply_penalties(logits.clone(), p, prompt=[0], output=[1]).tolist() == [1.0, -2.0, 0.5, 3.0]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    assert apply_penalties(logits.clone(), p, prompt=[2], output=[3, 3, 1]).tolist() == [2.0, -1.75, 0.5, 2.0]
+    probs = torch.tensor([[0.05, 0.40, 0.10, 0.30, 0.15]])
+    one = torch.ones(1)
+    kept = filtered_probs(probs.log(), one, torch.zeros(1, dtype=torch.long), one, torch.tensor([0.3]))
+    # min_p 0.3 keeps tokens with p >= 0.3 x 0.40 = 0.12: ids 1, 3, 4, renormalised.
+    torch.testing.assert_close(kept[0], torch.tensor([0, 0.40, 0, 0.30, 0.15]) / 0.85)
+    # Rows keep their own parameters: top-k 2 in one row, top-p 0.35 in the other.
+    both = filtered_probs(probs.log().expand(2, 5), torch.ones(2), torch.tensor([2, 0]), torch.tensor([1.0, 0.35]),
+                          torch.zeros(2))
+    torch.testing.assert_close(both, torch.tensor([[0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], [0, 1.0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.39, [1]), (0.41, [1, 3]), (0.71, [1, 3, 4]), (0.86, [1, 3, 4, 2]),
+                                         (0.96, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_the_smallest_nucleus_reaching_p(top_p, kept):
+    """Sorted probabilities 0.40, 0.30, 0.15, 0.10, 0.05: the nucleus grows by one token each time p
+    passes a cumulative sum (0.40, 0.70, 0.85, 0.95)."""
+    base = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.15])
+    expected = torch.zeros(5)
+    expected[kept] = base[kept] / base[kept].sum()
+    got = filtered_probs(base.log()[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([top_p]),
+                         torch.zeros(1))
+    torch.testing.assert_close(got[0], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_sampling_follows_the_filtered_distribution():
+    """4,000 seeded one-token requests through the engine's draw: frequencies within 0.03 of top-k 3."""
+    from fivefold.serve.sampling import sample
+
+    logits = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.15]).log().expand(4000, 5)
+    reqs = [type("R", (), dict(params=SamplingParams(top_k=3), prompt_ids=[], output_ids=[],
+                                generator=torch.Generator().manual_seed(i)))() for i in range(4000)]
+    tokens, _ = sample(logits, reqs)
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0, 0.40, 0, 0.30, 0.15]) / 0.85, atol=0.03, rtol=0)
+
+
+def test_update_weights_recomputes_running_requests_and_keeps_the_queue():
+    old, new = tiny(seed=3), tiny(seed=4)
+    llm = LLM(old, max_num_seqs=2, block_size=4)
+    engine = llm.engine
+    prompts = mixed_prompts(4, old.cfg.vocab_size, seed=8, longest=20)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10, **GREEDY)) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    running = {s.request_id: list(s.output_ids) for s in engine.scheduler.running}
+    assert len(running) == 2 and engine.num_waiting == 2
+    engine.update_weights({n: p.detach().clone() for n, p in new.named_parameters()})
+    assert engine.num_waiting == 4 and not engine.blocks.cached  # all queued; no stale prefix
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    for request_id, prompt in zip(ids, prompts):
+        before = running.get(request_id, [])
+        assert outs[request_id][:len(before)] == before
+        assert outs[request_id][len(before):] == reference_greedy(new, prompt + before, 10 - len(before))
+    with pytest.raises(ValueError, match="no parameter named"):
+        engine.update_weights({"nope": torch.zeros(1)})
+
+
+def test_kv_pool_is_what_the_plan_says():
+    model = tiny()
+    llm = LLM(model, kv_memory=0.001, max_num_seqs=1000)
+    engine, cfg = llm.engine, model.cfg
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 4
+    assert engine.plan.bytes_per_token == per_token
+    assert engine.pool.bytes == engine.plan.bytes == engine.plan.num_blocks * 16 * per_token
+    # Never more blocks than max_num_seqs sequences of the longest length can fill.
+    capped = LLM(model, kv_memory=8, max_num_seqs=3).engine.plan
+    assert capped.num_blocks == 3 * 256 // 16
+    assert capped.max_sequences(256) == 3 and capped.max_sequences(100) == 6

@@ -1,0 +1,398 @@
+"""The OpenAI-compatible server over a tiny random model, driven by the official `openai` client and
+httpx: its outputs against the engine's own, its formats, its errors, its metrics and its aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from fivefold.cli import main  # noqa: E402
+from fivefold.config import ModelConfig  # noqa: E402
+from fivefold.data.tokenizer import EOS_TOKEN, train_tokenizer  # noqa: E402
+from fivefold.model import Transformer, materialize  # noqa: E402
+from fivefold.serve import LLM, Engine, SamplingParams  # noqa: E402
+from fivefold.serve.chat import ChatTemplate, ChatTemplateError, special_tokens  # noqa: E402
+from fivefold.serve.engine import serve_config  # noqa: E402
+from fivefold.serve.server import TextStream, create_app  # noqa: E402
+
+NAME = "tiny"
+PROMPT = "The quick brown fox"
+ENGINE = {"block_size": 16, "num_blocks": 64, "max_num_seqs": 8}
+TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+DOCS = ["The quick brown fox jumps over the lazy dog.", "A quick brown dog outpaces a lazy fox!",
+        "def add(x, y):\n    return x + y\n", "Numbers: 1, 22, 333 and 4444.",
+        "Ünïcödé: héllo wörld, 🙂 ok"] * 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = train_tokenizer(DOCS, 300)
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+                      max_seq_len=256)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    materialize(model, "cpu", seed=1, dtype=torch.float32)  # seed 0 says eos after 6 tokens
+    model.reset_buffers()
+    return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve `app` with uvicorn in a thread, on a free port; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, serve_config(ENGINE))
+    app = create_app(engine, NAME, chat_template=TEMPLATE, bos_token=EOS_TOKEN)
+    with running(app) as url:
+        yield url, engine, app
+    assert app.state.runner.thread is None  # the lifespan stopped the stepping thread
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="x", max_retries=0)
+
+
+def reference(tiny, prompt, **params):
+    """The engine's own output for `prompt`, on a fresh engine over the same model."""
+    model, tokenizer = tiny
+    return LLM(model, tokenizer=tokenizer, **ENGINE).generate(prompt, SamplingParams(**params))[0]
+
+
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def idle(engine) -> bool:
+    return not engine.has_unfinished() and engine.blocks.num_used == 0
+
+
+def scrape(url) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# ---- completions and chat
+
+
+def test_completion_is_the_engines_greedy_output(tiny, client):
+    _, tokenizer = tiny
+    ref = reference(tiny, PROMPT, max_tokens=12, temperature=0)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 12  # the random model does not stop at once
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.object == "text_completion" and out.model == NAME and out.id.startswith("cmpl-")
+    assert out.choices[0].text == ref.text == tokenizer.decode(ref.token_ids)
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].logprobs is None
+    prompt_len = len(tokenizer.encode(PROMPT).ids)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+        (prompt_len, 12, prompt_len + 12)
+    # The prompt as token ids, and as a one-element list, give the same.
+    ids = tokenizer.encode(PROMPT).ids
+    for prompt in (ids, [ids], [PROMPT]):
+        again = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+        assert again.choices[0].text == ref.text
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(tiny, client):
+    ref = reference(tiny, PROMPT, max_tokens=12, temperature=0)
+    # A stop string from the middle of the output, of whole characters.
+    start = next(i for i in range(len(ref.text) // 2, len(ref.text)) if "\ufffd" not in ref.text[i:i + 3])
+    stop = ref.text[start:start + 3]
+    expected = ref.text[:ref.text.find(stop)]
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+
+
+def test_streamed_completion_equals_the_whole(tiny, client):
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert len(chunks) >= 5  # token by token, not one piece
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + ["length"]
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_renders_the_template_and_streams(tiny, client):
+    _, tokenizer = tiny
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A quick dog?"}]
+    rendered = f"{EOS_TOKEN}[system] Be brief.\n[user] A quick dog?\n[assistant] "
+    ids = tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert ids[0] == 0  # the template's bos_token is the special token itself, not its characters
+    ref = reference(tiny, ids, max_tokens=10, temperature=0, ignore_eos=True)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert (out.choices[0].finish_reason, out.usage.prompt_tokens, out.usage.completion_tokens) == \
+        ("length", len(ids), 10)
+    # max_completion_tokens is the newer name of max_tokens; content parts are joined.
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "A quick "},
+                                                       {"type": "text", "text": "dog?"}]}]
+    again = client.chat.completions.create(model=NAME, messages=parts, max_completion_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == ref.text
+
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_default_max_tokens_fills_the_context(tiny, client):
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 256  # model.max_seq_len
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_logprobs_match_the_engine(tiny, client):
+    ref = reference(tiny, PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    torch.testing.assert_close(lp.token_logprobs, [e["logprob"] for e in ref.logprobs], atol=1e-5, rtol=0)
+    _, tokenizer = tiny
+    for top, entry in zip(lp.top_logprobs, ref.logprobs):
+        expected = {}  # token text -> logprob; of two tokens with the same text, the likelier
+        for token_id, logprob in entry["top"]:
+            expected.setdefault(tokenizer.decode([token_id], skip_special_tokens=False), logprob)
+        assert list(top) == list(expected)
+        torch.testing.assert_close(list(top.values()), list(expected.values()), atol=1e-5, rtol=0)
+    assert sum(len(top) for top in lp.top_logprobs) >= 12  # 3 each, less the few collisions
+    # Greedy: the chosen token is the most likely one.
+    assert all(abs(t - max(top.values())) < 1e-6 for t, top in zip(lp.token_logprobs, lp.top_logprobs))
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert lp.text_offset == [len(PROMPT) + len("".join(lp.tokens[:i])) for i in range(5)]
+
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 and c.logprob == c.top_logprobs[0].logprob
+               for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_models_health_and_metrics(tiny, server, client):
+    url, engine, _ = server
+    assert [m.id for m in client.models.list().data] == [NAME]
+    health = httpx.get(f"{url}/health")
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+
+    before = scrape(url)
+    for name in ("fivefold_requests_running", "fivefold_requests_waiting", "fivefold_kv_blocks_used",
+                 "fivefold_kv_cache_usage_ratio", "fivefold_prefix_cache_hit_rate",
+                 "fivefold_generation_tokens_per_second", "fivefold_time_per_output_token_seconds_count"):
+        assert name in before, name
+    prompt = f"{PROMPT} jumps over the lazy dog. " * 2
+    prompt_len = len(tiny[1].encode(prompt).ids)
+    assert prompt_len > ENGINE["block_size"]  # so the second request finds a cached block
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = scrape(url)
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+
+    assert grew("fivefold_generation_tokens_total") == 10
+    assert grew("fivefold_prompt_tokens_total") == 2 * prompt_len
+    assert grew('fivefold_requests_finished_total{"reason": "length"}') == 2
+    assert grew('fivefold_requests_finished_total{"reason": "abort"}') == 0
+    assert grew("fivefold_time_to_first_token_seconds_count") == 2
+    assert grew("fivefold_time_per_output_token_seconds_count") == 2
+    assert after["fivefold_generation_tokens_per_second"] > 0
+    assert after["fivefold_kv_blocks_used"] == after["fivefold_requests_running"] == 0
+    assert after["fivefold_kv_cache_usage_ratio"] == 0
+    assert after["fivefold_prefix_cache_hit_rate"] == pytest.approx(engine.blocks.hit_rate) and engine.blocks.hit_rate > 0
+
+
+# ---- errors
+
+
+def test_bad_requests_are_400_in_openais_shape(server, client):
+    url = server[0]
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's context of 256 tokens"):
+        client.completions.create(model=NAME, prompt="fox " * 300, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        client.completions.create(model=NAME, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
+        client.completions.create(model=NAME, prompt=PROMPT, echo=True)
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist"):
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+
+    r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": "many"})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "max_tokens: Input should be a valid integer, unable to parse string "
+                                             "as an integer", "type": "invalid_request_error",
+                                  "param": "max_tokens", "code": 400}}
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body is not valid JSON")
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.get(f"{url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert idle(server[1])
+
+
+def test_full_queue_is_429(tiny):
+    """No lifespan under httpx's ASGI transport, so nothing steps: the first request waits, the second
+    finds the queue full."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, serve_config(ENGINE))
+    app = create_app(engine, NAME, max_waiting=1)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
+            body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4}
+            first = asyncio.create_task(http.post("/v1/completions", json=body))
+            while engine.num_waiting == 0:
+                await asyncio.sleep(0.01)
+            second = await http.post("/v1/completions", json=body)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            return second
+
+    second = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert second.status_code == 429
+    error = second.json()["error"]
+    assert error["type"] == "rate_limit_error" and "queue is full (1 requests waiting" in error["message"]
+    # The cancelled first request is aborted by the stepping thread once it runs.
+    runner = app.state.runner
+    runner.start()
+    try:
+        wait_until(lambda: idle(engine))
+    finally:
+        runner.stop()
+    assert engine.stats["aborted"] == 1 and engine.stats["generation_tokens"] == 0
+
+
+def test_clients_that_leave_abort_their_requests(server):
+    url, engine, _ = server
+    aborted = engine.stats["aborted"]
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        first = next(r.iter_lines())
+        assert first.startswith("data: {")
+    wait_until(lambda: idle(engine))
+    assert engine.stats["aborted"] == aborted + 1
+
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    wait_until(lambda: idle(engine))
+    assert engine.stats["aborted"] == aborted + 2
+    assert scrape(url)['fivefold_requests_finished_total{"reason": "abort"}'] >= 2
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, client):
+    url, engine, _ = server
+
+    def fail_once(module, args):
+        hook.remove()
+        raise RuntimeError("injected")
+
+    hook = engine.model.register_forward_pre_hook(fail_once)
+    with pytest.raises(openai.InternalServerError, match="the engine failed during a step: RuntimeError: injected"):
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4)
+    assert idle(engine)
+
+    hook = engine.model.register_forward_pre_hook(fail_once)
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": NAME, "prompt": PROMPT, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert json.loads(events[0].removeprefix("data: "))["error"]["type"] == "server_error"
+    assert events[1:] == ["data: [DONE]"]
+
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4 and idle(engine)
+    assert scrape(url)['fivefold_requests_finished_total{"reason": "error"}'] == 2
+
+
+# ---- pieces
+
+
+def test_default_chat_template_and_template_errors(tmp_path):
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert ChatTemplate().render(messages) == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
+    strict = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}")
+    with pytest.raises(ChatTemplateError, match="user first"):
+        strict.render(messages)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    assert special_tokens(tmp_path) == ("<s>", "</s>")
+    assert special_tokens(tmp_path / "none") == ("", "")
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes(tiny):
+    _, tokenizer = tiny
+    text = "héllo 🙂 wörld"
+    ids = tokenizer.encode(text).ids
+    stream = TextStream(tokenizer, [])
+    deltas = [stream.push(ids[:i]) for i in range(1, len(ids) + 1)]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert deltas[6:9] == ["", "", ""]  # the emoji's four bytes are four tokens: sent with the last one
+    stream = TextStream(tokenizer, ["STOP", "x"])
+    sent = "".join(stream.push(ids[:i]) for i in range(1, len(ids) + 1))
+    assert sent == text[:-3]  # the longest stop string could start in the last 3 characters
+    assert sent + stream.finish(text) == text
+
+
+def test_serve_command_errors_are_one_line(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fivefold serve: error: no checkpoint found at") and err.count("\n") == 1
+    assert main(["serve", str(tmp_path), "--set", "serve.block_size=big"]) == 2
+    err = capsys.readouterr().err
+    assert err == "fivefold serve: error: serve.block_size='big' is not valid; expected an integer\n"
+    assert main(["serve", str(tmp_path), "--set", "model.hidden_size=8"]) == 2
+    assert "takes only serve.* keys" in capsys.readouterr().err
