@@ -60,6 +60,8 @@ def _list_presets(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fivefold.serve.sampling import RequestError
+
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args) or 0
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_worker(code)  # a torchrun worker ends here; a single process returns
         return code
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, RequestError) as e:
         print(f"fivefold {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -322,3 +322,27 @@ def test_kv_pool_is_what_the_plan_says():
     capped = LLM(model, kv_memory=8, max_num_seqs=3).engine.plan
     assert capped.num_blocks == 3 * 256 // 16
     assert capped.max_sequences(256) == 3 and capped.max_sequences(100) == 6
+
+
+def test_plan_serve_predicts_the_memory_the_engine_takes(tiny_config):
+    """`fivefold plan --serve`'s KV pool and weights are what the process's resident set grows by when the
+    model is loaded and the engine starts (measured, /proc/self/status)."""
+    from fivefold.memory.tracker import proc_status, return_freed_memory
+    from fivefold.serve.plan import plan_serving
+
+    cfg = tiny_config(**{"model.hidden_size": 512, "model.num_layers": 4, "model.ffn_hidden_size": 1536,
+                         "model.vocab_size": 8192, "model.num_heads": 8, "model.num_kv_heads": 4,
+                         "serve.kv_memory": 1.0, "serve.max_num_seqs": 256})
+    planned = plan_serving(cfg)
+    assert planned.kv.bytes == pytest.approx(1e9, rel=0.01)
+    LLM(tiny(), num_blocks=1)  # the code it runs is loaded (lazily imported modules are not weights)
+    return_freed_memory()
+    before = proc_status("VmRSS")
+    model = build_model(cfg.model)
+    return_freed_memory()  # the initialiser's scratch
+    weights = proc_status("VmRSS") - before
+    llm = LLM(model, **vars(cfg.serve))
+    kv = proc_status("VmRSS") - before - weights
+    assert llm.engine.plan == planned.kv
+    assert weights == pytest.approx(planned.weights, rel=0.1)  # plus what glibc keeps of the init scratch
+    assert kv == pytest.approx(planned.kv.bytes, rel=0.02)

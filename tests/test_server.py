@@ -25,7 +25,8 @@ from fivefold.model import Transformer, materialize  # noqa: E402
 from fivefold.serve import LLM, Engine, SamplingParams  # noqa: E402
 from fivefold.serve.chat import ChatTemplate, ChatTemplateError, special_tokens  # noqa: E402
 from fivefold.serve.engine import serve_config  # noqa: E402
-from fivefold.serve.server import TextStream, create_app  # noqa: E402
+from fivefold.serve.protocol import TextStream  # noqa: E402
+from fivefold.serve.server import create_app  # noqa: E402
 
 NAME = "tiny"
 PROMPT = "The quick brown fox"
@@ -226,7 +227,7 @@ def test_models_health_and_metrics(tiny, server, client):
     health = httpx.get(f"{url}/health")
     assert (health.status_code, health.json()) == (200, {"status": "ok"})
 
-    before = scrape(url)
+    before, hits = scrape(url), engine.blocks.hit_tokens
     for name in ("fivefold_requests_running", "fivefold_requests_waiting", "fivefold_kv_blocks_used",
                  "fivefold_kv_cache_usage_ratio", "fivefold_prefix_cache_hit_rate",
                  "fivefold_generation_tokens_per_second", "fivefold_time_per_output_token_seconds_count"):
@@ -251,7 +252,9 @@ def test_models_health_and_metrics(tiny, server, client):
     assert after["fivefold_generation_tokens_per_second"] > 0
     assert after["fivefold_kv_blocks_used"] == after["fivefold_requests_running"] == 0
     assert after["fivefold_kv_cache_usage_ratio"] == 0
-    assert after["fivefold_prefix_cache_hit_rate"] == pytest.approx(engine.blocks.hit_rate) and engine.blocks.hit_rate > 0
+    # The second request found the first's full prompt blocks; the gauge is the engine's rate.
+    assert engine.blocks.hit_tokens - hits == (prompt_len - 1) // ENGINE["block_size"] * ENGINE["block_size"]
+    assert after["fivefold_prefix_cache_hit_rate"] == pytest.approx(engine.blocks.hit_rate)
 
 
 # ---- errors

@@ -23,6 +23,9 @@ def register(sub) -> None:
                       help="activation memory over train.seq_len or train.micro_batch_size, eager vs SDPA")
     plan.add_argument("--values", help="comma-separated sweep values (default: powers of two around the config's)")
     plan.add_argument("--png", help="with --sweep: write the plot here")
+    plan.add_argument("--serve", action="store_true",
+                      help="serving instead of training: weights, the KV pool (serve.*), and how many "
+                           "sequences of each length fit at once")
     plan.set_defaults(func=run_plan)
 
     mem = sub.add_parser("memory", help="measure memory by category over the first training steps, plot "
@@ -48,6 +51,16 @@ def run_plan(args) -> int:
 
     cfg = config_from_args(args)
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if args.serve:
+        from fivefold.config import ConfigError
+        from fivefold.serve.plan import plan_serving
+
+        if cfg.serve.kv_memory < 1 and not cfg.serve.num_blocks and device_memory is None:
+            raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
+                             f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
+        serving = plan_serving(cfg, device_memory)
+        print(json.dumps(serving.to_json(), indent=2) if args.json else serving.table())
+        return 0
     if args.sweep:
         return _run_sweep(args, cfg, sweep)
     plan = plan_memory(cfg, device_memory, device=args.device)

@@ -21,14 +21,10 @@ from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
-from fivefold.serve.sampling import SamplingParams, sample
+from fivefold.serve.sampling import RequestError, SamplingParams, sample
 from fivefold.serve.scheduler import Scheduler, Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as asked; the message says what to change."""
 
 
 @dataclass

@@ -13,6 +13,10 @@ import torch
 MAX_LOGPROBS = 20
 
 
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the message says what to change."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -47,7 +51,7 @@ class SamplingParams:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"SamplingParams: {message}")
+                raise RequestError(f"SamplingParams: {message}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,65 @@
+"""What serving a model costs in memory, before launch: weights, the KV pool, and one forward's logits.
+
+The engine sizes its pool with the same `kv_plan`, so `fivefold plan --serve` and the engine's start-up
+line agree by construction; tests/test_serve_engine.py measures the process against this plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fivefold.config import Config
+from fivefold.memory.formulas import count_params
+from fivefold.serve.blocks import blocks_for
+from fivefold.serve.kv_pool import KVPlan, kv_plan
+
+
+@dataclass
+class ServePlan:
+    weights: int  # bytes
+    kv: KVPlan
+    logits: int  # bytes of one step's fp32 logits (max_num_seqs rows)
+    max_model_len: int
+    free_bytes: int | None  # what a fractional serve.kv_memory was taken of
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv.bytes + self.logits
+
+    def to_json(self) -> dict:
+        lengths = sorted({n for n in (512, 2048, 8192) if n < self.max_model_len} | {self.max_model_len})
+        return {"weights_bytes": self.weights, "kv_bytes": self.kv.bytes, "logits_bytes": self.logits,
+                "total_bytes": self.total, "kv_bytes_per_token": self.kv.bytes_per_token,
+                "block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks, "kv_tokens": self.kv.tokens,
+                "max_model_len": self.max_model_len,
+                "max_sequences": {str(n): self.kv.max_sequences(n) for n in lengths}}
+
+    def table(self) -> str:
+        from fivefold.memory.plots import human_bytes
+
+        data = self.to_json()
+        rows = [("weights", self.weights), ("KV pool", self.kv.bytes), ("logits (one step)", self.logits),
+                ("total", self.total)]
+        lines = [f"{name:<20}{n:>16,d}  {human_bytes(n):>10}" for name, n in rows]
+        lines.append(f"KV: {self.kv.bytes_per_token:,d} bytes/token, {self.kv.num_blocks:,d} blocks of "
+                     f"{self.kv.block_size} tokens = {self.kv.tokens:,d} tokens"
+                     + (f" (from {human_bytes(self.free_bytes)} free)" if self.free_bytes is not None else ""))
+        lines += [f"  sequences of {n} tokens at once: {k:,d}" for n, k in data["max_sequences"].items()]
+        return "\n".join(lines)
+
+
+def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int | None = None) -> ServePlan:
+    """`free_bytes`: memory free once the weights are loaded (what a fractional serve.kv_memory takes a
+    share of); by default `device_memory` less the weights."""
+    s, m = cfg.serve, cfg.model
+    dtype = getattr(torch, s.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = count_params(m) * itemsize
+    if free_bytes is None and device_memory is not None:
+        free_bytes = device_memory - weights
+    max_model_len = s.max_model_len or m.max_seq_len
+    kv = kv_plan(m, s.kv_memory, s.block_size, dtype, free_bytes=free_bytes, num_blocks=s.num_blocks,
+                 max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size))
+    return ServePlan(weights, kv, s.max_num_seqs * m.vocab_size * 4, max_model_len, free_bytes)

@@ -1,0 +1,204 @@
+"""The OpenAI API's shapes: request bodies (validated by pydantic), errors, usage, logprobs, and the text
+of a running request that is safe to stream."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticUseDefault
+
+from fivefold.serve.engine import RequestOutput
+from fivefold.serve.sampling import SamplingParams
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.status}}
+
+
+class StepFailed(APIError):
+    """The engine raised during a step this request was part of."""
+
+    def __init__(self, message: str):
+        super().__init__(500, message)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share. Unknown fields are ignored, as other OpenAI-compatible servers
+    do, and an explicit null means the default, as in OpenAI's API."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def null_is_default(cls, value):
+        if value is None:
+            raise PydanticUseDefault()
+        return value
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request ({len(prompt)} given); send them as separate requests",
+                               "prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str = ""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+    def message_dicts(self) -> list[dict]:
+        """The messages as the chat template sees them: role and text content."""
+        messages = []
+        for i, m in enumerate(self.messages):
+            content = m.content or ""
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
+                content = "".join(part.text for part in content)
+            messages.append({"role": m.role, "content": content})
+        return messages
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if body.n != 1:
+        raise APIError(400, f"n={body.n}: this server returns one choice per request; send n requests", "n")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_k=0 if body.top_k == -1 else body.top_k,
+            top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop),
+            stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    # A byte-level token that ends inside a UTF-8 character decodes with U+FFFD, as in OpenAI's tokens.
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, entries: list[dict], offset: int) -> tuple[dict, int]:
+    """The completions API's logprobs object for `entries`, their text offsets counted from `offset`;
+    also the offset after them."""
+    tokens = [token_text(tokenizer, e["token_id"]) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    tops = []
+    for e in entries:
+        # Keyed by text, two tokens can collide (e.g. partial characters, both U+FFFD): keep the likelier.
+        top = {}
+        for token_id, logprob in e["top"]:
+            top.setdefault(token_text(tokenizer, token_id), logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def chat_logprobs(tokenizer, entries: list[dict]) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(i, lp) for i, lp in e["top"]]}
+                        for e in entries]}
+
+
+class TextStream:
+    """A running request's token ids -> the text that is safe to send so far.
+
+    Held back: a character still incomplete (a byte-level token can end inside one; it decodes as
+    U+FFFD), and with stop strings the last (longest stop - 1) characters, where a stop string could
+    be starting: the engine cuts the text before a stop string, and no part of one may have been sent.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.hold = max(map(len, stop), default=1) - 1
+        self.text = ""  # complete characters decoded so far
+        self.sent = 0  # of which sent
+        # Tokens [prefix, read) decode to the end of self.text. Decoding from one token back keeps the
+        # leading space a decoder such as SentencePiece's drops from a slice's first token.
+        self.prefix = self.read = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        before = self.tokenizer.decode(token_ids[self.prefix:self.read])
+        now = self.tokenizer.decode(token_ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(token_ids)
+        end = len(self.text) - self.hold
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (the engine's own, stop strings cut)."""
+        return final_text[self.sent:]
