@@ -37,8 +37,13 @@ def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
         cfg.parallel.dp = nproc
     validate(cfg, world_size=nproc)
     check_supported(cfg)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun(torchrun_args(nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))
+    except SignalException as e:  # Ctrl-C / SIGTERM: the workers got it too, and stopped
+        print(f"fivefold {command}: stopped by signal {e.sigval.value}", file=sys.stderr)
+        return 130
     except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
         print(f"fivefold {command}: a worker failed: {e}", file=sys.stderr)
         return 1

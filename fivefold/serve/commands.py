@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +19,9 @@ def register(sub) -> None:
     p.add_argument("--model-name", help="the model id clients send (default: MODEL's directory name)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed of their own")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel over N processes (launched through torchrun): rank 0 serves HTTP and "
+                        "drives, the others run their shard of every forward")
     p.add_argument("--config", help="TOML config file; only its [serve] table is read")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
                    help="engine option, e.g. --set serve.kv_memory=0.3 --set serve.max_num_seqs=32 (repeatable)")
@@ -26,7 +31,9 @@ def register(sub) -> None:
 def run_serve(args) -> int:
     from fivefold.config import ConfigError, load_config
     from fivefold.serve.chat import special_tokens
-    from fivefold.serve.engine import Engine, load_model_for_serving
+    from fivefold.parallel.mesh import local_device
+    from fivefold.serve.engine import Engine
+    from fivefold.serve.loading import load_model_for_serving
     from fivefold.serve.server import serve
     from fivefold.train.trainer import resolve_device
 
@@ -35,26 +42,37 @@ def run_serve(args) -> int:
     if other:
         raise ConfigError(f"--set {other[0]!r}: fivefold serve takes only serve.* keys (the model comes from MODEL)")
     cfg = load_config(args.config, None, args.overrides).serve
-    device = resolve_device(args.device)
+    if args.tp > 1 and "LOCAL_RANK" not in os.environ:
+        from fivefold.serve.tensor_parallel import launch
+        return launch(args.model, args.tp, sys.argv[1:], "serve")
+    device = local_device(resolve_device(args.device))
     try:
-        loaded = load_model_for_serving(args.model, args.tokenizer, cfg.dtype, device)
+        loaded = load_model_for_serving(args.model, args.tokenizer, cfg.dtype, device, args.tp)
     except ValueError as e:  # e.g. an architecture import_hf does not support
         return _fail(e)
     if loaded.tokenizer is None:
         return _fail(f"{args.model} has no tokenizer.json; pass --tokenizer tokenizer.json")
-    engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed)
-    source = Path(args.model)
-    if not (source / "config.json").is_file():  # a fivefold run or checkpoints root: its checkpoint's files
-        from fivefold.train.checkpoint import resolve_checkpoint
-        source = resolve_checkpoint(source)
-    bos_token, eos_token = special_tokens(source)
+    engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed, tp=loaded.tp)
+    if loaded.tp and not loaded.tp.is_driver:
+        # Ctrl-C reaches every rank; the driver's server stops first and then releases us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        engine.follow()
+        return 0
+    bos_token, eos_token = special_tokens(loaded.directory)
     name = args.model_name or Path(args.model).resolve().name
     n = sum(p.numel() for p in loaded.model.parameters())
-    print(f"model: {args.model} ({n:,} parameters, {cfg.dtype}, {device})")
+    shard = f" on each of {args.tp} tensor-parallel ranks" if loaded.tp else ""
+    print(f"model: {args.model} ({n:,} parameters{shard}, {cfg.dtype}, {device})")
     print(engine.plan.describe(engine.max_model_len))
     print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.serve.chat)"))
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
-    serve(engine, name, args.host, args.port, loaded.chat_template, bos_token=bos_token, eos_token=eos_token or None)
+    try:
+        serve(engine, name, args.host, args.port, loaded.chat_template, bos_token=bos_token, eos_token=eos_token or None)
+    finally:
+        try:
+            engine.release_followers()
+        except RuntimeError:  # the followers were stopped already (e.g. by torchrun): nothing to release
+            pass
     return 0
 
 

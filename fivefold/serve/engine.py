@@ -21,10 +21,10 @@ from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
+from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import RequestError, SamplingParams, sample
 from fivefold.serve.scheduler import Scheduler, Sequence
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -45,45 +45,6 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class LoadedModel:
-    model: Transformer
-    tokenizer: object | None  # tokenizers.Tokenizer
-    source: str
-    chat_template: str | None = None
-
-
-def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = None, dtype: str = "float32",
-                           device: str | torch.device = "cpu") -> LoadedModel:
-    """A Hugging Face directory (or a fivefold export), or a fivefold run / checkpoint (sharded ones
-    included), with its tokenizer.json and, from tokenizer_config.json, its chat template."""
-    import json
-
-    from fivefold.data.tokenizer import load_tokenizer
-
-    src = Path(source)
-    if (src / "config.json").is_file():
-        from fivefold.interop.hf import import_hf
-        _, model = import_hf(src)
-        directory = src
-    else:
-        from fivefold.train.checkpoint import load_model, resolve_checkpoint
-        directory = resolve_checkpoint(src)
-        _, model = load_model(directory)
-    model = model.to(device=torch.device(device), dtype=DTYPES[dtype])
-    model.reset_buffers()
-    model.eval()
-    tok_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
-    tok = load_tokenizer(tok_path) if tokenizer or tok_path.is_file() else None
-    template = None
-    config_path = directory / "tokenizer_config.json"
-    if config_path.is_file():
-        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(template, list):  # several named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return LoadedModel(model, tok, str(source), template)
-
-
 def serve_config(options: Mapping) -> ServeConfig:
     """ServeConfig from keyword options, validated; unknown names are an error that lists the valid ones."""
     names = {f.name for f in fields(ServeConfig)}
@@ -96,7 +57,11 @@ def serve_config(options: Mapping) -> ServeConfig:
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer=None, serve: ServeConfig | None = None, seed: int = 0):
+    """`tp`: this rank's tensor-parallel group (fivefold.serve.tensor_parallel) when the model is a shard;
+    rank 0 then drives (schedules, samples, broadcasts each batch) and the others `follow()`."""
+
+    def __init__(self, model: Transformer, tokenizer=None, serve: ServeConfig | None = None, seed: int = 0,
+                 tp=None):
         self.model, self.tokenizer = model.eval(), tokenizer
         for module in model.modules():
             if isinstance(module, MoE):  # dropping tokens would make an output depend on its batch companions
@@ -110,14 +75,19 @@ class Engine:
         if mc.position == "learned" and self.max_model_len > mc.max_seq_len:
             raise ConfigError(f"serve.max_model_len={self.max_model_len} exceeds the learned positions of "
                               f"model.max_seq_len={mc.max_seq_len}")
+        self.tp = tp
+        shards = tp.size if tp else 1
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
                                     free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks,
-                                    max_blocks=self.cfg.max_num_seqs * blocks_for(self.max_model_len, self.cfg.block_size))
+                                    max_blocks=self.cfg.max_num_seqs * blocks_for(self.max_model_len, self.cfg.block_size),
+                                    tp=shards)
+        if tp:
+            self.plan.num_blocks = tp.agree_on_blocks(self.plan.num_blocks)
         if self.plan.num_blocks < 1:
             raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
-        self.pool = KVPool(mc, self.plan, self.device, self.dtype)
+        self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
@@ -195,11 +165,12 @@ class Engine:
             if not work:
                 return []
             work.sort(key=lambda e: e[1] != 1)  # single tokens first: they attend as one padded batch
-            batch = PagedBatch(self.pool, [(s.block_table, s.num_computed, n) for s, n in work], self.device)
+            entries = [(s.block_table, s.num_computed, n) for s, n in work]
             ids = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
             sampled = [i for i, (s, n) in enumerate(work) if s.num_computed + n == len(s.token_ids)]
-            ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=batch.last[sampled])
-            logits = self.model(torch.tensor([ids], device=self.device), ctx)
+            if self.tp:
+                self.tp.broadcast(("forward", ids, entries, sampled))
+            logits = self._forward(ids, entries, sampled)
             for s, n in work:
                 s.num_computed += n
                 self.blocks.register(s)
@@ -215,6 +186,34 @@ class Engine:
                 self._append(seq, token, entry, now)
             self.stats["generation_tokens"] += len(seqs)
             return [self.output(s) for s in seqs]
+
+    def _forward(self, ids: list[int], entries: list[tuple[list[int], int, int]], sampled: list[int]) -> torch.Tensor:
+        """The model over one flattened batch; the logits (full vocabulary) of the `sampled` entries' last tokens."""
+        batch = PagedBatch(self.pool, entries, self.device)
+        ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=batch.last[sampled])
+        logits = self.model(torch.tensor([ids], device=self.device), ctx)
+        return self.tp.gather_logits(logits) if self.tp else logits
+
+    @torch.inference_mode()
+    def follow(self):
+        """A tensor-parallel follower: run the driver's forwards until it releases us; returns what the
+        driver passed to `release_followers` (or raises its error)."""
+        while True:
+            command, *payload = self.tp.broadcast()
+            if command == "forward":
+                self._forward(*payload)
+            elif command == "error":
+                raise RequestError(payload[0]) if payload[1] else RuntimeError(payload[0])
+            else:
+                return payload[0]
+
+    def release_followers(self, result=None, error: Exception | None = None) -> None:
+        """The driver's end of a `follow()`: its result, or its error, on every rank."""
+        if self.tp and self.tp.is_driver:
+            if error is None:
+                self.tp.broadcast(("done", result))
+            else:
+                self.tp.broadcast(("error", str(error), isinstance(error, RequestError)))
 
     def _append(self, seq: Sequence, token: int, entry: dict | None, now: float) -> None:
         if seq.first_token_time is None:
@@ -267,6 +266,9 @@ class Engine:
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """New values for some or all parameters (fivefold names), between steps. Queued requests stay;
         running ones are recomputed under the new weights, and the prefix cache is forgotten."""
+        if self.tp:
+            raise ConfigError("update_weights takes whole tensors: use it with tp=1 (a tensor-parallel engine "
+                              "would need each rank's shard)")
         params = dict(self.model.named_parameters())
         unknown = sorted(set(weights) - set(params))
         if unknown:
@@ -291,19 +293,24 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | Transformer, tokenizer=None, device: str = "auto", seed: int = 0,
-                 **engine_options):
+                 tp: int = 1, **engine_options):
+        from fivefold.parallel.mesh import launched_world_size, local_device
         from fivefold.train.trainer import resolve_device
 
         serve = serve_config(engine_options)
         self.chat_template = None
+        group = None
+        if tp > 1 and (isinstance(model, Transformer) or launched_world_size() != tp):
+            raise ConfigError(f"tp={tp} serves a model from its path on {tp} processes: run under "
+                              f"torchrun --nproc-per-node {tp} (fivefold generate/serve --tp {tp} launch it)")
         if isinstance(model, Transformer):
             if isinstance(tokenizer, (str, Path)):
                 from fivefold.data.tokenizer import load_tokenizer
                 tokenizer = load_tokenizer(tokenizer)
         else:
-            loaded = load_model_for_serving(model, tokenizer, serve.dtype, resolve_device(device))
-            model, tokenizer, self.chat_template = loaded.model, loaded.tokenizer, loaded.chat_template
-        self.engine = Engine(model, tokenizer, serve, seed)
+            loaded = load_model_for_serving(model, tokenizer, serve.dtype, local_device(resolve_device(device)), tp)
+            model, tokenizer, self.chat_template, group = loaded.model, loaded.tokenizer, loaded.chat_template, loaded.tp
+        self.engine = Engine(model, tokenizer, serve, seed, tp=group)
 
     @property
     def tokenizer(self):
@@ -311,7 +318,20 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a text, a token-id list, or a list of either)."""
+        """Outputs in the order of `prompts` (a text, a token-id list, or a list of either). Under tensor
+        parallelism every rank calls it; rank 0's prompts are the ones served, and every rank gets the outputs."""
+        engine = self.engine
+        if engine.tp and not engine.tp.is_driver:
+            return engine.follow()
+        try:
+            outputs = self._generate(prompts, params, progress)
+        except Exception as e:
+            engine.release_followers(error=e)
+            raise
+        engine.release_followers(outputs)
+        return outputs
+
+    def _generate(self, prompts, params, progress: bool) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):

@@ -375,8 +375,26 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           chat_template: str | None = None, **app_options) -> None:
-    """Run the app with uvicorn until interrupted; `app_options` go to create_app."""
+    """Run the app with uvicorn until Ctrl-C / SIGTERM, then return (in-flight requests finish first);
+    `app_options` go to create_app."""
+    import signal
+
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name, chat_template, **app_options), host=host, port=port,
-                log_level="info")
+    class Server(uvicorn.Server):
+        first_signal = None
+
+        def handle_exit(self, sig, frame) -> None:
+            # Shut down gracefully and return to the caller (uvicorn would re-raise the signal after
+            # shutting down, into the middle of the event loop's teardown). Another Ctrl-C forces it, but
+            # only a second or more later: under torchrun each worker gets the terminal's SIGINT and then
+            # the agent's copy of it at once.
+            now = time.monotonic()
+            if self.first_signal is None:
+                self.first_signal = now
+            elif sig == signal.SIGINT and now - self.first_signal > 1.0:
+                self.force_exit = True
+            self.should_exit = True
+
+    app = create_app(engine, model_name, chat_template, **app_options)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -41,12 +42,12 @@ def register(sub) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
     gen.add_argument("--device", default="auto")
+    gen.add_argument("--tp", type=int, default=1, metavar="N",
+                     help="tensor parallel over N processes (launched through torchrun; gloo on CPU, NCCL on GPU)")
     gen.set_defaults(func=run_generate)
 
 
 def run_train(args) -> int:
-    import os
-
     from fivefold.train.trainer import Trainer
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -101,15 +102,20 @@ def run_compare(args) -> int:
 
 def run_generate(args) -> int:
     from fivefold.serve import LLM, SamplingParams
-    from fivefold.train.checkpoint import resolve_checkpoint
+    from fivefold.serve.loading import model_directory
 
     src = Path(args.checkpoint)
     if not args.tokenizer:  # before loading any weights
-        found = (src if (src / "config.json").is_file() else resolve_checkpoint(src)) / "tokenizer.json"
+        found = model_directory(src) / "tokenizer.json"
         if not found.is_file():
             raise FileNotFoundError(f"no tokenizer at {found}; pass --tokenizer tokenizer.json")
-    llm = LLM(src, tokenizer=args.tokenizer, device=args.device)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    print(args.prompt + llm.generate(args.prompt, params)[0].text)
+    if args.tp > 1 and "LOCAL_RANK" not in os.environ:
+        from fivefold.serve.tensor_parallel import launch
+        return launch(src, args.tp, sys.argv[1:], "generate")
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp)
+    text = llm.generate(args.prompt, params)[0].text
+    if os.environ.get("RANK", "0") == "0":
+        print(args.prompt + text)
     return 0

@@ -1,0 +1,106 @@
+"""Loading a model to serve: from a Hugging Face directory (or a fivefold export) or a fivefold run or
+checkpoint (written under any training layout), with its tokenizer and chat template.
+
+The model is built on the meta device and each parameter is materialised from the files one tensor
+at a time (safetensors slices for Hugging Face files, DCP reads for fivefold checkpoints): the process
+never holds more than the weights it serves plus one tensor, also when it is one tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fivefold.config import Config, ModelConfig, ParallelConfig
+from fivefold.model import Transformer, meta_model
+from fivefold.model.init import materialize_parameters
+from fivefold.serve.tensor_parallel import TensorParallelGroup
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object | None  # tokenizers.Tokenizer
+    directory: Path  # where the weights and tokenizer files are
+    chat_template: str | None = None
+    tp: TensorParallelGroup | None = None
+
+
+def is_hf_directory(src: Path) -> bool:
+    """A Hugging Face model directory; a fivefold checkpoint has a config.json too, beside its state/."""
+    return (src / "config.json").is_file() and not (src / "state").is_dir()
+
+
+def model_directory(source: str | Path) -> Path:
+    """The directory holding the weights: an HF directory itself, or a run's latest checkpoint."""
+    src = Path(source)
+    if is_hf_directory(src):
+        return src
+    from fivefold.train.checkpoint import resolve_checkpoint
+    return resolve_checkpoint(src)
+
+
+def model_config_of(directory: Path) -> ModelConfig:
+    """The ModelConfig of an HF directory or a fivefold checkpoint, read without any weights."""
+    if is_hf_directory(directory):
+        from fivefold.interop.hf import config_from_hf
+        return config_from_hf(json.loads((directory / "config.json").read_text(encoding="utf-8")))
+    from fivefold.train.checkpoint import read_config
+    return read_config(directory).model
+
+
+def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = None, dtype: str = "float32",
+                           device: str | torch.device = "cpu", tp: int = 1) -> LoadedModel:
+    """The model (this rank's shard when tp > 1: the process group is started here, after the layout is
+    validated), its tokenizer.json and, from tokenizer_config.json, its chat template."""
+    from fivefold.parallel.placement import record
+    from fivefold.train.checkpoint import Piece, read_state
+
+    directory = model_directory(source)
+    device = torch.device(device)
+    cfg = Config(model=model_config_of(directory), parallel=ParallelConfig(tp=tp))
+    model = meta_model(cfg.model, torch.float32)
+    axes, group = {}, None
+    if tp > 1:
+        from fivefold.parallel.mesh import init_mesh
+        from fivefold.parallel.tensor_parallel import apply_tensor_parallel
+
+        mesh = init_mesh(cfg, device)  # rejects e.g. heads not divisible by tp before any group starts
+        axes = apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=False)
+        group = TensorParallelGroup(mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+    placements = record(model, axes, set(), group.rank if group else 0, tp)
+    if is_hf_directory(directory):
+        from fivefold.interop.hf import HFWeights
+        weights = HFWeights(directory, cfg.model)  # a tensor-parallel rank reads only its slices
+        materialize_parameters(model, lambda name, p: weights(name, placements[name]), device, torch.float32)
+    else:
+        materialize_parameters(model, lambda name, p: torch.empty(placements[name].local_shape), device,
+                               torch.float32)
+        with torch.no_grad():  # straight into this rank's slices, whatever layout wrote the checkpoint
+            read_state(directory, {f"model.{name}": Piece(p, placements[name].global_shape, placements[name].offsets)
+                                   for name, p in model.named_parameters()})
+    model = model.to(DTYPES[dtype])
+    model.reset_buffers(device)
+    tok, template = tokenizer_and_template(directory, tokenizer)
+    return LoadedModel(model.eval(), tok, directory, template, group)
+
+
+def tokenizer_and_template(directory: Path, tokenizer: str | Path | None = None):
+    """(tokenizers.Tokenizer or None, chat template or None) of a model directory; `tokenizer`: another
+    tokenizer.json to use."""
+    from fivefold.data.tokenizer import load_tokenizer
+
+    path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
+    tok = load_tokenizer(path) if tokenizer or path.is_file() else None
+    template = None
+    config_path = directory / "tokenizer_config.json"
+    if config_path.is_file():
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return tok, template

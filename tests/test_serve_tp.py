@@ -1,0 +1,67 @@
+"""Tensor-parallel serving (tp=2, gloo, torchrun) against one process: the same tokens, the same logprobs,
+from a Hugging Face directory and from a fivefold checkpoint; a bad --tp is refused before any worker starts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.cli import main
+from fivefold.config import Config
+from fivefold.model import build_model
+from fivefold.presets import PRESETS
+from fivefold.serve import LLM, SamplingParams
+from fivefold.train.checkpoint import save_model
+
+WORKER = Path(__file__).with_name("serve_tp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same tiny GQA Llama (4 heads, 2 kv heads, vocab 512) as a fivefold checkpoint and as an HF export."""
+    from fivefold.data.tokenizer import train_tokenizer
+    from fivefold.interop.hf import export_hf
+
+    root = tmp_path_factory.mktemp("tp-serve")
+    model = build_model(PRESETS["tiny"], seed=5)
+    tokenizer = train_tokenizer(["the cat sat on the mat", "a dog ran"] * 20, 300)
+    save_model(root / "ckpt", Config(model=PRESETS["tiny"]), model,
+               extra_files={"tokenizer.json": tokenizer.to_str().encode()})
+    export_hf(model, root / "hf")
+    return {"checkpoint": root / "ckpt", "hf": root / "hf"}
+
+
+def requests(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in (3, 40, 17, 1, 29, 8)]
+    params = [dict(max_tokens=12, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    return {"prompts": prompts, "params": params}
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "hf"])
+def test_tp2_serves_what_one_process_serves(sources, kind, tmp_path):
+    spec = requests(PRESETS["tiny"].vocab_size)
+    (tmp_path / "requests.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(WORKER), str(sources[kind]), str(tmp_path / "requests.json"), str(tmp_path / "out.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sharded = json.loads((tmp_path / "out.json").read_text())
+    llm = LLM(str(sources[kind]), device="cpu", block_size=4, max_num_batched_tokens=48)
+    single = llm.generate(spec["prompts"], [SamplingParams(**p) for p in spec["params"]])
+    for one, two in zip(single, sharded):
+        assert two["token_ids"] == one.token_ids
+        assert two["logprobs"] == pytest.approx([e["logprob"] for e in one.logprobs], abs=1e-5)
+
+
+def test_bad_tp_is_refused_before_any_worker_starts(sources, capsys):
+    # 4 heads, 2 kv heads: tp=3 cannot split them.
+    assert main(["generate", "--checkpoint", str(sources["checkpoint"]), "--prompt", "x", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.tp=3 does not divide model.num_heads=4" in err and err.count("\n") == 1
+    with pytest.raises(Exception, match="run under torchrun --nproc-per-node 2"):
+        LLM(str(sources["checkpoint"]), tp=2)
