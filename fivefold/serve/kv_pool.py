@@ -79,8 +79,13 @@ class KVPool:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def _slots(tables: list[list[int]], lengths: list[int], block_size: int) -> torch.Tensor:
+    """(B, max length) pool slots of positions 0..length-1 of each sequence, padded with slot 0."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    pos = torch.arange(max(lengths))
+    slots = table[:, pos // block_size] * block_size + pos % block_size
+    return slots.masked_fill(pos >= torch.tensor(lengths)[:, None], 0)
 
 
 class PagedBatch:
@@ -93,34 +98,27 @@ class PagedBatch:
         """entries: (block_table, tokens already cached, tokens now) per sequence, single tokens first."""
         bs = pool.block_size
         self.pool = pool
-        slots, positions = [], []
-        for table, past, n in entries:
-            slots += _slots(table, past, past + n, bs)
-            positions += range(past, past + n)
-        self.slots = torch.tensor(slots, device=device)
-        self.positions = torch.tensor([positions], device=device)
-        decodes = [(t, p) for t, p, n in entries if n == 1]
-        self.num_decodes = len(decodes)
-        if decodes:
-            longest = max(p + 1 for _, p in decodes)
-            index = [_slots(t, 0, p + 1, bs) + [0] * (longest - p - 1) for t, p in decodes]
-            self.decode_index = torch.tensor(index, device=device)  # (B, Lmax): padded with slot 0
-            lengths = torch.tensor([p + 1 for _, p in decodes], device=device)
-            self.decode_mask = (torch.arange(longest, device=device) < lengths[:, None])[:, None, None]
+        tables = [t for t, _, _ in entries]
+        ends = [p + n for _, p, n in entries]
+        every = _slots(tables, ends, bs)  # (sequences, longest): all of each sequence's slots, this call's too
+        self.slots = torch.cat([every[i, p:p + n] for i, (_, p, n) in enumerate(entries)]).to(device)
+        self.positions = torch.cat([torch.arange(p, p + n) for _, p, n in entries])[None].to(device)
+        self.num_decodes = sum(1 for _, _, n in entries if n == 1)
+        if self.num_decodes:
+            b = self.num_decodes
+            longest = max(ends[:b])
+            self.decode_index = every[:b, :longest].to(device)  # (B, Lmax): padded with slot 0
+            self.decode_mask = (torch.arange(longest) < torch.tensor(ends[:b])[:, None])[:, None, None].to(device)
         self.chunks = []  # (start in the row, tokens, slots of the whole sequence so far, mask or None)
         start = self.num_decodes
-        for table, past, n in entries[self.num_decodes:]:
-            index = torch.tensor(_slots(table, 0, past + n, bs), device=device)
+        for i in range(self.num_decodes, len(entries)):
+            _, past, n = entries[i]
             # None: causal over equal lengths (SDPA's own); else this chunk's rows of the causal mask.
             mask = None if past == 0 else torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
-            self.chunks.append((start, n, index, mask))
+            self.chunks.append((start, n, every[i, :past + n].to(device), mask))
             start += n
         # Where each sequence's last token sits in the row: the logits to sample from.
-        ends, total = [], 0
-        for _, _, n in entries:
-            total += n
-            ends.append(total - 1)
-        self.last = torch.tensor(ends, device=device)
+        self.last = (torch.tensor([n for _, _, n in entries]).cumsum(0) - 1).to(device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, mask) -> torch.Tensor:
         """q (1, H, T, d), k and v (1, Hkv, T, d) -> (1, H, T, d)."""
