@@ -79,43 +79,44 @@ class KVPool:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-def _slots(tables: list[list[int]], lengths: list[int], block_size: int) -> torch.Tensor:
-    """(B, max length) pool slots of positions 0..length-1 of each sequence, padded with slot 0."""
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    pos = torch.arange(max(lengths))
-    slots = table[:, pos // block_size] * block_size + pos % block_size
-    return slots.masked_fill(pos >= torch.tensor(lengths)[:, None], 0)
+# Decodes attend in groups of this many sequences of similar length: padding every sequence to the
+# longest of the whole batch doubled the keys and values gathered (bench/serve.py, batch 64).
+DECODE_GROUP = 16
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows])
 
 
 class PagedBatch:
     """One forward of a serving batch, flattened to a single row of tokens: first one token for each of
-    `decodes` sequences, then the prompt chunks. Passed as the ForwardContext's kv_cache: each layer
-    writes this call's keys and values into their slots, then attends through the block tables, the
-    decodes as one padded batch and each chunk on its own (SDPA over gathered blocks)."""
+    the decoding sequences, then the prompt chunks. Passed as the ForwardContext's kv_cache: each layer
+    writes this call's keys and values into their slots, then attends through the block tables, gathering
+    whole blocks: the decodes as padded batches of similar lengths, each chunk on its own."""
 
     def __init__(self, pool: KVPool, entries: list[tuple[list[int], int, int]], device):
         """entries: (block_table, tokens already cached, tokens now) per sequence, single tokens first."""
         bs = pool.block_size
         self.pool = pool
-        tables = [t for t, _, _ in entries]
-        ends = [p + n for _, p, n in entries]
-        every = _slots(tables, ends, bs)  # (sequences, longest): all of each sequence's slots, this call's too
-        self.slots = torch.cat([every[i, p:p + n] for i, (_, p, n) in enumerate(entries)]).to(device)
-        self.positions = torch.cat([torch.arange(p, p + n) for _, p, n in entries])[None].to(device)
+        positions = torch.cat([torch.arange(p, p + n) for _, p, n in entries])
+        rows = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor([n for _, _, n in entries]))
+        tables = _padded([t for t, _, _ in entries])
+        self.slots = (tables[rows, positions // bs] * bs + positions % bs).to(device)
+        self.positions = positions[None].to(device)
         self.num_decodes = sum(1 for _, _, n in entries if n == 1)
-        if self.num_decodes:
-            b = self.num_decodes
-            longest = max(ends[:b])
-            self.decode_index = every[:b, :longest].to(device)  # (B, Lmax): padded with slot 0
-            self.decode_mask = (torch.arange(longest) < torch.tensor(ends[:b])[:, None])[:, None, None].to(device)
-        self.chunks = []  # (start in the row, tokens, slots of the whole sequence so far, mask or None)
+        lengths = torch.tensor([p + n for _, p, n in entries])
+        self.groups = []  # (which decodes, (G, blocks) block indices, (G, 1, 1, blocks x bs) mask)
+        for group in lengths[:self.num_decodes].argsort().split(DECODE_GROUP) if self.num_decodes else ():
+            blocks = -(-int(lengths[group].max()) // bs)
+            mask = torch.arange(blocks * bs) < lengths[group][:, None]
+            self.groups.append((group.to(device), tables[group, :blocks].to(device), mask[:, None, None].to(device)))
+        self.chunks = []  # (start in the row, tokens, the sequence's blocks, mask or None)
         start = self.num_decodes
-        for i in range(self.num_decodes, len(entries)):
-            _, past, n = entries[i]
+        for table, past, n in entries[self.num_decodes:]:
             # None: causal over equal lengths (SDPA's own); else this chunk's rows of the causal mask.
             mask = None if past == 0 else torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
-            self.chunks.append((start, n, every[i, :past + n].to(device), mask))
+            self.chunks.append((start, n, torch.tensor(table[:-(-(past + n) // bs)], device=device), mask))
             start += n
         # Where each sequence's last token sits in the row: the logits to sample from.
         self.last = (torch.tensor([n for _, _, n in entries]).cumsum(0) - 1).to(device)
@@ -125,16 +126,24 @@ class PagedBatch:
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         kp.index_copy_(0, self.slots, k[0].transpose(0, 1))
         vp.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        bs, heads, dim = self.pool.block_size, kp.shape[1], kp.shape[2]
+        kb, vb = kp.view(-1, bs, heads, dim), vp.view(-1, bs, heads, dim)  # (blocks, bs, Hkv, d)
+
+        def gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:  # (..., blocks) -> (..., Hkv, L, d)
+            whole = pool.index_select(0, blocks.reshape(-1))
+            return whole.view(*blocks.shape[:-1], blocks.shape[-1] * bs, heads, dim).transpose(-3, -2)
+
         out = []
         if self.num_decodes:
-            b = self.num_decodes
-            qd = q[0, :, :b].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
-            kd = kp[self.decode_index].transpose(1, 2)  # (B, Hkv, Lmax, d)
-            vd = vp[self.decode_index].transpose(1, 2)
-            out.append(core(qd, kd, vd, self.decode_mask)[:, :, 0].transpose(0, 1))  # (H, B, d)
-        for start, n, index, mask in self.chunks:
-            kc, vc = kp[index].transpose(0, 1)[None], vp[index].transpose(0, 1)[None]  # (1, Hkv, L, d)
-            out.append(core(q[:, :, start:start + n], kc, vc, mask)[0])  # (H, n, d)
+            qd = q[0, :, :self.num_decodes].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
+            od = torch.empty_like(qd)
+            for rows, blocks, group_mask in self.groups:
+                od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
+            out.append(od[:, :, 0].transpose(0, 1))  # (H, B, d)
+        for start, n, blocks, chunk_mask in self.chunks:
+            length = n if chunk_mask is None else chunk_mask.shape[-1]
+            kc, vc = gather(kb, blocks)[None, :, :length], gather(vb, blocks)[None, :, :length]  # (1, Hkv, L, d)
+            out.append(core(q[:, :, start:start + n], kc, vc, chunk_mask)[0])  # (H, n, d)
         return torch.cat(out, dim=1)[None]
 
     def advance(self, tokens: int) -> None:

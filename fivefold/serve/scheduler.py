@@ -22,7 +22,7 @@ from fivefold.serve.blocks import BlockManager
 from fivefold.serve.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in its lists every step
 class Sequence:
     request_id: str
     prompt_ids: list[int]

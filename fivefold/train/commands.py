@@ -114,7 +114,8 @@ def run_generate(args) -> int:
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
         from fivefold.serve.tensor_parallel import launch
         return launch(src, args.tp, sys.argv[1:], "generate")
-    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp)
+    # One prompt: a pool for one sequence, not for a server's worth.
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp, max_num_seqs=1)
     text = llm.generate(args.prompt, params)[0].text
     if os.environ.get("RANK", "0") == "0":
         print(args.prompt + text)
