@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -94,7 +95,11 @@ class Engine:
         self.seeds = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
         self.ids = itertools.count()
         self.arrivals = itertools.count()
-        self.lock = threading.RLock()  # the server steps in one thread and adds or aborts from others
+        # A step holds `lock` for its whole forward; new requests only take `inbox_lock` (briefly) and wait
+        # in the inbox for the next step, so a client arriving mid-step is not held up by it.
+        self.lock = threading.RLock()
+        self.inbox: deque[Sequence] = deque()
+        self.inbox_lock = threading.Lock()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
 
     # ---- requests
@@ -126,18 +131,24 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self.seeds))
-        with self.lock:
+        with self.inbox_lock:
             request_id = request_id or f"req-{next(self.ids)}"
             if request_id in self.requests:
                 raise RequestError(f"request id {request_id!r} is already in use")
             seq = Sequence(request_id, ids, params, torch.Generator().manual_seed(seed), next(self.arrivals), text)
             self.requests[request_id] = seq
-            self.scheduler.add(seq)
+            self.inbox.append(seq)
         return request_id
+
+    def _take_inbox(self) -> None:
+        with self.inbox_lock:
+            while self.inbox:
+                self.scheduler.add(self.inbox.popleft())
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client went away) and free its blocks; unknown or finished ids are ignored."""
         with self.lock:
+            self._take_inbox()
             seq = self.requests.pop(request_id, None)
             if seq is not None and not seq.finished:
                 seq.finish_reason = "abort"
@@ -145,7 +156,7 @@ class Engine:
                 self.stats["aborted"] += 1
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self.inbox) or self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -153,7 +164,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.inbox) + len(self.scheduler.waiting)
 
     # ---- one step
 
@@ -161,6 +172,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled tokens; the outputs of the requests that got a token (or finished)."""
         with self.lock:
+            self._take_inbox()
             work = self.scheduler.schedule()
             if not work:
                 return []

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 One thread owns the engine (`EngineLoop`): it steps while there is work and sleeps on an Event
-otherwise. Handlers run on the asyncio loop. They submit a request from a worker thread (add_request
-waits for the engine lock while a step runs, and the event loop must not), then await its outputs on
-an asyncio.Queue that the stepping thread fills through `loop.call_soon_threadsafe`. A client that
+otherwise. Handlers run on the asyncio loop. They submit a request from a worker thread (tokenizing
+and validating; the request then waits in the engine's inbox for the next step), then await its outputs
+on an asyncio.Queue that the stepping thread fills through `loop.call_soon_threadsafe`. A client that
 goes away hands its request id back to the stepping thread, which aborts it between steps.
 """
 
@@ -49,7 +49,8 @@ class Subscriber:
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_waiting: int):
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        self.subscribers: dict[str, Subscriber] = {}  # changed under engine.lock, or popped (atomic)
+        self.subscribers: dict[str, Subscriber] = {}  # set before a request can produce output; popped (atomic)
+        self.submitting = threading.Lock()
         self.aborts: deque[str] = deque()  # request ids whose clients left, for the stepping thread
         self.wake = threading.Event()
         self.stopping = False
@@ -68,17 +69,18 @@ class EngineLoop:
             self.thread = None
 
     def submit(self, request_id: str, prompt, params, subscriber: Subscriber) -> None:
-        """Queue a request; blocks while a step holds the engine lock, so call it from a worker thread."""
+        """Queue a request (into the engine's inbox: this does not wait for a running step)."""
         engine = self.engine
-        with engine.lock:
+        with self.submitting:  # the queue check and the add, as one
             if engine.num_waiting >= self.max_waiting:
                 raise APIError(429, f"the server's queue is full ({engine.num_waiting} requests waiting, "
                                     f"serve.max_waiting={self.max_waiting}); retry later")
+            self.subscribers[request_id] = subscriber  # first: the next step may already produce its output
             try:
                 engine.add_request(prompt, params, request_id)
             except ValueError as e:  # RequestError: a request that could never be served
+                self.subscribers.pop(request_id, None)
                 raise APIError(400, str(e)) from None
-            self.subscribers[request_id] = subscriber
         self.wake.set()
 
     async def start_request(self, request_id: str, prompt, params, stream: bool) -> asyncio.Queue:
