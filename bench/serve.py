@@ -11,9 +11,15 @@ Both sides decode greedily with end-of-sequence ignored, so each request yields 
 number of tokens. Also printed: TTFT / TPOT percentiles, the fraction of the compute roofline fivefold
 reaches, and batch-1 decode speed against the memory-bandwidth roofline.
 
-    python bench/serve.py --json bench/results/serve_default.json   # smollm2-135m, 64 requests, fp32
+--server adds a third side: the same requests through the OpenAI-compatible HTTP server
+(fivefold/serve/server.py), streamed by concurrent asyncio clients that time each token chunk. With no
+URL it serves the same model itself, in this process, on a free port; with a URL it drives that server.
+
+    python bench/serve.py --json bench/results/serve_default.json   # smollm2-135m, 32 requests, fp32
     python bench/serve.py --model tiny --requests 8 --max-output 16 # a quick check
-    python bench/serve.py --profile --skip-hf                       # + where one batch-64 decode step goes
+    python bench/serve.py --profile --skip-hf --requests 64         # + where one batch-64 decode step goes
+    python bench/serve.py --server --skip-hf --requests 8           # + through HTTP, all at t=0
+    python bench/serve.py --server http://host:8000 --request-rate 2 --concurrency 16   # a running server
 """
 
 from __future__ import annotations
@@ -22,13 +28,11 @@ import argparse
 import cProfile
 import io
 import json
-import math
 import os
 import pstats
 import random
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +45,7 @@ from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.kv_pool import kv_bytes_per_token
 from fivefold.train.metrics import measure_peak_flops
+from serve_client import Request, id_tokenizer, latency_summary, local_server, make_requests, run_server, served_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,13 +53,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="preset name (fivefold.presets); random weights")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--min-prompt", type=int, default=16)
-    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--batch-sizes", default="8,16,32", help="transformers static batch sizes to try")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    # 8 is left out by default: it was the slowest to run and the worst of 8/16/32 on a 2-core CPU
+    # (bench/README.md); a fast accelerator may want it back.
+    p.add_argument("--batch-sizes", default="16,32", help="transformers static batch sizes to try")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="bfloat16 wants native bf16 matmuls (avx512_bf16, AMX or a GPU-class CPU kernel); "
+                        "on AVX2 only, the matmul-peak measurement alone takes tens of minutes")
     p.add_argument("--seed", type=int, default=0, help="weights and request set")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--skip-hf", action="store_true", help="fivefold only (no transformers reference)")
@@ -64,10 +73,15 @@ def parse_args(argv=None):
                    help="KV pool blocks; 0: enough for every request at once (no preemption)")
     p.add_argument("--decode-prompt", type=int, default=128, help="batch-1 decode: prompt tokens")
     p.add_argument("--decode-output", type=int, default=128, help="batch-1 decode: output tokens")
-    p.add_argument("--decode-reps", type=int, default=3, help="batch-1 decode runs per side (best and median kept)")
+    p.add_argument("--decode-reps", type=int, default=2, help="batch-1 decode runs per side (best and median kept)")
     p.add_argument("--profile", action="store_true", help="profile decode steps of fivefold at a full batch")
-    p.add_argument("--server", default="", metavar="URL",
-                   help="(not implemented yet) send the same requests to a running `fivefold serve` at URL")
+    p.add_argument("--server", nargs="?", const="local", default="", metavar="URL",
+                   help="also send the requests through the HTTP server: with no URL (or 'local') one serving the "
+                        "same model in this process; with a URL a running `fivefold serve` of the same preset")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="--server: most requests in flight at once; 0: all")
+    p.add_argument("--request-rate", type=float, default=0.0,
+                   help="--server: Poisson arrivals at this many requests/s; 0: all at t=0")
     p.add_argument("--json", default="", help="write all numbers here")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
@@ -77,8 +91,21 @@ def parse_args(argv=None):
         p.error(f"--min-output {args.min_output} / --max-output {args.max_output}: need 1 <= min <= max")
     if args.decode_output < 2:
         p.error("--decode-output must be >= 2: decode speed is measured after the first token")
+    if args.concurrency < 0 or args.request_rate < 0:
+        p.error("--concurrency and --request-rate must be >= 0 (0: no limit / all at t=0)")
+    if (args.concurrency or args.request_rate) and not args.server:
+        p.error("--concurrency / --request-rate shape the HTTP clients: add --server (or --server URL)")
     if args.server:
-        p.error("--server is not implemented yet: run_server() is the hook for it (see its docstring)")
+        import importlib.util
+        missing = [m for m in ("httpx", "uvicorn", "fastapi") if importlib.util.find_spec(m) is None]
+        if missing:
+            p.error(f"--server needs {', '.join(missing)}: pip install -e '.[dev]' "
+                    f"(or pip install {' '.join(missing)})")
+    if args.server and args.server != "local":
+        if not args.server.startswith(("http://", "https://")):
+            p.error(f"--server {args.server!r}: give a base URL such as http://127.0.0.1:8000, or no value "
+                    f"to serve the model in this process")
+        args.server = args.server.rstrip("/").removesuffix("/v1")
     return args
 
 
@@ -87,48 +114,6 @@ def machine_info(threads: int) -> dict:
     from machine import base_info
     return {**base_info(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "transformers": transformers.__version__, "threads": threads}
-
-
-# --------------------------------------------------------------------------------------------
-# The request set
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-
-
-def make_requests(n: int, vocab: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  seed: int) -> list[Request]:
-    """Prompt lengths uniform in prompt_range; output lengths log-uniform in output_range, so most
-    answers are short and a few are long (with 16..256: median 64, mean ~87, 1 in 4 above 128). That
-    long tail is what static batching pays for: a batch runs as long as its longest request."""
-    rng = random.Random(seed)
-    lo, hi = output_range
-    out = []
-    for _ in range(n):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(*prompt_range))]
-        length = round(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))) - 0.5)
-        out.append(Request(prompt, min(max(length, lo), hi)))
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default)."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    i = math.floor(pos)
-    return xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * (pos - i)
-
-
-def latency_summary(ttft: list[float], tpot: list[float], e2e: list[float]) -> dict:
-    out = {}
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("latency", e2e)):
-        xs = [x for x in xs if x is not None]
-        if xs:
-            out.update({f"{name}_p50_s": percentile(xs, 50), f"{name}_p99_s": percentile(xs, 99)})
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,11 +201,13 @@ def pad_id(cfg) -> int:
     return cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else 0
 
 
-def make_llm(model, args, requests: list[Request]) -> LLM:
+def make_llm(model, args, requests: list[Request], tokenizer=None) -> LLM:
+    # Room for every request at once, plus a spare block each, so the run never preempts: this measures
+    # batching, not a pool sized too small (that is --kv-blocks N).
     block = ServeConfig().block_size
     blocks = args.kv_blocks or sum(blocks_for(len(r.prompt) + r.max_tokens, block) for r in requests) + len(requests)
-    return LLM(model, device="cpu", seed=args.seed, num_blocks=blocks, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens)
+    return LLM(model, tokenizer=tokenizer, device="cpu", seed=args.seed, num_blocks=blocks,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def greedy(r: Request) -> SamplingParams:
@@ -240,18 +227,30 @@ def run_fivefold(llm: LLM, requests: list[Request]) -> dict:
     tpot = [o.tpot for o in outs]
     e2e = [o.ttft + (o.tpot or 0) * (len(o.token_ids) - 1) for o in outs]
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "cpu_util": util,
+    prompt = sum(len(r.prompt) for r in requests)
+    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "prompt_and_output_tokens_per_s": (prompt + tokens) / wall, "cpu_util": util,
             "steps": llm.engine.stats["steps"] - steps, "preemptions": llm.engine.scheduler.preemptions - preempted,
             **latency_summary(ttft, tpot, e2e), "token_ids": [o.token_ids for o in outs]}
 
 
-def run_server(url: str, requests: list[Request]) -> dict:
-    """Hook for --server (not implemented): send every request at t=0 to the OpenAI-compatible server
-    (fivefold/serve/server.py) at `url` as token-id prompts with max_tokens, temperature 0 and
-    ignore_eos, streaming, so the client clock gives each one's TTFT and TPOT; return the same dict as
-    run_fivefold (wall_s, output_tokens, output_tokens_per_s, ttft/tpot/latency p50/p99, token_ids),
-    so the printing and the JSON need no change. The difference from run_fivefold is the cost of HTTP."""
-    raise NotImplementedError("--server: not written yet")
+def run_server_side(model, args, requests: list[Request], warm: list[Request]) -> dict:
+    """--server: warm up with `warm`, then time `requests`. 'local' serves `model` in this process over an
+    engine of its own, configured as the offline one (a fresh prefix cache: no hits from the offline run)."""
+    options = {"concurrency": args.concurrency, "rate": args.request_rate, "seed": args.seed}
+    if args.server != "local":
+        run_server(args.server, warm, seed=args.seed)
+        # The serving work is done elsewhere: this process's CPU time says nothing about it.
+        return {**run_server(args.server, requests, **options), "cpu_util": None}
+    tokenizer = id_tokenizer(model.cfg.vocab_size)
+    engine = make_llm(model, args, requests, tokenizer).engine
+    with local_server(engine, args.model, max_waiting=len(requests)) as url:
+        run_server(url, warm, seed=args.seed, tokenizer=tokenizer)
+        steps, preempted = engine.stats["steps"], engine.scheduler.preemptions
+        out = run_server(url, requests, **options, tokenizer=tokenizer)
+        out.update(url="local", steps=engine.stats["steps"] - steps,
+                   preemptions=engine.scheduler.preemptions - preempted)
+    return out
 
 
 class StepClock:
@@ -381,9 +380,10 @@ def profile_decode(model, args, requests: list[Request], steps: int = 3, rows: i
     py.disable()
     cprofiled = time.perf_counter() - start
     text = io.StringIO()
-    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(py, stream=text).strip_dirs().sort_stats("tottime").print_stats(rows)
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return {"batch": batch, "context_mean": statistics.mean(len(s.token_ids) for s in engine.scheduler.running),
+    contexts = [len(s.token_ids) for s in engine.scheduler.running]
+    return {"batch": batch, "context_mean": statistics.mean(contexts), "context_max": max(contexts),
             "step_s_under_torch_profiler": profiled, "step_s_under_cprofile": cprofiled,
             "torch_ops": ops, "python": text.getvalue()}
 
@@ -403,9 +403,28 @@ def print_table(rows: list[tuple[str, dict]], best_hf: float | None) -> None:
         ratio = f"{r['output_tokens_per_s'] / best_hf:5.2f}" if best_hf else f"{'-':>5}"
         print(f"{name:<22} | {r['wall_s']:>7.2f} | {r['output_tokens_per_s']:>9.1f} | {ratio} | "
               f"{fmt_ms(r.get('ttft_p50_s'))} {fmt_ms(r.get('ttft_p99_s'))}    | "
-              f"{fmt_ms(r.get('tpot_p50_s'))} {fmt_ms(r.get('tpot_p99_s'))}    | {r['cpu_util']:>8.2f}")
-    if min(r["cpu_util"] for _, r in rows) < 0.8:
+              f"{fmt_ms(r.get('tpot_p50_s'))} {fmt_ms(r.get('tpot_p99_s'))}    | "
+              + (f"{r['cpu_util']:>8.2f}" if r["cpu_util"] is not None else f"{'-':>8}"))
+    if min(r["cpu_util"] for _, r in rows if r["cpu_util"] is not None) < 0.8:
         print("warning: CPU utilisation < 0.8 somewhere: the machine was contended; rerun before comparing")
+
+
+def print_server_notes(server: dict, ours: dict, count: int) -> None:
+    where = ("in this process: uvicorn's event loop, the engine's stepping thread and the asyncio clients "
+             "share its CPUs and GIL, so the client's own cost is in these numbers"
+             if server["url"] == "local" else f"at {server['url']}; this process only ran the clients")
+    print(f"fivefold server: {where}. Times are the client's, per streamed chunk: TTFT from sending to the "
+          f"first token, latency to the last; {count} requests, {server['concurrency']} in flight at most, "
+          + (f"Poisson arrivals at {server['request_rate']:g}/s" if server["request_rate"] else "all sent at t=0")
+          + f" (client-side wait p50 {server['client_wait_p50_s']:.2f} s)")
+    line = (f"  server / offline engine: {server['output_tokens_per_s'] / ours['output_tokens_per_s']:.2f}x output "
+            f"tokens/s; TTFT p50 {server['ttft_p50_s']:.2f} s against {ours['ttft_p50_s']:.2f} s; latency p50 "
+            f"{server['latency_p50_s']:.1f} s, p99 {server['latency_p99_s']:.1f} s")
+    if "steps" in server:
+        line += f"; {server['steps']} engine steps, {server['preemptions']} preemptions"
+    if "requests_matching_fivefold" in server:
+        line += f"; {server['requests_matching_fivefold']}/{count} requests token-identical to the offline run"
+    print(line)
 
 
 def main(argv=None) -> dict:
@@ -415,6 +434,9 @@ def main(argv=None) -> dict:
     info = machine_info(torch.get_num_threads())
     print(f"{info['cpu_model']} ({info['cpu_capability']}), {info['threads']} threads, torch {info['torch']}, "
           f"transformers {info['transformers']}")
+    if args.server and args.server != "local":
+        print(f"--server {args.server} serves {served_model(args.server)!r}; its prompts are token ids of "
+              f"--model {args.model}, so it should serve that preset's vocabulary")
     peaks = [measure_peak_flops(torch.device("cpu"), dtype) for _ in range(3)]
     bandwidth = measure_bandwidth()
 
@@ -439,6 +461,13 @@ def main(argv=None) -> dict:
 
     print("fivefold engine ...", flush=True)
     ours = run_fivefold(llm, requests)
+    server = None
+    if args.server:
+        print(f"fivefold server ({'in this process' if args.server == 'local' else args.server}), "
+              f"{args.concurrency or 'all'} in flight, "
+              + (f"Poisson arrivals at {args.request_rate:g}/s" if args.request_rate else "all at t=0") + " ...",
+              flush=True)
+        server = run_server_side(model, args, requests, warm)
     hf_runs = []
     for bs in args.batch_sizes if hf is not None else []:
         print(f"transformers generate, static batches of {bs} ...", flush=True)
@@ -446,7 +475,7 @@ def main(argv=None) -> dict:
     best = max(hf_runs, key=lambda r: r["output_tokens_per_s"]) if hf_runs else None
 
     # Greedy on both sides: tokens should agree, up to near-ties flipped by padding / op-order rounding.
-    for r in hf_runs:
+    for r in hf_runs + ([server] if server and server["token_ids"] else []):
         r["requests_matching_fivefold"] = sum(a == b for a, b in zip(ours["token_ids"], r["token_ids"]))
 
     rng = random.Random(args.seed + 3)
@@ -455,6 +484,8 @@ def main(argv=None) -> dict:
     decode = decode_batch1(llm, hf, decode_prompt, args.decode_output, args.decode_reps, pad)
     peaks.append(measure_peak_flops(torch.device("cpu"), dtype))
     peak = max(peaks)
+    # Like the peak, outside load only lowers a bandwidth sample: keep the better of start and end.
+    bandwidth = max(bandwidth, measure_bandwidth(), key=lambda b: b["read_gb_per_s"])
 
     flops = forward_flops(cfg, requests)
     ours["compute_roofline_fraction"] = flops / ours["wall_s"] / peak
@@ -465,21 +496,28 @@ def main(argv=None) -> dict:
     for side in decode.values():
         side["bandwidth_roofline_fraction"] = side["best"] / roofline_tps
 
-    rows = [("fivefold", ours)] + [(f"transformers bs={r['batch_size']}", r) for r in hf_runs]
+    rows = [("fivefold", ours)] + ([("fivefold server", server)] if server else []) + \
+        [(f"transformers bs={r['batch_size']}", r) for r in hf_runs]
     print_table(rows, best["output_tokens_per_s"] if best else None)
     if best:
         print(f"fivefold / transformers best (bs={best['batch_size']}): "
               f"{ours['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x output tokens/s")
+        if server:
+            print(f"fivefold server / transformers best (bs={best['batch_size']}): "
+                  f"{server['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x output tokens/s")
         for r in hf_runs:
             print(f"  transformers bs={r['batch_size']}: {100 * r['wasted_fraction']:.0f}% of generated tokens wasted "
-                  f"on finished requests; batch wall {', '.join(f'{t:.1f}' for t in r['batch_wall_s'])} s; "
+                  f"on finished requests; latency p50 {r['latency_p50_s']:.1f} s, p99 {r['latency_p99_s']:.1f} s; "
+                  f"batch wall {', '.join(f'{t:.1f}' for t in r['batch_wall_s'])} s; "
                   f"{r['requests_matching_fivefold']}/{len(requests)} requests token-identical to fivefold")
     print(f"fivefold: {ours['steps']} engine steps, {ours['preemptions']} preemptions; latency p50 "
           f"{ours['latency_p50_s']:.1f} s, p99 {ours['latency_p99_s']:.1f} s")
+    if server:
+        print_server_notes(server, ours, len(requests))
     print(f"matmul peak ({args.dtype}, best of {len(peaks)}): {peak / 1e9:.1f} GFLOP/s; forward FLOPs needed "
           f"{flops / 1e12:.2f} T -> fivefold reaches {100 * ours['compute_roofline_fraction']:.1f}% of the compute "
           f"roofline" + (f" (transformers best {100 * best['compute_roofline_fraction']:.1f}%)" if best else ""))
-    print(f"memory bandwidth ({bandwidth['tensor_gb']:.1f} GB tensor, best of 5): sum {bandwidth['read_gb_per_s']:.1f} "
+    print(f"memory bandwidth ({bandwidth['tensor_gb']:.1f} GB tensor, best of 2 x 5): sum {bandwidth['read_gb_per_s']:.1f} "
           f"GB/s read, copy {bandwidth['copy_gb_per_s']:.1f} GB/s read+write")
     print(f"batch-1 decode: {per_token['total'] / 1e6:.1f} MB read per token (weights {per_token['weights'] / 1e6:.1f}, "
           f"KV {per_token['kv'] / 1e6:.1f}) -> roofline {roofline_tps:.1f} tok/s at {bandwidth['read_gb_per_s']:.1f} GB/s")
@@ -492,21 +530,24 @@ def main(argv=None) -> dict:
 
     profile = profile_decode(model, args, requests) if args.profile else None
     if profile:
-        print(f"\nfivefold decode step at batch {profile['batch']} (mean context {profile['context_mean']:.0f} tokens): "
+        print(f"\nfivefold decode step at batch {profile['batch']} (context mean {profile['context_mean']:.0f}, "
+              f"longest {profile['context_max']} tokens): "
               f"{1e3 * profile['step_s_under_torch_profiler']:.0f} ms under torch.profiler, "
               f"{1e3 * profile['step_s_under_cprofile']:.0f} ms under cProfile\n" + profile["torch_ops"])
         print(profile["python"])
 
-    for r in [ours] + hf_runs:
+    for r in [ours] + hf_runs + ([server] if server else []):
         r.pop("token_ids")
     out = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "json"},
            "model": {"name": args.model, "params": count_params(cfg)},
            "requests": {"count": len(requests), "prompt_tokens": prompt_tokens, "output_tokens": sum(outputs),
                         "prompt_lengths": [len(r.prompt) for r in requests], "output_lengths": outputs},
            "greedy_check": check, "peak_flops": peak, "peak_flops_samples": peaks, "bandwidth": bandwidth,
-           "forward_flops": flops, "fivefold": ours, "transformers": hf_runs,
+           "forward_flops": flops, "fivefold": ours, "server": server, "transformers": hf_runs,
            "transformers_best_batch_size": best["batch_size"] if best else None,
            "ratio_vs_transformers_best": ours["output_tokens_per_s"] / best["output_tokens_per_s"] if best else None,
+           "server_ratio_vs_transformers_best":
+               server["output_tokens_per_s"] / best["output_tokens_per_s"] if best and server else None,
            "decode_batch1": {**decode, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline_tps},
            "profile": profile}
     if args.json:
