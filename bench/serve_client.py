@@ -72,32 +72,12 @@ def id_tokenizer(vocab: int):
 
 @contextlib.contextmanager
 def local_server(engine, name: str, max_waiting: int):
-    """The server's app over `engine`, run by uvicorn in a thread of this process, on a free port (as the
-    fixture in tests/test_server.py does); yields the base URL."""
-    import socket
-    import threading
+    """The server's app over `engine`, served by uvicorn in a thread of this process, on a free port;
+    yields the base URL."""
+    from fivefold.serve.server import create_app, running_in_thread
 
-    import uvicorn
-
-    from fivefold.serve.server import create_app
-
-    app = create_app(engine, name, max_waiting=max_waiting)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the in-process server did not start within 30 s (see uvicorn's log above)")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with running_in_thread(create_app(engine, name, max_waiting=max_waiting)) as url:
+        yield url
 
 
 def served_model(url: str) -> str:

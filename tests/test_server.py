@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -26,7 +24,7 @@ from fivefold.serve import LLM, Engine, SamplingParams  # noqa: E402
 from fivefold.serve.chat import ChatTemplate, ChatTemplateError, special_tokens  # noqa: E402
 from fivefold.serve.engine import serve_config  # noqa: E402
 from fivefold.serve.protocol import TextStream  # noqa: E402
-from fivefold.serve.server import create_app  # noqa: E402
+from fivefold.serve.server import create_app, running_in_thread  # noqa: E402
 
 NAME = "tiny"
 PROMPT = "The quick brown fox"
@@ -49,24 +47,8 @@ def tiny():
     return model.eval(), tokenizer
 
 
-@contextlib.contextmanager
 def running(app):
-    """Serve `app` with uvicorn in a thread, on a free port; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    return running_in_thread(app, timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -373,6 +373,32 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+@contextmanager
+def running_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0):
+    """Serve `app` with uvicorn in a background thread of this process, on a free port, until the block
+    ends (tests, benchmarks, notebooks); yields the base URL."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start within {timeout:.0f} s (see uvicorn's log above)")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
