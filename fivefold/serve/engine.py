@@ -187,8 +187,7 @@ class Engine:
                 s.num_computed += n
                 self.blocks.register(s)
             self.stats["steps"] += 1
-            self.stats["prompt_tokens"] += sum(n for i, (_, n) in enumerate(work) if i not in set(sampled)) + \
-                sum(work[i][1] - 1 for i in sampled)
+            self.stats["prompt_tokens"] += len(ids) - len(sampled)  # every token fed but those sampled from
             if not sampled:
                 return []
             seqs = [work[i][0] for i in sampled]

@@ -145,6 +145,3 @@ class PagedBatch:
             kc, vc = gather(kb, blocks)[None, :, :length], gather(vb, blocks)[None, :, :length]  # (1, Hkv, L, d)
             out.append(core(q[:, :, start:start + n], kc, vc, chunk_mask)[0])  # (H, n, d)
         return torch.cat(out, dim=1)[None]
-
-    def advance(self, tokens: int) -> None:
-        """The scheduler, not the batch, keeps each sequence's length."""
