@@ -5,10 +5,12 @@ clean messages."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
-
-from fivefold.config import ConfigError
+import traceback
+import warnings
 
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
@@ -36,6 +38,8 @@ def config_from_args(args):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of every error (also FIVEFOLD_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         try:
@@ -60,23 +64,72 @@ def _list_presets(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fivefold.serve.sampling import RequestError
-
+    """Run one command. This is the error boundary: an anticipated error (UserError, a missing file, a
+    full disk) is one line `fivefold <command>: error: ...` and exit 2; anything else is a bug, shown
+    with its traceback and a request to report it (exit 1). `--debug` shows tracebacks for all."""
     args = build_parser().parse_args(argv)
+    _show_warnings_as_lines()
     try:
         code = args.func(args) or 0
         from fivefold.parallel.mesh import exit_worker
 
         exit_worker(code)  # a torchrun worker ends here; a single process returns
         return code
-    except (ConfigError, FileNotFoundError, RequestError) as e:
-        print(f"fivefold {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
+        print(f"fivefold {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `fivefold plan --json | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0
+    except Exception as e:
+        if not is_anticipated(e):
+            traceback.print_exc()
+            print(f"fivefold {args.command}: internal error ({type(e).__name__}); this is a bug in fivefold: please "
+                  f"report it with the command line and the traceback above", file=sys.stderr)
+            return 1
+        if args.debug or os.environ.get("FIVEFOLD_DEBUG"):
+            traceback.print_exc()
+        print(f"fivefold {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def is_anticipated(e: BaseException) -> bool:
+    """Errors whose message tells the user what to change: ours, and the file system's."""
+    from fivefold.errors import UserError
+
+    if isinstance(e, (UserError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return True
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def one_line(e: BaseException) -> str:
+    from fivefold.errors import UserError
+
+    if isinstance(e, OSError) and not isinstance(e, UserError) and e.strerror:  # "[Errno 28] ..." reads badly
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return " ".join(str(e).split())
+
+
+def _show_warnings_as_lines() -> None:
+    """fivefold's own warnings read `fivefold: warning: ...`, without a source line."""
+    original = warnings.formatwarning
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if category.__module__.startswith("fivefold"):
+            return f"fivefold: warning: {message}\n"
+        return original(message, category, filename, lineno, line)
+    warnings.formatwarning = format_warning
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1 (e.g. --nproc, --tp)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 if __name__ == "__main__":

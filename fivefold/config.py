@@ -8,14 +8,18 @@ is materialised or any process group starts. Every error names the key and what 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from fivefold.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """An invalid configuration; the message names the key and the fix."""
 
 
@@ -109,6 +113,9 @@ class TrainConfig:
     # rank reading only its slices) or a fivefold run / checkpoint (its weights; optimizer starts afresh).
     init_from: str = ""
     peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul on this device at start
+    # On resume, skip a damaged newest checkpoint (with a warning) for the newest intact one;
+    # false: refuse to start instead (`fivefold train --no-fallback`).
+    checkpoint_fallback: bool = True
     device: str = "auto"
     tensorboard: bool = True
     progress: bool = True
@@ -218,9 +225,12 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{key}={value!r} is not valid; expected an integer") from None
     if typ is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r} is not valid; expected a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r} is not valid; expected a finite number")
+        return number
     if typ is str:
         return str(value)
     raise TypeError(f"unsupported config type {typ} for {key}")
@@ -326,8 +336,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
     validate_serve(cfg)
-    if t.steps < 0:
-        raise ConfigError(f"train.steps={t.steps} must be >= 0")
+    _check_ranges(cfg)
     if m.num_heads % m.num_kv_heads:
         valid = [d for d in _divisors(m.num_heads)]
         raise ConfigError(
@@ -344,19 +353,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"lower train.seq_len or raise model.max_seq_len")
     if not 0 <= m.eos_token_id < m.vocab_size:
         raise ConfigError(f"model.eos_token_id={m.eos_token_id} must be in [0, model.vocab_size={m.vocab_size})")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} must be > 0")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if not 0 < t.decay_fraction <= 1:
-        raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
     if t.fp32_grad_accum and t.precision != "bf16-mixed":
         raise ConfigError("train.fp32_grad_accum=true only applies to train.precision=bf16-mixed")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
     parse_batch_schedule(t.batch_schedule)
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={p.zero} is not valid; choose one of 0, 1, 2, 3")
     if p.tp > 1:
@@ -407,9 +406,85 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must give {stages} stages of >= 1 layer "
                               f"summing to model.num_layers={m.num_layers}")
     if world_size is not None and world_size != p.world_size:
+        others = p.tp * p.pp * p.cp
+        fix = (f"set parallel.dp={world_size // others} or launch {p.world_size} processes"
+               if world_size % others == 0 else
+               f"launch {p.world_size} processes (any multiple of tp*pp*cp = {others}, with parallel.dp to match)")
         raise ConfigError(
-            f"world size {world_size} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size}; "
-            f"set parallel.dp={world_size // (p.tp * p.pp * p.cp)} or launch {p.world_size} processes")
+            f"world size {world_size} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size}; {fix}")
+
+
+# (key, low, high, low inclusive, high inclusive): every number a user may get wrong, with its valid range.
+_RANGES = [
+    ("model.norm_eps", 0, None, False, None), ("model.rope_theta", 0, None, False, None),
+    ("model.rope_scaling_factor", 1, None, True, None), ("model.rope_low_freq_factor", 0, None, False, None),
+    ("model.rope_high_freq_factor", 0, None, False, None), ("model.rope_original_max_seq_len", 1, None, True, None),
+    ("model.init_std", 0, None, False, None), ("model.head_dim", 0, None, True, None),
+    ("model.num_experts", 0, None, True, None), ("model.moe_ffn_hidden_size", 0, None, True, None),
+    ("model.shared_expert_size", 0, None, True, None), ("model.router_aux_loss_coef", 0, None, True, None),
+    ("model.router_z_loss_coef", 0, None, True, None), ("model.capacity_factor", 0, None, True, None),
+    ("train.steps", 0, None, True, None), ("train.seed", 0, 2**63 - 1, True, True),
+    ("train.lr", 0, None, False, None), ("train.min_lr_ratio", 0, 1, True, True),
+    ("train.warmup_steps", 0, None, True, None), ("train.decay_fraction", 0, 1, False, True),
+    ("train.base_batch_tokens", 0, None, True, None), ("train.weight_decay", 0, None, True, None),
+    ("train.beta1", 0, 1, True, False), ("train.beta2", 0, 1, True, False), ("train.eps", 0, None, True, None),
+    ("train.grad_clip", 0, None, True, None), ("train.eval_every", 0, None, True, None),
+    ("train.eval_batches", 1, None, True, None), ("train.save_every", 0, None, True, None),
+    ("train.peak_flops", 0, None, True, None), ("data.val_fraction", 0, 1, False, False),
+    ("parallel.bucket_mb", 0, None, False, None),
+]
+
+
+def _check_ranges(cfg: Config) -> None:
+    for key, low, high, low_in, high_in in _RANGES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        too_low = low is not None and (value < low if low_in else value <= low)
+        too_high = high is not None and (value > high if high_in else value >= high)
+        if too_low or too_high:
+            if high is None:
+                rule = f"must be {'>=' if low_in else '>'} {low}"
+            else:
+                rule = f"must be in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+            hint = {"train.grad_clip": " (0 turns clipping off)", "train.eval_every": " (0 turns evaluation off)",
+                    "train.save_every": " (0 saves at the end only)", "model.capacity_factor": " (0 is dropless)",
+                    "train.warmup_steps": " (0: no warm-up)"}.get(key, "")
+            raise ConfigError(f"{key}={value} {rule}{hint}")
+    device = cfg.train.device
+    if device != "auto" and not re.fullmatch(r"(cpu|cuda)(:\d+)?", device):
+        raise ConfigError(f"train.device={device!r} is not valid; use auto, cpu, cuda or cuda:N")
+
+
+# What may change when a run is resumed. Anything that changes what the saved state means is refused:
+# the model (the weights' shapes), the data and tokenizer (the sampler's position counts this dataset's
+# windows), train.seq_len (window size), train.seed (data order), and the global batch in sequences
+# (micro_batch_size x grad_accum x dp; the layout and micro-batching may change if that product does not).
+# Everything else (steps, the schedule's settings, layout, precision, recomputation, logging, saving,
+# device) may change: the run goes on from the saved step with the new values.
+RESUME_FIXED = ("model", "data.dataset", "data.tokenizer", "data.val_fraction", "train.seq_len", "train.seed")
+
+
+def resume_conflicts(saved: Config, new: Config) -> list[str]:
+    """Why `new` cannot continue a run saved with `saved` (empty: it can)."""
+    conflicts = []
+    for key in RESUME_FIXED:
+        section, _, name = key.partition(".")
+        old_value, new_value = (getattr(getattr(c, section), name) if name else getattr(c, section)
+                                for c in (saved, new))
+        if old_value != new_value:
+            if not name:
+                changed = [f.name for f in dataclasses.fields(old_value)
+                           if getattr(old_value, f.name) != getattr(new_value, f.name)]
+                conflicts.append(f"the model differs ({', '.join(f'model.{k}' for k in changed)}); the checkpoint's "
+                                 f"weights have the saved shapes")
+            else:
+                conflicts.append(f"{key} was {old_value!r}, now {new_value!r}")
+    if saved.global_batch_sequences != new.global_batch_sequences:
+        conflicts.append(f"the global batch was {saved.global_batch_sequences} sequences (micro_batch_size "
+                         f"{saved.train.micro_batch_size} x grad_accum {saved.train.grad_accum} x dp "
+                         f"{saved.parallel.dp}), now {new.global_batch_sequences}; keep the product, or grow the "
+                         f"batch with train.batch_schedule")
+    return conflicts
 
 
 def parse_batch_schedule(text: str) -> list[tuple[int, int]]:

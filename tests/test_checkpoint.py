@@ -41,7 +41,7 @@ def test_resume_refuses_a_different_model(tiny_config):
     cfg = tiny_config(**{"train.steps": 1})
     Trainer(cfg, quiet=True).fit()
     other = tiny_config(**{"model.num_layers": 3})
-    with pytest.raises(Exception, match="different model config"):
+    with pytest.raises(Exception, match=r"the model differs \(model.num_layers\)"):
         Trainer(other, resume=True, quiet=True)
 
 
@@ -92,7 +92,7 @@ def test_checkpoint_files_are_safetensors_and_json_only(tiny_config):
     trainer.fit()
     path = ckpt.resolve_checkpoint(trainer.out_dir)
     assert sorted(p.name for p in path.iterdir()) == [
-        "config.json", "rng.safetensors", "state", "tokenizer.json", "trainer_state.json"]
+        "config.json", "manifest.json", "rng.safetensors", "state", "tokenizer.json", "trainer_state.json"]
     assert all(p.suffix == ".safetensors" for p in (path / "state").iterdir())
     cfg, model = ckpt.load_model(path)
     for (name, p), m in zip(model.named_parameters(), trainer.optimizer.masters):

@@ -22,6 +22,8 @@ import sysconfig
 import warnings
 from pathlib import Path
 
+from fivefold.errors import UserError
+
 MIN_DOCSTRING_CHARS = 200
 CORPUS_FORMAT = 1
 # Path components never read: tests are code rather than prose, idlelib is an application, and
@@ -29,7 +31,7 @@ CORPUS_FORMAT = 1
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "pydoc_data", "turtledemo"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Unusable input data; the message names the file (and line or byte offset) and the problem.
 
     Defined here, the package's lowest module, so that every data module can raise it; import it

@@ -73,6 +73,7 @@ class _ShardWriter:
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
         self.shards: list[dict] = []
         self.documents = 0
+        self.max_token_id = -1  # recorded in index.json: a dataset is checked against the model's vocabulary
         self._file = None
 
     @property
@@ -80,6 +81,8 @@ class _ShardWriter:
         return sum(s["tokens"] for s in self.shards)
 
     def append(self, ids: np.ndarray) -> None:
+        if len(ids):
+            self.max_token_id = max(self.max_token_id, int(ids.max()))
         while len(ids):
             if self._file is None:
                 name = f"{self.split}_{len(self.shards):03d}.bin"
@@ -162,8 +165,8 @@ def _write_prepared(documents: Iterable[tuple[str, str]], out_dir: Path, tokeniz
         index = {
             "format": INDEX_FORMAT, "key": key, "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
             "tokenizer_sha256": tokenizer_sha(tokenizer), "shard_tokens": shard_tokens, **meta,
-            "splits": {split: {"tokens": w.tokens, "documents": w.documents, "shards": w.shards}
-                       for split, w in writers.items()},
+            "splits": {split: {"tokens": w.tokens, "documents": w.documents, "shards": w.shards,
+                               "max_token_id": w.max_token_id} for split, w in writers.items()},
         }
         tokenizer.save(str(tmp / "tokenizer.json"))
         with open(tmp / "index.json", "w", encoding="utf-8") as f:
@@ -287,13 +290,13 @@ class PackedSequences:
     Consecutive windows share their boundary token (the last label of one is the first input of the
     next), so every token after the first is predicted exactly once per epoch."""
 
-    def __init__(self, store: TokenStore, seq_len: int):
+    def __init__(self, store: TokenStore, seq_len: int, vocab_size: int | None = None):
         n = store.num_tokens
         if n < seq_len + 1:
             fix = f"set train.seq_len to at most {n - 1}" if n >= 2 else "add more text"
             raise ConfigError(f"the {store.split} split of {store.data_dir} has {n} tokens, fewer than "
                               f"train.seq_len + 1 = {seq_len + 1}; {fix} (or prepare more data)")
-        self.store, self.seq_len = store, seq_len
+        self.store, self.seq_len, self.vocab_size = store, seq_len, vocab_size
 
     def __len__(self) -> int:
         return (self.store.num_tokens - 1) // self.seq_len
@@ -303,14 +306,21 @@ class PackedSequences:
 
     def batch(self, indices: Iterable[int]) -> torch.Tensor:
         """(n, seq_len + 1) int64; inputs are [:, :-1] and labels [:, 1:]."""
-        rows = []
+        rows, indices = [], list(indices)
         for i in indices:
             if not 0 <= i < len(self):
                 raise IndexError(f"window {i} out of range for {len(self)} windows")
             rows.append(self.store.read(i * self.seq_len, self.seq_len + 1))
         if not rows:
             return torch.empty(0, self.seq_len + 1, dtype=torch.long)
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        batch = np.stack(rows).astype(np.int64)
+        if self.vocab_size is not None and batch.max() >= self.vocab_size:  # a damaged or foreign shard
+            row, col = np.unravel_index(int(batch.argmax()), batch.shape)
+            position = indices[row] * self.seq_len + col
+            raise DataError(f"{self.store.data_dir}: token id {int(batch.max())} at token {position} of the "
+                            f"{self.store.split} split is not below model.vocab_size={self.vocab_size}; the shards "
+                            f"are damaged or were not written for this index.json: run `fivefold prepare` again")
+        return torch.from_numpy(batch)
 
 
 class ResumableSampler:
@@ -401,7 +411,14 @@ def load_datasets(cfg: Config) -> Datasets:
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} differs from the tokenizer {data_dir} was "
                           f"prepared with; unset data.tokenizer or prepare the data with it")
     _check_fits_model(cfg, index["vocab_size"], index["eos_id"], str(data_dir))
+    vocab = cfg.model.vocab_size
+    for split in SPLITS:
+        largest = index["splits"].get(split, {}).get("max_token_id", -1)
+        if largest >= vocab:
+            raise DataError(f"{data_dir}: the {split} split holds token id {largest}, but model.vocab_size={vocab}; "
+                            f"set model.vocab_size={largest + 1} or larger, or prepare the data with this "
+                            f"model's tokenizer")
     seq_len = cfg.train.seq_len
-    return Datasets(train=PackedSequences(TokenStore(data_dir, "train"), seq_len),
-                    val=PackedSequences(TokenStore(data_dir, "val"), seq_len),
+    return Datasets(train=PackedSequences(TokenStore(data_dir, "train"), seq_len, vocab),
+                    val=PackedSequences(TokenStore(data_dir, "val"), seq_len, vocab),
                     tokenizer=tokenizer, eos_id=index["eos_id"], data_dir=data_dir)

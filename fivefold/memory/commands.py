@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from fivefold.cli import add_config_args, config_from_args
+from fivefold.cli import add_config_args, config_from_args, positive_int
 
 
 def register(sub) -> None:
@@ -38,7 +38,7 @@ def register(sub) -> None:
                      help="with --nproc: the rank that reports (default 0), e.g. the last pipeline stage's")
     mem.add_argument("--synthetic", action="store_true",
                      help="random tokens instead of the configured dataset (memory does not depend on them)")
-    mem.add_argument("--nproc", type=int, default=0, metavar="N",
+    mem.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                      help="measure under torchrun with N processes (e.g. parallel.dp=N with parallel.zero=3); "
                           "rank 0 reports its own memory")
     mem.add_argument("--cuda-history", metavar="FILE",

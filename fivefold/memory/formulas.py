@@ -196,6 +196,14 @@ def model_state_bytes(num_params: int, precision: str, fp32_grad_accum: bool = F
     return num_params * bytes_per_param(precision, fp32_grad_accum).total
 
 
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights (the masters under bf16-mixed) + Adam exp_avg + exp_avg_sq
+
+
+def checkpoint_bytes(cfg: ModelConfig) -> int:
+    """Size of a training checkpoint on disk, whatever the layout: each tensor is written once."""
+    return count_params(cfg) * CHECKPOINT_BYTES_PER_PARAM
+
+
 # --------------------------------------------------------------------------------------------
 # Pipeline parallelism: layers per stage and micro-batches whose activations a stage holds at once.
 

@@ -18,10 +18,15 @@ def without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
+SHUTDOWN_TIMEOUT_S = 600
+
+
 def torchrun_args(nproc: int, target: list[str]) -> list[str]:
     """Arguments for torch.distributed.run: one machine, a free rendezvous port, `target` per worker
     (e.g. ["-m", "fivefold", "train", ...] or [script.py, ...])."""
-    return ["--standalone", f"--nproc-per-node={nproc}", *target]
+    # A stopped job's workers finish their step and save before they exit: give them time for that
+    # (torchrun's default is 30 s before SIGKILL).
+    return ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *target]
 
 
 def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
@@ -41,10 +46,13 @@ def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
 
     try:
         torchrun(torchrun_args(nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))
-    except SignalException as e:  # Ctrl-C / SIGTERM: the workers got it too, and stopped
-        print(f"fivefold {command}: stopped by signal {e.sigval.value}", file=sys.stderr)
-        return 130
+    except SignalException as e:  # Ctrl-C / SIGTERM: forwarded to the workers, which stop (and save)
+        print(f"fivefold {command}: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + e.sigval.value
     except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
+        codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
+        if codes == {2}:  # every failed worker printed an anticipated error (fivefold.cli): say it once more
+            return 2
         print(f"fivefold {command}: a worker failed: {e}", file=sys.stderr)
         return 1
     return 0

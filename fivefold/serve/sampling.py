@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fivefold.errors import UserError
+
 MAX_LOGPROBS = 20
 
 
-class RequestError(ValueError):
+class RequestError(UserError, ValueError):
     """A request that cannot be served as asked; the message says what to change."""
 
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from fivefold.cli import add_config_args, config_from_args
+from fivefold.cli import add_config_args, config_from_args, positive_int
 
 
 def register(sub) -> None:
     train = sub.add_parser("train", help="train a model (default: the demo model on the embedded corpus)")
     add_config_args(train)
     train.add_argument("--out", help="run directory (overrides train.out_dir)")
-    train.add_argument("--nproc", type=int, default=0, metavar="N",
+    train.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                        help="launch N processes on this machine through torch.distributed.run (torchrun); "
                             "without an explicit parallel layout they are data parallel (parallel.dp=N)")
     group = train.add_mutually_exclusive_group()
@@ -22,6 +23,9 @@ def register(sub) -> None:
                        help="refuse to continue an existing run in the run directory")
     group.add_argument("--overwrite", action="store_true",
                        help="delete the run directory's checkpoints and metrics and start over")
+    train.add_argument("--no-fallback", dest="fallback", action="store_false",
+                       help="refuse to resume when the newest checkpoint is damaged, instead of resuming from "
+                            "the newest intact one (train.checkpoint_fallback=false)")
     train.set_defaults(func=run_train)
 
     cmp = sub.add_parser("compare-runs", help="compare two runs' per-step losses (parity check)")
@@ -35,29 +39,46 @@ def register(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a checkpoint (or a Hugging Face directory)")
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=50, help="0 = off")
     gen.add_argument("--top-p", type=float, default=0.95, help="1.0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--tp", type=int, default=1, metavar="N",
+    gen.add_argument("--tp", type=positive_int, default=1, metavar="N",
                      help="tensor parallel over N processes (launched through torchrun; gloo on CPU, NCCL on GPU)")
     gen.set_defaults(func=run_generate)
 
 
 def run_train(args) -> int:
-    from fivefold.train.trainer import Trainer
+    from fivefold.train.run_lock import HELD_ENV, RunLock
 
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from fivefold.parallel.launch import launch_workers
-
-        return launch_workers(config_from_args(args), args.nproc, sys.argv[1:], "train")
     cfg = config_from_args(args)
     if args.out:
         cfg.train.out_dir = args.out
+    if not args.fallback:
+        cfg.train.checkpoint_fallback = False
     out = Path(cfg.train.out_dir)
+    worker = "LOCAL_RANK" in os.environ
+    # The launching process holds the run directory for the whole job: the single process, the
+    # `--nproc` launcher (its workers inherit HELD_ENV), or rank 0 of an external torchrun.
+    lock = contextlib.nullcontext()
+    if not worker or (os.environ.get("RANK") == "0" and HELD_ENV not in os.environ):
+        lock = RunLock(out)
+    with lock:
+        if args.nproc > 1 and not worker:
+            from fivefold.parallel.launch import launch_workers
+
+            os.environ[HELD_ENV] = str(os.getpid())
+            return launch_workers(cfg, args.nproc, sys.argv[1:], "train")
+        return _train(cfg, args, out)
+
+
+def _train(cfg, args, out: Path) -> int:
+    from fivefold.errors import CheckpointSaveError
+    from fivefold.train.trainer import Trainer
+
     is_main = os.environ.get("RANK", "0") == "0"
     has_run = (out / "checkpoints" / "latest").is_file() and not args.overwrite
     if args.overwrite and out.exists() and is_main:
@@ -75,20 +96,32 @@ def run_train(args) -> int:
     trainer = Trainer(cfg, resume=has_run)
     say = print if trainer.mesh.is_main else (lambda *a, **k: None)
     say(f"model: {trainer.num_params:,} parameters | global batch {cfg.global_batch_tokens:,} tokens "
-          f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x dp {cfg.parallel.dp} x {cfg.train.seq_len}) | "
-          f"{cfg.train.precision} | recompute={cfg.train.recompute} | zero={cfg.parallel.zero} | tp={cfg.parallel.tp}"
-          f"{'+sp' if cfg.parallel.sequence_parallel else ''} | "
-          f"device {trainer.device} | "
-          f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s")
+        f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x dp {cfg.parallel.dp} x {cfg.train.seq_len}) | "
+        f"{cfg.train.precision} | recompute={cfg.train.recompute} | zero={cfg.parallel.zero} | tp={cfg.parallel.tp}"
+        f"{'+sp' if cfg.parallel.sequence_parallel else ''} | "
+        f"device {trainer.device} | "
+        f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s")
     if trainer.step >= cfg.train.steps:
         say(f"already at step {trainer.step} of train.steps={cfg.train.steps}; nothing to train "
-              f"(raise train.steps or pass --overwrite)")
+            f"(raise train.steps or pass --overwrite)")
         return 0
     trainer.fit()
+    if trainer.interrupted:
+        import signal
+
+        name = signal.Signals(trainer.interrupted).name
+        saved = (f"saved {trainer.checkpoint_root / f'step_{trainer.step:08d}'}" if trainer.save_error is None
+                 else f"the save failed ({trainer.save_error})")
+        say(f"stopped by {name} after step {trainer.step} of {cfg.train.steps}; {saved}. Resume with the same "
+            f"command: fivefold {' '.join(sys.argv[1:])}", file=sys.stderr)
+        return 128 + trainer.interrupted
+    if trainer.save_error is not None:
+        raise CheckpointSaveError(f"{trainer.save_error}. Training reached step {trainer.step}, but its final "
+                                  f"checkpoint is not on disk; free space and run the same command again")
     val_loss = trainer.evaluate()
     baseline = trainer.unigram_loss()
     say(f"done: step {trainer.step}, validation loss {val_loss:.4f} (unigram baseline {baseline:.4f}); "
-          f"checkpoint in {trainer.checkpoint_root / 'latest'}; metrics in {out / 'metrics.jsonl'}")
+        f"checkpoint in {trainer.checkpoint_root / 'latest'}; metrics in {out / 'metrics.jsonl'}")
     return 0
 
 

@@ -6,33 +6,42 @@ micro-batching, so accumulated gradients equal the big-batch gradients.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, validate
+from fivefold.config import Config, ConfigError, resume_conflicts, validate
 from fivefold.data.dataset import ResumableSampler, load_datasets
-from fivefold.memory.formulas import count_params, flops_per_token
+from fivefold.errors import CheckpointError, CheckpointSaveError, UserError
+from fivefold.memory.formulas import checkpoint_bytes, count_params, flops_per_token
 from fivefold.parallel.apply import compute_dtype, parallelize
 from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.interrupt import GracefulStop
 from fivefold.train.loss import IGNORE_INDEX
 from fivefold.train.metrics import MetricsLog, memory_bytes, peak_flops, progress_bar
 from fivefold.train.optim import grad_accum_at, lr_at
 from fivefold.train.routing import RouterLosses
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot continue (e.g. the loss became NaN); the message names the step and what to try."""
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device={name!r}: fivefold trains on cpu or cuda; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name!r} but CUDA is not available; use train.device=cpu or auto")
     return device
@@ -69,6 +78,11 @@ class Trainer:
         self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, compute_dtype(cfg),
                                                              torch.get_num_threads())
         self.num_params = count_params(cfg.model)
+        self.interrupted = 0  # the signal fit() stopped for
+        self.save_error: str | None = None  # why the latest save failed (None: it succeeded)
+        self.saved_step: int | None = None
+        if self.mesh.is_main and self.checkpoint_root.is_dir():
+            ckpt.remove_abandoned(self.checkpoint_root)  # what a killed save left behind
         if not (resume and self.load_latest()) and cfg.train.init_from and not self._init_source_is_hf():
             self._load_weights(ckpt.resolve_checkpoint(cfg.train.init_from))
 
@@ -185,38 +199,60 @@ class Trainer:
         return float(-log_probs[val.read(0, val.num_tokens)].mean())
 
     # ---------------------------------------------------------------------------------------------
-    def fit(self, until: int | None = None) -> list[dict]:
+    def fit(self, until: int | None = None, handle_signals: bool = True) -> list[dict]:
         """Train to step `until` (default train.steps), logging, evaluating and checkpointing on the way.
-        Returns the record of every step run."""
+        Returns the record of every step run. With `handle_signals`, a SIGINT / SIGTERM stops the run after
+        the current step with a checkpoint saved, and `self.interrupted` holds the signal number. A save
+        that fails is reported and retried at the next one; `self.save_error` says whether the last failed."""
         cfg = self.cfg.train
         until = cfg.steps if until is None else until
         log = MetricsLog(self.out_dir, cfg.tensorboard, append=self.step > 0) if self.mesh.is_main else None
         bar = progress_bar(until, self.step, cfg.progress and not self.quiet)
         history = []
+        stop = GracefulStop(self.device, self.mesh.distributed, announce=not self.quiet)
         try:
-            while self.step < until:
-                record = self.train_step()
-                history.append(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-                last = self.step == until
-                evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
-                if self.step % cfg.log_every == 0 or last or evaluate:
-                    record["memory_bytes"] = memory_bytes(self.device)
-                    if evaluate:
-                        record["val_loss"] = self.evaluate()
-                    if log is not None:
-                        log.log(record)
-                    self._print(record)
-                if cfg.save_every and self.step % cfg.save_every == 0 and not last:
-                    self.save()
-            if history:
-                self.save()
+            with stop if handle_signals else contextlib.nullcontext():
+                while self.step < until:
+                    record = self.train_step()
+                    history.append(record)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+                    last = self.step == until
+                    evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
+                    if self.step % cfg.log_every == 0 or last or evaluate:
+                        record["memory_bytes"] = memory_bytes(self.device)
+                        if evaluate:
+                            record["val_loss"] = self.evaluate()
+                        if log is not None:
+                            log.log(record)
+                        self._print(record)
+                    signum = stop.requested() if handle_signals else 0
+                    if signum:
+                        self.interrupted = signum
+                        break
+                    if cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                        self.save_or_report()
+                if history and self.saved_step != self.step:
+                    self.save_or_report()
         finally:
             bar.close()
             if log is not None:
                 log.close()
         return history
+
+    def save_or_report(self) -> Path | None:
+        """save(), but a failure (disk full, quota) is reported and training goes on: the earlier
+        checkpoints are intact and the next save tries again."""
+        try:
+            path = self.save()
+        except CheckpointSaveError as e:
+            self.save_error = str(e)
+            if self.mesh.is_main:
+                from tqdm import tqdm
+                tqdm.write(f"fivefold: warning: {e}; training goes on and the next save tries again")
+            return None
+        self.save_error = None
+        return path
 
     def _print(self, r: dict) -> None:
         if self.quiet:
@@ -244,26 +280,47 @@ class Trainer:
         tokenizer_json = getattr(self.data, "tokenizer", None)
         if tokenizer_json is not None:
             extra["tokenizer.json"] = tokenizer_json.to_str().encode()
-        return ckpt.write_checkpoint(self.checkpoint_root, f"step_{self.step:08d}", self.cfg,
+        path = ckpt.write_checkpoint(self.checkpoint_root, f"step_{self.step:08d}", self.cfg,
                                      self.optimizer.checkpoint_tensors(), state, rng,
-                                     keep=self.cfg.train.keep_checkpoints, extra_files=extra)
+                                     keep=self.cfg.train.keep_checkpoints, extra_files=extra,
+                                     expected_bytes=checkpoint_bytes(self.cfg.model))
+        self.saved_step = self.step
+        return path
 
     def load_latest(self) -> bool:
-        """Resume from out_dir/checkpoints if a checkpoint is there; returns whether one was loaded."""
-        try:
-            path = ckpt.resolve_checkpoint(self.checkpoint_root)
-        except FileNotFoundError:
+        """Resume from out_dir/checkpoints if a checkpoint is there; returns whether one was loaded. The
+        newest intact checkpoint is used (each rank verifies a share of its files); a damaged newer one
+        is skipped with a warning, or refused when train.checkpoint_fallback is false."""
+        if not ckpt.checkpoint_candidates(self.checkpoint_root):
             return False
+        share = (self.mesh.rank, self.mesh.world_size)
+        with warnings.catch_warnings():
+            if self.quiet:
+                warnings.simplefilter("ignore", ckpt.CheckpointWarning)
+            path = ckpt.find_intact(self.checkpoint_root, self.cfg.train.checkpoint_fallback,
+                                    lambda c: sum(ckpt.gather(ckpt.verify_checkpoint(c, share)), []))
         saved = ckpt.read_config(path)
-        if saved.model != self.cfg.model:
-            raise ConfigError(f"checkpoint {path} was trained with a different model config; use another "
-                              f"train.out_dir or the same model.* settings")
+        conflicts = resume_conflicts(saved, self.cfg)
+        if conflicts:
+            raise ConfigError(f"cannot resume {path} with this config: {'; '.join(conflicts)}. Keep those "
+                              f"settings, or start a new run with another --out (or --overwrite)")
         state = ckpt.read_json(path / "trainer_state.json")
+        try:
+            step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            base_batch_tokens, sampler = int(state["base_batch_tokens"]), dict(state["sampler"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path / 'trainer_state.json'} is incomplete or invalid ({e!r}); resume "
+                                  f"from an older checkpoint by removing {path}") from None
+        try:
+            self.sampler.load_state_dict(sampler)
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{path / 'trainer_state.json'} has an invalid sampler state ({e!r})") from None
+        except ValueError as e:
+            raise ConfigError(f"cannot resume {path}: {e}") from None
         ckpt.read_state(path, self.optimizer.checkpoint_tensors())
-        self.optimizer.loaded(state["step"])
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.base_batch_tokens = state["base_batch_tokens"]
-        self.sampler.load_state_dict(state["sampler"])
+        self.optimizer.loaded(step)
+        self.step, self.tokens_seen, self.base_batch_tokens = step, tokens_seen, base_batch_tokens
+        self.saved_step = step
         rng = ckpt.read_tensors(path / "rng.safetensors")
         if "torch_cpu" in rng:
             torch.set_rng_state(rng["torch_cpu"])
