@@ -36,8 +36,15 @@ def config_from_args(args):
     return load_config(args.config, args.preset, args.overrides)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.split("\n")[0])
+    parser = Parser(prog="fivefold", description=__doc__.split("\n")[0])
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of every error (also FIVEFOLD_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if args.debug or os.environ.get("FIVEFOLD_DEBUG"):
             traceback.print_exc()
-        print(f"fivefold {args.command}: error: {one_line(e)}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if rank != "0" and getattr(e, "every_rank", False):
+            return 2  # rank 0 reports the same error
+        where = f" (rank {rank})" if rank != "0" else ""
+        print(f"fivefold {args.command}: error{where}: {one_line(e)}", file=sys.stderr)
         return 2
 
 
@@ -121,16 +132,28 @@ def _show_warnings_as_lines() -> None:
     warnings.formatwarning = format_warning
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts that must be >= 1 (e.g. --nproc, --tp)."""
+def _int_in(text: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{value} must be " + (f"in {low}..{high}" if high is not None
+                                                                else f"at least {low}"))
     return value
 
+
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1 (e.g. --nproc, --tp)."""
+    return _int_in(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    return _int_in(text, 0)
+
+
+def port_number(text: str) -> int:
+    return _int_in(text, 0, 65535)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,10 @@ from __future__ import annotations
 class UserError(Exception):
     """An anticipated failure caused by input, files or the machine; the message names the fix."""
 
+    # Raised alike on every rank of a job (configs are validated everywhere, checkpoint checks and save
+    # failures are agreed by collectives), so under torchrun rank 0 alone reports it.
+    every_rank = True
+
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be trusted or read (damaged, incomplete, or from another model)."""

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from fivefold.cli import positive_int
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -19,7 +21,7 @@ def register(subparsers) -> None:
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
                      help="encode with this Hugging Face tokenizer.json instead of training one")
-    tok.add_argument("--vocab-size", type=int, default=4096,
+    tok.add_argument("--vocab-size", type=positive_int, default=4096,
                      help="train a byte-level BPE of this size on the training split (default 4096)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="fraction of documents held out for validation, chosen by a hash of their text")
@@ -30,16 +32,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     from fivefold.data.dataset import DataError, prepare
 
     if args.tokenizer is None and args.vocab_size < 257:
-        print(f"fivefold prepare: error: --vocab-size={args.vocab_size} is too small for a byte-level BPE; "
-              f"use at least 257 (e.g. 4096)", file=sys.stderr)
-        return 2
+        raise DataError(f"--vocab-size={args.vocab_size} is too small for a byte-level BPE; use at least 257 "
+                        f"(e.g. 4096)")
     start = time.perf_counter()
-    try:
-        index = prepare(args.input, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                        vocab_size=args.vocab_size)
-    except DataError as e:
-        print(f"fivefold prepare: error: {e}", file=sys.stderr)
-        return 2
+    index = prepare(args.input, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                    vocab_size=args.vocab_size)
     seconds = time.perf_counter() - start
     state = "already up to date" if index["reused"] else "written"
     print(f"{args.out}: {state} in {seconds:.1f} s  (dtype {index['dtype']}, vocab {index['vocab_size']}, "

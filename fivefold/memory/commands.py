@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from fivefold.cli import add_config_args, config_from_args, positive_int
+from fivefold.cli import add_config_args, config_from_args, nonnegative_int, positive_int
 
 
 def register(sub) -> None:
@@ -31,10 +31,10 @@ def register(sub) -> None:
     mem = sub.add_parser("memory", help="measure memory by category over the first training steps, plot "
                                         "the timeline, and compare with the plan")
     add_config_args(mem)
-    mem.add_argument("--steps", type=int, default=4, help="training steps to run (default 4)")
+    mem.add_argument("--steps", type=positive_int, default=4, help="training steps to run (default 4)")
     mem.add_argument("--png", help="write the stacked-area timeline here")
     mem.add_argument("--json", action="store_true", help="print one JSON object (peaks, comparison, samples)")
-    mem.add_argument("--rank", type=int, default=0,
+    mem.add_argument("--rank", type=nonnegative_int, default=0,
                      help="with --nproc: the rank that reports (default 0), e.g. the last pipeline stage's")
     mem.add_argument("--synthetic", action="store_true",
                      help="random tokens instead of the configured dataset (memory does not depend on them)")

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from fivefold.cli import add_config_args, config_from_args
+from fivefold.cli import add_config_args, config_from_args, positive_int
 
 
 THEORY = {"afab": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)", "zero-bubble": "(p-1)/(3m)"}
@@ -15,15 +15,15 @@ THEORY = {"afab": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)", "z
 def register(sub) -> None:
     p = sub.add_parser("pipeline", help="draw a pipeline schedule as a per-rank timeline, planned or measured")
     add_config_args(p)
-    p.add_argument("--pp", type=int, help="pipeline ranks (default: parallel.pp)")
-    p.add_argument("--microbatches", type=int, help="micro-batches per step (default: train.grad_accum)")
+    p.add_argument("--pp", type=positive_int, help="pipeline ranks (default: parallel.pp)")
+    p.add_argument("--microbatches", type=positive_int, help="micro-batches per step (default: train.grad_accum)")
     p.add_argument("--schedule", help="afab, 1f1b, interleaved or zero-bubble (default: parallel.pp_schedule)")
-    p.add_argument("--virtual", type=int, help="chunks per rank for interleaved (default: parallel.pp_virtual_stages)")
+    p.add_argument("--virtual", type=positive_int, help="chunks per rank for interleaved (default: parallel.pp_virtual_stages)")
     p.add_argument("--png", help="write the picture here")
     p.add_argument("--actions", action="store_true", help="print each rank's action list")
     p.add_argument("--measure", action="store_true",
                    help="run real training steps under torchrun and draw their measured timeline")
-    p.add_argument("--steps", type=int, default=3, help="with --measure: steps to run; the last one is drawn")
+    p.add_argument("--steps", type=positive_int, default=3, help="with --measure: steps to run; the last one is drawn")
     p.add_argument("--json", action="store_true", help="print the bubble figures as JSON")
     p.set_defaults(func=run_pipeline)
 

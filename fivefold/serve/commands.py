@@ -7,6 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
+from fivefold.cli import port_number, positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
@@ -14,12 +16,12 @@ def register(sub) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="a Hugging Face model directory, a fivefold export, or a fivefold run or checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--tokenizer", help="tokenizer.json (default: the one next to the model)")
     p.add_argument("--model-name", help="the model id clients send (default: MODEL's directory name)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed of their own")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="tensor parallel over N processes (launched through torchrun): rank 0 serves HTTP and "
                         "drives, the others run their shard of every forward")
     p.add_argument("--config", help="TOML config file; only its [serve] table is read")

@@ -48,6 +48,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_NAME = "xxh3_64"  # about 11 GB/s on one core (bench/checkpoint_verify.py measures the choices)
 _HASH_CHUNK = 16 * 2**20
+NO_MANIFEST = "is missing: the checkpoint is incomplete, or older than checksums"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -314,9 +315,7 @@ def verify_checkpoint(ckpt: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
     if files is None:
         if not (ckpt / "state").is_dir() or not (ckpt / "config.json").is_file():
             return [f"{ckpt} is not a complete checkpoint (no manifest.json, state/ or config.json)"]
-        warnings.warn(f"checkpoint {ckpt} has no manifest.json (written by an older fivefold): it is loaded "
-                      f"without verifying its checksums", CheckpointWarning, stacklevel=2)
-        return []
+        return [f"{ckpt / MANIFEST} {NO_MANIFEST}"]
     problems = []
     rank, world = share
     for name in sorted(files)[rank::world]:
@@ -350,10 +349,21 @@ def checkpoint_candidates(root: Path) -> list[Path]:
     return found
 
 
+def _unverifiable(problems: list[str]) -> bool:
+    return len(problems) == 1 and problems[0].endswith(NO_MANIFEST)
+
+
+def _warn_unverified(path: Path) -> None:
+    warnings.warn(f"checkpoint {path} has no manifest.json (written by a fivefold older than checksums): it is "
+                  f"loaded without verifying its files", CheckpointWarning, stacklevel=3)
+
+
 def find_intact(root: Path, fallback: bool = True, verify=verify_checkpoint) -> Path:
     """The newest intact checkpoint under `root` (a `step_*` parent). A damaged newer one is skipped with
-    a warning naming the bad file; with `fallback=False` it is an error instead. `verify(path)` returns
-    the problems found (collectively under torch.distributed)."""
+    a warning naming the bad file; with `fallback=False` it is an error instead. A checkpoint without a
+    manifest counts as damaged, unless no checkpoint there has one (all written before checksums): then
+    the newest is used, unverified, with a warning. `verify(path)` returns the problems found
+    (collectively under torch.distributed)."""
     damaged = []
     for candidate in checkpoint_candidates(root):
         problems = verify(candidate)
@@ -366,6 +376,9 @@ def find_intact(root: Path, fallback: bool = True, verify=verify_checkpoint) -> 
             raise CheckpointError(f"checkpoint {candidate} is damaged: {problems[0]}; to resume from the newest "
                                   f"intact checkpoint instead, drop --no-fallback (train.checkpoint_fallback=true)")
         damaged.append((candidate, problems))
+    if damaged and all(_unverifiable(found) for _, found in damaged):
+        _warn_unverified(damaged[0][0])
+        return damaged[0][0]
     if damaged:
         detail = "; ".join(f"{found[0]}" for _, found in damaged)
         raise CheckpointError(f"no intact checkpoint under {root}: {detail}. Train from scratch with --overwrite, "
@@ -432,7 +445,9 @@ def resolve_checkpoint(path: str | Path, fallback: bool = True) -> Path:
     path = Path(path)
     if is_checkpoint_dir(path):
         problems = _verified(path)
-        if problems:
+        if _unverifiable(problems):
+            _warn_unverified(path)
+        elif problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}; give another checkpoint, or its "
                                   f"run directory to use the newest intact one")
         return path

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
 
 from fivefold.cli import add_config_args, config_from_args, positive_int
+
+
+COMMAND_ENV = "FIVEFOLD_COMMAND"  # the launcher's command line, as workers do not see --nproc
 
 
 def register(sub) -> None:
@@ -71,6 +75,7 @@ def run_train(args) -> int:
             from fivefold.parallel.launch import launch_workers
 
             os.environ[HELD_ENV] = str(os.getpid())
+            os.environ[COMMAND_ENV] = shlex.join(["fivefold", *sys.argv[1:]])  # for the workers' resume hint
             return launch_workers(cfg, args.nproc, sys.argv[1:], "train")
         return _train(cfg, args, out)
 
@@ -112,8 +117,9 @@ def _train(cfg, args, out: Path) -> int:
         name = signal.Signals(trainer.interrupted).name
         saved = (f"saved {trainer.checkpoint_root / f'step_{trainer.step:08d}'}" if trainer.save_error is None
                  else f"the save failed ({trainer.save_error})")
+        command = os.environ.get(COMMAND_ENV) or shlex.join(["fivefold", *sys.argv[1:]])
         say(f"stopped by {name} after step {trainer.step} of {cfg.train.steps}; {saved}. Resume with the same "
-            f"command: fivefold {' '.join(sys.argv[1:])}", file=sys.stderr)
+            f"command: {command}", file=sys.stderr)
         return 128 + trainer.interrupted
     if trainer.save_error is not None:
         raise CheckpointSaveError(f"{trainer.save_error}. Training reached step {trainer.step}, but its final "
@@ -134,7 +140,7 @@ def run_compare(args) -> int:
 
 
 def run_generate(args) -> int:
-    from fivefold.serve import LLM, SamplingParams
+    from fivefold.serve import LLM, RequestError, SamplingParams
     from fivefold.serve.loading import model_directory
 
     src = Path(args.checkpoint)
@@ -142,8 +148,17 @@ def run_generate(args) -> int:
         found = model_directory(src) / "tokenizer.json"
         if not found.is_file():
             raise FileNotFoundError(f"no tokenizer at {found}; pass --tokenizer tokenizer.json")
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+    if not args.prompt:
+        raise RequestError("--prompt is empty; give the text to continue")
+    try:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
+    except RequestError as e:  # name the flag, not the field
+        message = str(e).removeprefix("SamplingParams: ")
+        for field, flag in (("max_tokens", "--max-new-tokens"), ("temperature", "--temperature"),
+                            ("top_k", "--top-k"), ("top_p", "--top-p")):
+            message = message.replace(field, flag) if message.startswith(field) else message
+        raise RequestError(message) from None
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
         from fivefold.serve.tensor_parallel import launch
         return launch(src, args.tp, sys.argv[1:], "generate")

@@ -43,7 +43,7 @@ class RunLock:
             print(f"fivefold: taking over the lock on {self.path.parent} left by {_describe(previous)}, which is "
                   f"no longer running", file=sys.stderr)
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                             "command": " ".join(sys.argv)}).encode()
+                             "command": " ".join(["fivefold", *sys.argv[1:]])}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
         self._fd = fd

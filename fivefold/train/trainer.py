@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -249,7 +250,8 @@ class Trainer:
             self.save_error = str(e)
             if self.mesh.is_main:
                 from tqdm import tqdm
-                tqdm.write(f"fivefold: warning: {e}; training goes on and the next save tries again")
+                tqdm.write(f"fivefold: warning: {e}; training goes on and the next save tries again",
+                           file=sys.stderr)
             return None
         self.save_error = None
         return path
@@ -295,7 +297,7 @@ class Trainer:
             return False
         share = (self.mesh.rank, self.mesh.world_size)
         with warnings.catch_warnings():
-            if self.quiet:
+            if not self.mesh.is_main:  # rank 0 says it once
                 warnings.simplefilter("ignore", ckpt.CheckpointWarning)
             path = ckpt.find_intact(self.checkpoint_root, self.cfg.train.checkpoint_fallback,
                                     lambda c: sum(ckpt.gather(ckpt.verify_checkpoint(c, share)), []))
