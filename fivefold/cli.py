@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. This is the error boundary: an anticipated error (UserError, a missing file, a
     full disk) is one line `fivefold <command>: error: ...` and exit 2; anything else is a bug, shown
     with its traceback and a request to report it (exit 1). `--debug` shows tracebacks for all."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed as one line
+        return e.code if isinstance(e.code, int) else 2
     _show_warnings_as_lines()
     try:
         code = args.func(args) or 0
