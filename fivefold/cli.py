@@ -111,14 +111,30 @@ def is_anticipated(e: BaseException) -> bool:
     """Errors whose message tells the user what to change: ours, and the file system's."""
     from fivefold.errors import UserError
 
-    if isinstance(e, (UserError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(e, (UserError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                      NotADirectoryError)):
+        return True
+    if _out_of_memory(e):
         return True
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's OutOfMemoryError (an accelerator), or the CPU allocator's RuntimeError."""
+    import torch
+
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 def one_line(e: BaseException) -> str:
     from fivefold.errors import UserError
 
+    if _out_of_memory(e):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (f"out of memory ({first[:200]}); `fivefold plan` with the same options predicts what this needs: "
+                f"lower train.micro_batch_size or train.seq_len, use train.recompute=full, or shard the model "
+                f"(parallel.zero, tp, pp)")
     if isinstance(e, OSError) and not isinstance(e, UserError) and e.strerror:  # "[Errno 28] ..." reads badly
         return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
     return " ".join(str(e).split())

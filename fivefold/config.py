@@ -277,7 +277,8 @@ def load_config(path: str | Path | None = None, preset: str | None = None, overr
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            what = "is a directory; give a TOML file" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {what}")
         try:
             file_values = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:

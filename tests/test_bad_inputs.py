@@ -251,3 +251,22 @@ def test_an_unexpected_exception_is_reported_as_a_bug_with_its_traceback(monkeyp
     assert code == 1
     assert "Traceback" in err and "KeyError" in err
     assert "this is a bug in fivefold: please report it" in err.strip().splitlines()[-1]
+
+
+def test_running_out_of_memory_is_one_line_pointing_at_the_plan(data_cache, tmp_path):
+    """A micro-batch that cannot fit under a 6 GB address-space limit: the CPU allocator's error becomes
+    the one-line out-of-memory message, not a traceback."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+    proc = subprocess.run([sys.executable, "-m", "fivefold", "train", *BASE, "--set", f"data.cache_dir={data_cache}",
+                           "--set", "train.micro_batch_size=20000", "--set", "train.seq_len=256",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, preexec_fn=limit,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("fivefold train: error: out of memory") and "fivefold plan" in line

@@ -18,9 +18,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.errors import CheckpointError
 from fivefold.model import Transformer
 from fivefold.train.checkpoint import load_weights
 
@@ -298,15 +300,45 @@ def empty_model(cfg: ModelConfig) -> Transformer:
     return model
 
 
+def read_json_file(path: Path) -> dict:
+    """A JSON object from a model directory, or a CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def read_hf_config(src: Path) -> dict:
+    return read_json_file(Path(src) / "config.json")
+
+
+def _shard_files(index: Path) -> list[str]:
+    try:
+        return sorted(set(read_json_file(index)["weight_map"].values()))
+    except (KeyError, AttributeError, TypeError):
+        raise CheckpointError(f"{index} has no weight_map of tensor -> file") from None
+
+
+def _safetensors(path: Path, open_fn):
+    try:
+        return open_fn(str(path))
+    except (SafetensorError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise FileNotFoundError(f"{path} is missing (named by the model's safetensors index)") from None
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+
+
 def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
     index = src / "model.safetensors.index.json"
     if (src / "model.safetensors").is_file():
-        return load_file(str(src / "model.safetensors"))
+        return _safetensors(src / "model.safetensors", load_file)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         tensors = {}
-        for shard in shards:
-            tensors.update(load_file(str(src / shard)))
+        for shard in _shard_files(index):
+            tensors.update(_safetensors(src / shard, load_file))
         return tensors
     if any(src.glob("pytorch_model*.bin")):
         raise FileNotFoundError(
@@ -344,20 +376,20 @@ class HFWeights:
         self.src = Path(src_dir)
         if not (self.src / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {str(self.src)!r}; expected a Hugging Face model directory")
-        theirs = config_from_hf(json.loads((self.src / "config.json").read_text(encoding="utf-8")))
+        theirs = config_from_hf(read_hf_config(self.src))
         check_same_shapes(cfg, theirs, f"train.init_from={str(self.src)!r}")
         self.cfg = cfg
         index = self.src / "model.safetensors.index.json"
         if (self.src / "model.safetensors").is_file():
             files = ["model.safetensors"]
         elif index.is_file():
-            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            files = _shard_files(index)
         else:
             read_hf_tensors(self.src)  # raises the same clear error as import-hf (pickles, nothing)
             files = []
         self.handles = {}
         for file in files:
-            handle = safe_open(str(self.src / file), framework="pt")
+            handle = _safetensors(self.src / file, lambda path: safe_open(path, framework="pt"))
             self.handles.update({name: handle for name in handle.keys()})
 
     def _read(self, hf_name: str, placement=None, transposed: bool = False) -> torch.Tensor:
@@ -399,7 +431,7 @@ def import_hf(src_dir: str | Path) -> tuple[ModelConfig, Transformer]:
     src = Path(src_dir)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {str(src)!r}; expected a Hugging Face model directory")
-    cfg = config_from_hf(json.loads((src / "config.json").read_text(encoding="utf-8")))
+    cfg = config_from_hf(read_hf_config(src))
     model = empty_model(cfg)
     load_weights(model, weights_from_hf(read_hf_tensors(src), cfg))
     return cfg, model

@@ -29,12 +29,9 @@ def torchrun_args(nproc: int, target: list[str]) -> list[str]:
     return ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *target]
 
 
-def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
-    """Re-run this same fivefold command in `nproc` workers under torchrun's elastic agent, which also
-    ends the whole job (non-zero exit, naming the failed rank) as soon as one worker dies. The config is
-    checked against the layout first, so a bad one fails here, before any worker starts."""
-    from torch.distributed.run import main as torchrun
-
+def check_layout(cfg, nproc: int) -> None:
+    """The config against `nproc` processes (without a layout they are data parallel): a bad one fails
+    here, before any worker starts or anything is written."""
     from fivefold.config import validate
     from fivefold.parallel.mesh import check_supported
 
@@ -42,7 +39,16 @@ def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
         cfg.parallel.dp = nproc
     validate(cfg, world_size=nproc)
     check_supported(cfg)
+
+
+def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
+    """Re-run this same fivefold command in `nproc` workers under torchrun's elastic agent, which also
+    ends the whole job (non-zero exit, naming the failed rank) as soon as one worker dies. The config is
+    checked against the layout first, so a bad one fails here, before any worker starts."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    check_layout(cfg, nproc)
 
     try:
         torchrun(torchrun_args(nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))
@@ -50,9 +56,9 @@ def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
         print(f"fivefold {command}: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + e.sigval.value
     except Exception as e:  # torchrun raises ChildFailedError after printing which rank failed and why
-        codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
-        if codes == {2}:  # every failed worker printed an anticipated error (fivefold.cli): say it once more
-            return 2
+        first = e.get_first_failure()[1] if hasattr(e, "get_first_failure") else None
+        if first is not None and first.exitcode == 2:  # the first to fail printed an anticipated error
+            return 2  # (fivefold.cli); the others were stopped by torchrun after it
         print(f"fivefold {command}: a worker failed: {e}", file=sys.stderr)
         return 1
     return 0

@@ -8,7 +8,6 @@ never holds more than the weights it serves plus one tensor, also when it is one
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +47,8 @@ def model_directory(source: str | Path) -> Path:
 def model_config_of(directory: Path) -> ModelConfig:
     """The ModelConfig of an HF directory or a fivefold checkpoint, read without any weights."""
     if is_hf_directory(directory):
-        from fivefold.interop.hf import config_from_hf
-        return config_from_hf(json.loads((directory / "config.json").read_text(encoding="utf-8")))
+        from fivefold.interop.hf import config_from_hf, read_hf_config
+        return config_from_hf(read_hf_config(directory))
     from fivefold.train.checkpoint import read_config
     return read_config(directory).model
 
@@ -100,7 +99,8 @@ def tokenizer_and_template(directory: Path, tokenizer: str | Path | None = None)
     template = None
     config_path = directory / "tokenizer_config.json"
     if config_path.is_file():
-        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        from fivefold.interop.hf import read_json_file
+        template = read_json_file(config_path).get("chat_template")
         if isinstance(template, list):  # several named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return tok, template

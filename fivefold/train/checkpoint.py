@@ -233,7 +233,7 @@ def _describe(e: BaseException) -> str:
         return f"{e.strerror}{where}"
     failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
     if failures:
-        return "; ".join(_describe(f[0] if isinstance(f, tuple) else f) for f in failures.values())
+        return "; ".join(dict.fromkeys(_describe(f[0] if isinstance(f, tuple) else f) for f in failures.values()))
     return f"{type(e).__name__}: {e}"
 
 
