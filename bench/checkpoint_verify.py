@@ -9,9 +9,10 @@ Measured, on this process's one core (the hash runs on the rank that wrote or re
   blake3 and xxh64 are timed when their packages are installed, zlib.crc32 and sha256 always).
 - save: write_checkpoint of the model's weights and Adam moments, the same call fivefold's trainer makes;
   the part spent hashing the written files (for the manifest) is timed on its own.
-- load: verify_checkpoint (read + hash every file against the manifest) and read_state (the DCP load of
-  every tensor), each from the page cache (the checkpoint was just written; a cold read from disk adds
-  the disk's time to both).
+- load: verify_checkpoint (map + hash every file against the manifest) and read_state (the DCP load of
+  every tensor), each from the page cache (the checkpoint was just written), best of 3. With --cold
+  (root only: it writes /proc/sys/vm/drop_caches) also from disk: caches dropped, verify, then load (which
+  then finds the files cached by the verification), against a load from a cold cache without verifying.
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def checkpoint_costs(cfg, root: Path) -> dict:
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def checkpoint_costs(cfg, root: Path, cold: bool = False) -> dict:
     from fivefold.model import Transformer, materialize
 
     with torch.device("meta"):
@@ -96,7 +102,17 @@ def checkpoint_costs(cfg, root: Path) -> dict:
     targets = {k: torch.empty_like(v) for k, v in tensors.items()}
     load = min(_timed(lambda: ckpt.read_state(path, targets)) for _ in range(3))
     gb = size / 1e9
-    return {"checkpoint_bytes": size, "save_s": save, "save_hash_s": hashing[0], "verify_s": verify,
+    extra = {}
+    if cold:
+        drop_page_cache()
+        cold_verify = _timed(lambda: ckpt.verify_checkpoint(path))
+        load_after = _timed(lambda: ckpt.read_state(path, targets))
+        drop_page_cache()
+        cold_load = _timed(lambda: ckpt.read_state(path, targets))
+        extra = {"cold_verify_s": cold_verify, "cold_load_after_verify_s": load_after, "cold_load_s": cold_load,
+                 "cold_verify_ms_per_gb": cold_verify / gb * 1e3, "cold_load_ms_per_gb": cold_load / gb * 1e3,
+                 "cold_verified_load_over_load": (cold_verify + load_after) / cold_load}
+    return {**extra, "checkpoint_bytes": size, "save_s": save, "save_hash_s": hashing[0], "verify_s": verify,
             "load_s": load, "save_hash_ms_per_gb": hashing[0] / gb * 1e3, "verify_ms_per_gb": verify / gb * 1e3,
             "load_ms_per_gb": load / gb * 1e3, "hash_share_of_save": hashing[0] / save,
             "verify_over_load": verify / load}
@@ -109,6 +125,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--cold", action="store_true", help="also from disk (drops the page cache: root only)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     heads = args.hidden // 64
@@ -122,7 +139,7 @@ def main() -> None:
     for name, ms in sorted(speeds.items(), key=lambda kv: kv[1]):
         print(f"  {name:20s} {ms:8.0f} ms/GB   {ms / chosen:5.1f}x xxh3_64's time")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        costs = checkpoint_costs(cfg, Path(tmp))
+        costs = checkpoint_costs(cfg, Path(tmp), args.cold)
     gb = costs["checkpoint_bytes"] / 1e9
     print(f"\ncheckpoint: {gb:.2f} GB (weights + Adam moments, {costs['checkpoint_bytes'] / 12 / 1e6:.0f}M parameters)")
     print(f"  save   {costs['save_s']:7.2f} s, of which hashing for the manifest {costs['save_hash_s']:.2f} s "
@@ -130,6 +147,11 @@ def main() -> None:
     print(f"  verify {costs['verify_s']:7.2f} s ({costs['verify_ms_per_gb']:.0f} ms/GB) from the page cache")
     print(f"  load   {costs['load_s']:7.2f} s ({costs['load_ms_per_gb']:.0f} ms/GB) from the page cache; "
           f"verify / load = {costs['verify_over_load']:.2f}")
+    if args.cold:
+        print(f"  from disk: verify {costs['cold_verify_s']:.2f} s ({costs['cold_verify_ms_per_gb']:.0f} ms/GB) + "
+              f"load {costs['cold_load_after_verify_s']:.2f} s, against an unverified load of "
+              f"{costs['cold_load_s']:.2f} s ({costs['cold_load_ms_per_gb']:.0f} ms/GB): "
+              f"{costs['cold_verified_load_over_load']:.2f}x")
     if args.json:
         result = {"model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab},
                   "hash_ms_per_gb": speeds, **costs, "torch": torch.__version__}

@@ -25,8 +25,10 @@ warning, unless fallback is turned off.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import mmap
 import os
 import re
 import shutil
@@ -275,12 +277,20 @@ def _merge(results: list[tuple[str | None, dict]]) -> tuple[str | None, dict]:
 
 # -- integrity ---------------------------------------------------------------------------------------
 def file_entry(path: Path) -> dict:
-    """Size and checksum of one file, read in chunks (a shard may be larger than free memory)."""
+    """Size and checksum of one file. The file is mapped rather than read: hashing the page cache in place
+    is 4x faster than copying it out in chunks (bench/checkpoint_verify.py), and a shard larger than free
+    memory is paged through, never held."""
     h = xxhash.xxh3_64()
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return {"size": path.stat().st_size, HASH_NAME: h.hexdigest()}
+        size = os.fstat(f.fileno()).st_size
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as view:
+                h.update(view)
+        except (OSError, ValueError):  # a file system without mmap: read it in chunks
+            f.seek(0)
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+    return {"size": size, HASH_NAME: h.hexdigest()}
 
 
 def _digest_of(files: dict) -> str:
