@@ -95,6 +95,16 @@ TRAIN_CASES = [
     ("resume-damaged-no-fallback", ["--out", "{damaged_run}", "--no-fallback"], "does not match its checksum"),
     ("resume-all-damaged", ["--out", "{all_damaged_run}"], "no intact checkpoint under"),
     ("resume-no-resume", ["--out", "{run}", "--no-resume"], "already holds a run"),
+    ("init-from-damaged", ["--set", "train.init_from={damaged_step}"], "is damaged"),
+    ("init-from-hf-bad-json", ["--set", "train.init_from={hf_bad_json}"], "config.json is not valid JSON"),
+    ("init-from-hf-bad-weights", ["--set", "train.init_from={hf_bad_weights}"],
+     "model.safetensors is not a readable safetensors file"),
+    ("tokenizer-missing", ["--set", "data.tokenizer={tmp}/none.json"], "does not exist"),
+    ("tokenizer-garbage", ["--set", "data.tokenizer={bad_toml}"], "not a Hugging Face tokenizer.json"),
+    ("batch-schedule-zero", ["--set", "train.batch_schedule=100:0"], "grad_accum be >= 1"),
+    ("heads-zero", ["--set", "model.num_heads=0"], "model.num_heads=0 must be at least 1"),
+    ("config-directory", ["--config", "{tmp}"], "is a directory; give a TOML file"),
+    ("out-not-a-directory", ["--out", "{bad_toml}/run"], "Not a directory"),
 ]
 
 GENERATE_CASES = [
@@ -114,6 +124,8 @@ GENERATE_CASES = [
      "exceeds the"),
     ("damaged-checkpoint", ["--checkpoint", "{damaged_step}", "--prompt", "x"], "is damaged"),
     ("tokenizer-missing", ["--checkpoint", "{run}", "--prompt", "x", "--tokenizer", "{tmp}/none.json"], "none.json"),
+    ("hf-bad-json", ["--checkpoint", "{hf_bad_json}", "--prompt", "x"], "config.json is not valid JSON"),
+    ("hf-bad-weights", ["--checkpoint", "{hf_bad_weights}", "--prompt", "x"], "is not a readable safetensors file"),
 ]
 
 OTHER_CASES = [
@@ -133,6 +145,18 @@ OTHER_CASES = [
     ("import-missing", ["import-hf", "{tmp}/none", "--out", "{tmp}/ckpt"], "none"),
     ("export-missing", ["export-hf", "--checkpoint", "{tmp}/none", "--out", "{tmp}/hf"], "no checkpoint found"),
     ("memory-steps", ["memory", "--preset", "tiny", "--steps", "0"], "argument --steps: 0 must be at least 1"),
+    ("plan-device-memory-zero", ["plan", "--preset", "tiny", "--device-memory", "0"], "write a positive size"),
+    ("serve-kv-memory", ["serve", "{run}", "--set", "serve.kv_memory=0"], "serve.kv_memory=0.0 must be > 0"),
+    ("serve-max-model-len", ["serve", "{run}", "--set", "serve.max_model_len=-1"], "must be >= 0"),
+    ("serve-missing", ["serve", "{tmp}/none"], "no checkpoint found"),
+    ("serve-damaged", ["serve", "{damaged_step}"], "is damaged"),
+    ("export-damaged", ["export-hf", "--checkpoint", "{damaged_step}", "--out", "{tmp}/hf"], "is damaged"),
+    ("export-shard-size", ["export-hf", "--checkpoint", "{run}", "--out", "{tmp}/hf", "--max-shard-size", "0"],
+     "write a positive size"),
+    ("import-bad-json", ["import-hf", "{hf_bad_json}", "--out", "{tmp}/ckpt"], "config.json is not valid JSON"),
+    ("import-bad-weights", ["import-hf", "{hf_bad_weights}", "--out", "{tmp}/ckpt"], "not a readable safetensors"),
+    ("prepare-binary", ["prepare", "--input", "{binary_text}", "--out", "{tmp}/ds", "--vocab-size", "300"],
+     "not UTF-8 text"),
     ("unknown-command", ["trian"], "invalid choice: 'trian'"),
 ]
 
@@ -173,6 +197,20 @@ def paths(tmp_path_factory, data_cache):
     tokens = np.fromfile(shard, dtype="<u2")
     tokens[:] = 65535
     tokens.tofile(shard)
+    # Hugging Face directories: one with a config.json that is not JSON, one whose weights are not safetensors.
+    tokenizer = step / "tokenizer.json"
+    for name in ("hf_bad_json", "hf_bad_weights"):
+        (root / name).mkdir()
+        shutil.copy(tokenizer, root / name / "tokenizer.json")
+        p[name] = root / name
+    (root / "hf_bad_json" / "config.json").write_text("{not json")
+    (root / "hf_bad_weights" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 128,
+         "rms_norm_eps": 1e-5, "eos_token_id": 0}))
+    (root / "hf_bad_weights" / "model.safetensors").write_bytes(np.random.default_rng(0).bytes(4096))
+    p["binary_text"] = root / "binary.txt"
+    p["binary_text"].write_bytes(b"\xa3\xff" * 100)
     # A learned-position model with a 16-token context.
     learned = load_config(preset="tiny", overrides=[*overrides, "model.position=learned", "model.max_seq_len=16",
                                                     "train.seq_len=16", f"train.out_dir={root / 'learned'}"])

@@ -250,5 +250,6 @@ def test_parse_size():
     assert parse_size("500MB") == 500 * 10**6
     assert parse_size("2GiB") == 2 * 2**30
     assert parse_size("1000") == 1000
-    with pytest.raises(Exception, match="not a size"):
-        parse_size("5 parsecs")
+    for bad in ("5 parsecs", "0", "-5GB", "1.2.3GB"):
+        with pytest.raises(Exception, match="write a positive size"):
+            parse_size(bad)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 # Decimal and binary units, as transformers' save_pretrained(max_shard_size=...) reads them.
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """argparse type: '5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes."""
+    from fivefold.config import ConfigError
+    from fivefold.memory.planner import parse_bytes
+
+    try:
+        return parse_bytes(text, "size")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(subparsers) -> None:

@@ -37,14 +37,18 @@ from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_bac
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 
 
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1.5TB', '512MiB', or a plain number of bytes."""
+def parse_bytes(text: str, what: str = "--device-memory") -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1.5TB', '512MiB', or a plain number of bytes (> 0)."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise ConfigError(f"--device-memory {text!r}: write a size like 80GB, 80GiB or 24e9")
-    number, prefix, binary = match.groups()
+    try:
+        number = float(match.group(1)) if match else 0.0
+    except ValueError:
+        number = 0.0
+    if number <= 0:
+        raise ConfigError(f"{what} {text!r}: write a positive size like 80GB, 80GiB or 24e9")
+    _, prefix, binary = match.groups()
     power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
-    return int(float(number) * (1024 if binary else 1000) ** power)
+    return int(number * (1024 if binary else 1000) ** power)
 
 
 def scores_materialised(cfg: Config, device: str) -> bool:
