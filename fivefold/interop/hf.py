@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.errors import CheckpointError
 from fivefold.model import Transformer
-from fivefold.train.checkpoint import load_weights
+from fivefold.train.checkpoint import load_weights, read_json
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gpt2": "GPT2LMHeadModel"}
@@ -300,24 +300,13 @@ def empty_model(cfg: ModelConfig) -> Transformer:
     return model
 
 
-def read_json_file(path: Path) -> dict:
-    """A JSON object from a model directory, or a CheckpointError naming the file."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} holds a {type(value).__name__}, not a JSON object")
-    return value
-
-
 def read_hf_config(src: Path) -> dict:
-    return read_json_file(Path(src) / "config.json")
+    return read_json(Path(src) / "config.json", missing_ok=False)
 
 
 def _shard_files(index: Path) -> list[str]:
     try:
-        return sorted(set(read_json_file(index)["weight_map"].values()))
+        return sorted(set(read_json(index, missing_ok=False)["weight_map"].values()))
     except (KeyError, AttributeError, TypeError):
         raise CheckpointError(f"{index} has no weight_map of tensor -> file") from None
 

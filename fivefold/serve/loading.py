@@ -99,8 +99,8 @@ def tokenizer_and_template(directory: Path, tokenizer: str | Path | None = None)
     template = None
     config_path = directory / "tokenizer_config.json"
     if config_path.is_file():
-        from fivefold.interop.hf import read_json_file
-        template = read_json_file(config_path).get("chat_template")
+        from fivefold.train.checkpoint import read_json
+        template = read_json(config_path).get("chat_template")
         if isinstance(template, list):  # several named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return tok, template

@@ -498,9 +498,13 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, missing_ok: bool = True) -> dict:
+    """A JSON object from a checkpoint or model directory ({} for a missing file when `missing_ok`); a file
+    that is not one is a CheckpointError naming it."""
     if not path.is_file():
-        return {}
+        if missing_ok:
+            return {}
+        raise FileNotFoundError(f"{path} does not exist")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
