@@ -40,6 +40,7 @@ from fivefold.config import ServeConfig
 from fivefold.interop.hf import hf_config_from, weights_to_hf
 from fivefold.memory.formulas import count_params, matmul_params
 from fivefold.model import build_model
+from fivefold.planner.calibrate import measure_bandwidth
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.blocks import blocks_for
@@ -150,26 +151,6 @@ def decode_bytes_per_token(cfg, dtype: torch.dtype, prompt: int, output: int) ->
     mean_context = statistics.mean(p + 1 for p in range(prompt, prompt + output - 1))
     kv = kv_bytes_per_token(cfg, dtype) * mean_context
     return {"weights": weights, "kv": kv, "total": weights + kv, "mean_context": mean_context}
-
-
-def measure_bandwidth(gb: float = 1.0, reps: int = 5) -> dict:
-    """Memory bandwidth as this process sees it, best of `reps`: a sum over a `gb` GB fp32 tensor
-    (reads only, like a decode step's weights and cache) and a copy of it (counted as read + write)."""
-    x = torch.ones(int(gb * 1e9) // 4)
-    y = torch.empty_like(x)
-    x.sum()
-    y.copy_(x)
-    best = {"sum": float("inf"), "copy": float("inf")}
-    for _ in range(reps):
-        start = time.perf_counter()
-        x.sum()
-        best["sum"] = min(best["sum"], time.perf_counter() - start)
-        start = time.perf_counter()
-        y.copy_(x)
-        best["copy"] = min(best["copy"], time.perf_counter() - start)
-    nbytes = x.numel() * 4
-    return {"read_gb_per_s": nbytes / best["sum"] / 1e9, "copy_gb_per_s": 2 * nbytes / best["copy"] / 1e9,
-            "tensor_gb": nbytes / 1e9}
 
 
 # --------------------------------------------------------------------------------------------

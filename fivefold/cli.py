@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "fivefold.memory.commands",     # plan, memory
     "fivefold.parallel.commands",   # pipeline
     "fivefold.serve.commands",      # serve
+    "fivefold.planner.commands",    # calibrate, hardware
 ]
 
 

@@ -158,6 +158,11 @@ OTHER_CASES = [
     ("prepare-binary", ["prepare", "--input", "{binary_text}", "--out", "{tmp}/ds", "--vocab-size", "300"],
      "not UTF-8 text"),
     ("unknown-command", ["trian"], "invalid choice: 'trian'"),
+    ("plan-cluster-unknown", ["plan", "--preset", "tiny", "--cluster", "dgx9"], "no hardware profile 'dgx9'"),
+    ("plan-cluster-not-toml", ["plan", "--preset", "tiny", "--cluster", "{bad_toml}"], "is not valid TOML"),
+    ("hardware-unknown", ["hardware", "tpu-v9"], "no hardware profile 'tpu-v9'"),
+    ("calibrate-nproc", ["calibrate", "--nproc", "0"], "argument --nproc: 0 must be at least 1"),
+    ("calibrate-device", ["calibrate", "--device", "gpu0"], "is not a device"),
 ]
 
 

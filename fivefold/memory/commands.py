@@ -16,7 +16,10 @@ def register(sub) -> None:
                                        "activations) from a config, without building the model")
     add_config_args(plan)
     plan.add_argument("--device-memory", help="memory of one accelerator, e.g. 80GB (1e9 bytes) or 80GiB")
-    plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+    plan.add_argument("--cluster", metavar="PROFILE",
+                      help="a hardware profile (h100-sxm, h200, a100-80gb, a100-40gb, or a file from `fivefold "
+                           "calibrate`): its device memory and device kind; see `fivefold hardware`")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default=None,
                       help="which kernels to assume (SDPA backend, LayerNorm statistics dtype); default cuda")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--sweep", choices=("seq", "batch"),
@@ -51,6 +54,13 @@ def run_plan(args) -> int:
 
     cfg = config_from_args(args)
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if args.cluster:
+        from fivefold.planner.hardware import load_profile
+
+        profile = load_profile(args.cluster)
+        device_memory = device_memory or int(profile.memory_bytes)
+        args.device = args.device or profile.device
+    args.device = args.device or "cuda"
     if args.serve:
         from fivefold.config import ConfigError
         from fivefold.serve.plan import plan_serving

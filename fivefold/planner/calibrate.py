@@ -1,0 +1,141 @@
+"""`fivefold calibrate`: measure this machine and write a hardware profile.
+
+Measured, each as the best of several repetitions (outside load only slows a repetition down):
+- matmul peak per dtype: fp32 and bf16 (fp16 too on CUDA), square matmuls (train.metrics.measure_peak_flops);
+- memory bandwidth: a sum over a large fp32 tensor (reads only);
+- memory size: the device's (CUDA) or the host's RAM (CPU);
+- with `--nproc N` (N >= 2 processes under torchrun, gloo on CPU, NCCL on CUDA): all-reduce and all-to-all
+  latency (an 8-byte message, median) and bus bandwidth at 64 MiB (NCCL-tests' convention: all-reduce
+  moves 2(n-1)/n of the buffer per rank, all-to-all (n-1)/n). One machine has no inter-node link: those
+  fields repeat the intra-node figures and the profile's source says so.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from fivefold.planner.hardware import HardwareProfile
+
+LATENCY_REPS = 30
+BANDWIDTH_BYTES = 64 * 2**20
+
+
+def measure_bandwidth(gb: float = 1.0, reps: int = 5, device: torch.device | str = "cpu") -> dict:
+    """Memory bandwidth as this process sees it, best of `reps`: a sum over a `gb` GB fp32 tensor (reads
+    only, like a decode step's weights and cache) and a copy of it (counted as read + write)."""
+    device = torch.device(device)
+    x = torch.ones(int(gb * 1e9) // 4, device=device)
+    y = torch.empty_like(x)
+    x.sum()
+    y.copy_(x)
+    best = {"sum": float("inf"), "copy": float("inf")}
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best["sum"] = min(best["sum"], time.perf_counter() - start)
+        start = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        best["copy"] = min(best["copy"], time.perf_counter() - start)
+    nbytes = x.numel() * 4
+    return {"read_gb_per_s": nbytes / best["sum"] / 1e9, "copy_gb_per_s": 2 * nbytes / best["copy"] / 1e9,
+            "tensor_gb": nbytes / 1e9}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_flops(device: torch.device) -> dict[str, float]:
+    from fivefold.train.metrics import measure_peak_flops
+
+    flops = {"fp32": measure_peak_flops(device, torch.float32)}
+    # A CPU without native bf16 emulates it two orders of magnitude slower: probe with a small matmul and
+    # measure at full size only where bf16 is fast.
+    bf16 = measure_peak_flops(device, torch.bfloat16, size=512, reps=3)
+    flops["bf16"] = measure_peak_flops(device, torch.bfloat16) if bf16 > 0.5 * flops["fp32"] else bf16
+    if device.type == "cuda":
+        flops["fp16"] = measure_peak_flops(device, torch.float16)
+    return flops
+
+
+def memory_size(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def measure_collectives(device: torch.device) -> dict[str, float]:
+    """Latency (s) and bus bandwidth (bytes/s) of all-reduce and all-to-all over the default group."""
+    n = dist.get_world_size()
+    small = torch.zeros(2, device=device)
+    big = torch.zeros(BANDWIDTH_BYTES // 4, device=device)
+    out_small, out_big = torch.empty_like(small), torch.empty_like(big)
+    ops = {"all_reduce": (lambda x, _: dist.all_reduce(x), 2 * (n - 1) / n),
+           "all_to_all": (lambda x, out: dist.all_to_all_single(out, x), (n - 1) / n)}
+    result = {}
+    for name, (op, factor) in ops.items():
+        for _ in range(3):
+            op(small, out_small)
+            op(big, out_big)
+        latencies = [_timed_collective(op, small, out_small, device) for _ in range(LATENCY_REPS)]
+        best = min(_timed_collective(op, big, out_big, device) for _ in range(5))
+        result[f"{name}_latency_s"] = statistics.median(latencies)
+        result[f"{name}_bus_bandwidth"] = factor * BANDWIDTH_BYTES / best
+    return result
+
+
+def _timed_collective(op, x, out, device) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    op(x, out)
+    _sync(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
+    return float(elapsed)
+
+
+def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
+    """Measure this machine (collectives too when a process group is running) -> (profile, raw figures)."""
+    raw: dict[str, float] = {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        raw.update(measure_collectives(device))
+    flops = measure_flops(device)
+    bandwidth = measure_bandwidth(1.0, device=device)["read_gb_per_s"] * 1e9
+    raw.update({f"flops_{k}": v for k, v in flops.items()}, memory_bandwidth=bandwidth)
+    link = raw.get("all_reduce_bus_bandwidth", 0.0)
+    latency = raw.get("all_reduce_latency_s", 0.0)
+    host = socket.gethostname()
+    what = (torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model())
+    backend = "NCCL" if device.type == "cuda" else "gloo"
+    links = (f"links: {backend} all-reduce over {world} processes; one machine, so the inter-node figures "
+             f"repeat the intra-node ones" if world > 1 else "links: not measured (one process)")
+    profile = HardwareProfile(
+        name=name, description=f"{what}, {_threads()}" if device.type == "cpu" else what,
+        device=device.type, memory_bytes=float(memory_size(device)), memory_bandwidth=bandwidth,
+        gpus_per_node=world, intra_node_bandwidth=link, intra_node_latency=latency,
+        inter_node_bandwidth=link, inter_node_latency=latency, flops=flops,
+        source=f"fivefold calibrate on {host}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; {links}")
+    return profile, raw
+
+
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} thread" + ("s" if n > 1 else "")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+    except OSError:
+        return "CPU"

@@ -1,0 +1,77 @@
+"""`fivefold calibrate` (measure this machine into a hardware profile) and `fivefold hardware` (list or
+show profiles)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from fivefold.cli import positive_int
+
+
+def register(sub) -> None:
+    cal = sub.add_parser("calibrate", help="measure this machine (matmul peak per dtype, memory bandwidth, "
+                                           "collectives) and write a hardware profile")
+    cal.add_argument("--out", default="calibrated.toml", help="profile file to write (default calibrated.toml)")
+    cal.add_argument("--name", help="the profile's name (default: the file's stem)")
+    cal.add_argument("--nproc", type=positive_int, default=1, metavar="N",
+                     help="measure all-reduce / all-to-all between N processes on this machine (torchrun)")
+    cal.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    cal.set_defaults(func=run_calibrate)
+    hw = sub.add_parser("hardware", help="list the shipped hardware profiles, or show one (name or file)")
+    hw.add_argument("profile", nargs="?", help="a profile name (e.g. h100-sxm) or a TOML file")
+    hw.set_defaults(func=run_hardware)
+
+
+def run_calibrate(args) -> int:
+    import torch.distributed as dist
+
+    from fivefold.planner.calibrate import calibrate
+    from fivefold.train.trainer import resolve_device
+
+    device = resolve_device(args.device)
+    out = Path(args.out)
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from fivefold.config import Config
+        from fivefold.parallel.launch import launch_workers
+
+        return launch_workers(Config(), args.nproc, sys.argv[1:], "calibrate")
+    if "LOCAL_RANK" in os.environ and not dist.is_initialized():
+        from fivefold.parallel.mesh import local_device
+
+        device = local_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    profile, raw = calibrate(device, args.name or out.stem)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(profile.to_toml(), encoding="utf-8")
+    os.replace(tmp, out)
+    print(_summary(profile))
+    if raw.get("all_to_all_bus_bandwidth"):
+        print(f"all-to-all: {raw['all_to_all_latency_s'] * 1e6:.0f} us, {raw['all_to_all_bus_bandwidth'] / 1e9:.2f} "
+              f"GB/s bus bandwidth (not a profile field: the planner uses the link figures)")
+    print(f"wrote {out}")
+    return 0
+
+
+def run_hardware(args) -> int:
+    from fivefold.planner.hardware import load_profile, shipped_profiles
+
+    if args.profile:
+        print(_summary(load_profile(args.profile)))
+        return 0
+    for name in shipped_profiles():
+        p = load_profile(name)
+        print(f"{name:12s} {p.description}")
+    return 0
+
+
+def _summary(p) -> str:
+    flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in p.flops.items() if v)
+    link = (f"intra-node {p.intra_node_bandwidth / 1e9:.3g} GB/s, {p.intra_node_latency * 1e6:.3g} us; inter-node "
+            f"{p.inter_node_bandwidth / 1e9:.3g} GB/s, {p.inter_node_latency * 1e6:.3g} us"
+            if p.intra_node_bandwidth else "links not measured")
+    return (f"{p.name}: {p.description}\n  matmul: {flops}\n  memory: {p.memory_bytes / 1e9:.3g} GB at "
+            f"{p.memory_bandwidth / 1e9:.3g} GB/s\n  {p.gpus_per_node} per node; {link}\n  source: {p.source}")

@@ -1,0 +1,120 @@
+"""Hardware profiles: what one accelerator and its links can do, in one small TOML file per machine kind.
+
+Fields (SI units: bytes, bytes per second, seconds, FLOP/s):
+
+    name, description, device ("cuda" or "cpu"), source (datasheet or calibration record)
+    memory_bytes          memory of one device (HBM; RAM for a CPU host)
+    memory_bandwidth      its bandwidth, bytes/s
+    gpus_per_node         devices that share the fast intra-node links
+    intra_node_bandwidth  bytes/s one device sends in one direction to the others in its node
+                          (NVLink: half the bidirectional datasheet figure)
+    intra_node_latency    seconds for a small message inside a node
+    inter_node_bandwidth  bytes/s one device sends across nodes (its share of the NICs)
+    inter_node_latency    seconds for a small message across nodes
+    [flops]               dense matmul FLOP/s per dtype: bf16, fp16, fp8, fp32 (0 or absent: none)
+
+Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb), from vendor datasheets.
+A user's own file is given by path. A link figure of 0 means "not measured" (e.g. a calibration run on one
+process cannot see a link).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivefold.config import ConfigError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+DTYPES = ("bf16", "fp16", "fp8", "fp32")
+_NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
+            "inter_node_bandwidth", "inter_node_latency")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    device: str
+    memory_bytes: float
+    memory_bandwidth: float
+    gpus_per_node: int
+    intra_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_latency: float
+    flops: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense matmul FLOP/s for `dtype` (bf16, fp16, fp8, fp32); an error if the device has none."""
+        value = self.flops.get(dtype, 0.0)
+        if not value:
+            have = ", ".join(k for k, v in self.flops.items() if v) or "none"
+            raise ConfigError(f"hardware profile {self.name!r} has no {dtype} matmul figure (it has: {have})")
+        return value
+
+    def to_toml(self) -> str:
+        lines = [f"# fivefold hardware profile (fields: fivefold/planner/hardware.py)",
+                 f"name = {_quote(self.name)}", f"description = {_quote(self.description)}",
+                 f"device = {_quote(self.device)}", f"source = {_quote(self.source)}",
+                 f"gpus_per_node = {self.gpus_per_node}"]
+        lines += [f"{key} = {getattr(self, key):.6g}" for key in _NUMBERS]
+        lines += ["", "[flops]"] + [f"{dtype} = {value:.6g}" for dtype, value in self.flops.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A shipped profile by name (h100-sxm, ...) or a profile file by path, validated."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise ConfigError(f"no hardware profile {str(name_or_path)!r}: give a TOML file (e.g. from `fivefold "
+                              f"calibrate --out FILE`) or one of {', '.join(shipped_profiles())}")
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"hardware profile {path} is not valid TOML: {e}") from None
+    return profile_from_dict(values, str(path))
+
+
+def profile_from_dict(values: dict, where: str) -> HardwareProfile:
+    fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(f"hardware profile {where}: unknown field(s) {', '.join(unknown)}; valid: "
+                          f"{', '.join(sorted(fields))}")
+    missing = sorted(k for k in ("name", "device", "memory_bytes", "gpus_per_node", *_NUMBERS) if k not in values)
+    if missing:
+        raise ConfigError(f"hardware profile {where}: missing {', '.join(missing)}")
+    for key in _NUMBERS:
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"hardware profile {where}: {key}={value!r} must be a number >= 0")
+    if values["memory_bytes"] <= 0:
+        raise ConfigError(f"hardware profile {where}: memory_bytes must be > 0")
+    if not isinstance(values["gpus_per_node"], int) or values["gpus_per_node"] < 1:
+        raise ConfigError(f"hardware profile {where}: gpus_per_node={values['gpus_per_node']!r} must be an "
+                          f"integer >= 1")
+    if values["device"] not in ("cuda", "cpu"):
+        raise ConfigError(f"hardware profile {where}: device={values['device']!r} must be cuda or cpu")
+    flops = values.get("flops", {})
+    if not isinstance(flops, dict) or set(flops) - set(DTYPES):
+        raise ConfigError(f"hardware profile {where}: [flops] takes {', '.join(DTYPES)}")
+    for dtype, value in flops.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"hardware profile {where}: flops.{dtype}={value!r} must be a number >= 0")
+    return HardwareProfile(**{**values, "flops": {k: float(v) for k, v in flops.items()},
+                              **{k: float(values[k]) for k in _NUMBERS}})

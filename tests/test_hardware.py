@@ -1,0 +1,75 @@
+"""Hardware profiles: the shipped datasheets load and round-trip, bad files are clear errors, `fivefold plan
+--cluster` takes its device memory from one, and `fivefold calibrate` measures this machine into one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fivefold import cli
+from fivefold.config import ConfigError
+from fivefold.planner.hardware import load_profile, profile_from_dict, shipped_profiles
+
+
+def test_shipped_profiles_load_and_round_trip(tmp_path):
+    assert shipped_profiles() == ["a100-40gb", "a100-80gb", "h100-sxm", "h200"]
+    for name in shipped_profiles():
+        profile = load_profile(name)
+        assert profile.device == "cuda" and profile.gpus_per_node == 8
+        assert profile.peak_flops("bf16") > 1e14 and profile.memory_bytes >= 40e9
+        assert profile.intra_node_bandwidth > profile.inter_node_bandwidth > 0
+        path = tmp_path / f"{name}.toml"
+        path.write_text(profile.to_toml())
+        assert load_profile(path) == profile
+    h100 = load_profile("h100-sxm")
+    assert h100.peak_flops("fp8") > h100.peak_flops("bf16") > h100.peak_flops("fp32")
+    with pytest.raises(ConfigError, match="has no fp8 matmul figure"):
+        load_profile("a100-80gb").peak_flops("fp8")
+
+
+GOOD = load_profile("h200").to_toml()
+
+
+@pytest.mark.parametrize("text, message", [
+    (GOOD.replace("gpus_per_node = 8", "gpus_per_node = 0"), "gpus_per_node=0 must be an integer >= 1"),
+    (GOOD.replace("memory_bandwidth = ", "memory_bandwith = "), "unknown field(s) memory_bandwith"),
+    (GOOD.replace('device = "cuda"', 'device = "tpu"'), "device='tpu' must be cuda or cpu"),
+    (GOOD.replace("inter_node_latency = 1e-05", "inter_node_latency = -1"), "inter_node_latency=-1 must be"),
+    (GOOD.replace("bf16 = 9.89e+14", "bf16 = nan"), "flops.bf16=nan must be a number >= 0"),
+    (GOOD.replace("fp8 = ", "int4 = "), "[flops] takes bf16, fp16, fp8, fp32"),
+    ("\n".join(line for line in GOOD.splitlines() if not line.startswith("memory_bytes")), "missing memory_bytes"),
+    ("name = [", "is not valid TOML"),
+])
+def test_a_bad_profile_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path}.*" + message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+        load_profile(path)
+
+
+def test_plan_takes_device_memory_and_kind_from_the_cluster(capsys):
+    assert cli.main(["plan", "--preset", "llama3-8b", "--cluster", "h200", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device_memory"] == 141e9 and plan["device"] == "cuda"
+    assert cli.main(["plan", "--preset", "llama3-8b", "--cluster", "h200", "--device-memory", "24GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory"] == 24e9  # an explicit figure wins
+    assert cli.main(["hardware"]) == 0
+    assert capsys.readouterr().out.count("NVIDIA") == 4
+
+
+def test_calibrate_measures_this_machine_into_a_profile(tmp_path, data_cache):
+    out = tmp_path / "here.toml"
+    env = {**os.environ, "FIVEFOLD_CACHE": data_cache}
+    proc = subprocess.run([sys.executable, "-m", "fivefold", "calibrate", "--nproc", "2", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    profile = load_profile(out)
+    assert profile.name == "here" and profile.device == "cpu" and profile.gpus_per_node == 2
+    assert profile.flops["fp32"] > 1e9 and profile.flops["bf16"] > 0
+    assert profile.memory_bandwidth > 1e9 and profile.memory_bytes > 1e9
+    assert profile.intra_node_bandwidth > 1e7 and 0 < profile.intra_node_latency < 0.1
+    assert "gloo all-reduce over 2 processes" in profile.source
+    assert profile_from_dict(__import__("tomllib").loads(out.read_text()), str(out)) == profile
