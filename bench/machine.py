@@ -5,13 +5,7 @@ import platform
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
+from fivefold.planner.calibrate import cpu_model
 
 
 def base_info() -> dict:

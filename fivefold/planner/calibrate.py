@@ -115,7 +115,7 @@ def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
     link = raw.get("all_reduce_bus_bandwidth", 0.0)
     latency = raw.get("all_reduce_latency_s", 0.0)
     host = socket.gethostname()
-    what = (torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model())
+    what = (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model())
     backend = "NCCL" if device.type == "cuda" else "gloo"
     links = (f"links: {backend} all-reduce over {world} processes; one machine, so the inter-node figures "
              f"repeat the intra-node ones" if world > 1 else "links: not measured (one process)")
@@ -133,9 +133,9 @@ def _threads() -> str:
     return f"{n} thread" + ("s" if n > 1 else "")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     except OSError:
-        return "CPU"
+        return "unknown"
