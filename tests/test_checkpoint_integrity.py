@@ -301,3 +301,23 @@ def test_a_stale_lock_from_a_dead_process_is_taken_over(tmp_path, capsys):
     with RunLock(tmp_path):  # a clean release leaves nothing to take over
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_damaged_sharded_checkpoint_falls_back_under_zero3(data_cache, tmp_path):
+    """dp=2 with ZeRO-3: each rank wrote its rows; the ranks verify half the files each and agree."""
+    out = tmp_path / "run"
+    args = ["--nproc", "2", "--set", "parallel.zero=3", "--set", "train.save_every=2", "--set", "train.keep_checkpoints=3"]
+    code, _, stderr = fivefold_train(out, *args, "--set", "train.steps=4", cache=data_cache)
+    assert code == 0, stderr
+    first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    newest = out / "checkpoints" / "step_00000004"
+    shards = sorted((newest / "state").glob("*.safetensors"))
+    assert len(shards) == 2  # one per rank
+    damage(shards[1], "flip")
+    code, stdout, stderr = fivefold_train(out, *args, "--set", "train.steps=4", cache=data_cache)
+    assert code == 0, stderr
+    assert stderr.count(f"{shards[1].name} does not match its checksum") == 1  # rank 0 warns, once
+    assert "resumed from" in stdout and "step_00000002" in stdout
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in first[2:]]
+    assert ckpt.verify_checkpoint(newest) == []
