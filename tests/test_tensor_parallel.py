@@ -3,8 +3,8 @@
 Layers: each sharded layer, the vocabulary-parallel cross-entropy and whole models (Llama-style with
 GQA, GPT-2 style) against their unsharded selves in float64, outputs and gradients within 1e-10
 (tests/tp_layers_worker.py). Training: tp 2 and 4, with and without SP, alone and with dp=2 (and
-ZeRO): every step's loss equals the single process's over 10 steps (fp32, rtol 1e-5), and a
-tensor-parallel checkpoint resumes in one process."""
+ZeRO): every step's loss equals the single process's over 10 steps (fp32, rtol 1e-5), a
+tensor-parallel checkpoint resumes in one process, and a one-process checkpoint resumes under tp=2."""
 
 from pathlib import Path
 
@@ -50,15 +50,24 @@ def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("tp")
     Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
             quiet=True).fit()
+    copy_checkpoint(root / "single", root / "single_to_tp2", 5)
     for nproc, layouts in LAUNCHES.items():
-        launch_layouts(nproc, [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts],
-                       root / f"tp_{nproc}.json")
+        todo = [{"config": config(data_cache, root / name(*lay), **layout(*lay))} for lay in layouts]
+        if nproc == 2:  # a one-process checkpoint, resumed with each rank loading only its shards
+            todo.append({"config": config(data_cache, root / "single_to_tp2", **layout(2, True)), "resume": True})
+        launch_layouts(nproc, todo, root / f"tp_{nproc}.json")
     return root
 
 
 @pytest.mark.parametrize("lay", [lay for layouts in LAUNCHES.values() for lay in layouts], ids=lambda lay: name(*lay))
 def test_every_step_matches_one_process(runs, lay):
     assert_parity(runs / name(*lay), runs / "single")
+
+
+def test_one_process_checkpoint_resumes_under_tensor_parallel(runs):
+    """Written by one process at step 5, resumed by tp=2 with SP (each rank reading its slices of every
+    weight and Adam moment): steps 6-10 match the single process's."""
+    assert_parity(runs / "single_to_tp2", runs / "single", steps=5)
 
 
 def test_tensor_parallel_checkpoint_resumes_in_one_process(runs, data_cache):
