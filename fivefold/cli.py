@@ -175,5 +175,6 @@ def nonnegative_int(text: str) -> int:
 def port_number(text: str) -> int:
     return _int_in(text, 0, 65535)
 
+
 if __name__ == "__main__":
     sys.exit(main())

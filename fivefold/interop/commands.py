@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-# Decimal and binary units, as transformers' save_pretrained(max_shard_size=...) reads them.
+
 def parse_size(text: str) -> int:
-    """argparse type: '5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes."""
+    """argparse type: '5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes (decimal and
+    binary units, as transformers' save_pretrained(max_shard_size=...) reads them)."""
     from fivefold.config import ConfigError
     from fivefold.memory.planner import parse_bytes
 
@@ -37,10 +37,7 @@ def _import(args) -> int:
     from fivefold.interop.hf import TOKENIZER_FILES, import_hf, read_tokenizer_files
     from fivefold.train.checkpoint import save_model
 
-    try:
-        cfg, model = import_hf(args.src)
-    except ValueError as e:
-        return _fail("import-hf", e)
+    cfg, model = import_hf(args.src)
     config = Config(model=cfg)
     if cfg.position == "learned":  # keep the default train.seq_len within the position table
         config.train.seq_len = min(config.train.seq_len, cfg.max_seq_len)
@@ -60,18 +57,11 @@ def _export(args) -> int:
     from fivefold.interop.hf import export_hf, read_tokenizer_files
     from fivefold.train.checkpoint import load_model, resolve_checkpoint
 
-    try:
-        ckpt = resolve_checkpoint(args.checkpoint)
-        _, model = load_model(ckpt)
-        extra = read_tokenizer_files(ckpt)  # tokenizer.json etc., from import-hf or a trained run
-        out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size, extra_files=extra)
-    except ValueError as e:
-        return _fail("export-hf", e)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    _, model = load_model(ckpt)
+    extra = read_tokenizer_files(ckpt)  # tokenizer.json etc., from import-hf or a trained run
+    out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size, extra_files=extra)
     n = sum(p.numel() for p in model.parameters())
     print(f"exported {n:,d} parameters to {out}" + (f" with {', '.join(extra)}" if extra else ""))
     return 0
 
-
-def _fail(command: str, error: Exception) -> int:
-    print(f"fivefold {command}: error: {error}", file=sys.stderr)
-    return 2

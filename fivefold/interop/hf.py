@@ -211,7 +211,7 @@ def _llama_name(name: str, modules: dict[str, str], prefix_in: str, prefix_out: 
     if name == "lm_head.weight":
         return name
     if not name.startswith(prefix_in):
-        raise ValueError(f"unexpected tensor {name!r} in a Llama-family checkpoint")
+        raise CheckpointError(f"unexpected tensor {name!r} in a Llama-family checkpoint")
     parts = name[len(prefix_in):].split(".")
     if parts[0] == "layers" and len(parts) > 3 and parts[2] in modules:
         parts[2] = modules[parts[2]]
@@ -239,7 +239,7 @@ def _gpt2_from_hf(t: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
 
     def take(name):
         if name not in t:
-            raise ValueError(f"GPT-2 checkpoint lacks tensor {name!r}")
+            raise CheckpointError(f"GPT-2 checkpoint lacks tensor {name!r}")
         return t.pop(name).T if _is_conv1d(name) else t.pop(name)
 
     out = {ours: take(hf) for hf, ours in _gpt2_names(cfg)}
@@ -250,7 +250,7 @@ def _gpt2_from_hf(t: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     if "lm_head.weight" in t:
         out["lm_head.weight"] = t.pop("lm_head.weight")
     if t:
-        raise ValueError(f"unexpected tensors in GPT-2 checkpoint: {sorted(t)[:5]}")
+        raise CheckpointError(f"unexpected tensors in GPT-2 checkpoint: {sorted(t)[:5]}")
     return out
 
 
@@ -383,7 +383,7 @@ class HFWeights:
 
     def _read(self, hf_name: str, placement=None, transposed: bool = False) -> torch.Tensor:
         if hf_name not in self.handles:
-            raise ValueError(f"{self.src} lacks tensor {hf_name!r}")
+            raise CheckpointError(f"{self.src} lacks tensor {hf_name!r}")
         part = self.handles[hf_name].get_slice(hf_name)
         if placement is None or not placement.tp_sharded:
             return part[:].float()
@@ -459,7 +459,7 @@ def export_hf(model: Transformer, out_dir: str | Path, arch: str | None = None,
     hf_config = hf_config_from(cfg, arch)
     weights = dict(model.named_parameters())
     if cfg.tie_embeddings and "lm_head.weight" in weights:  # HF would silently re-tie and drop one of them
-        raise ValueError("model.tie_embeddings is true but lm_head.weight is a separate parameter; "
+        raise CheckpointError("model.tie_embeddings is true but lm_head.weight is a separate parameter; "
                          "call model.tie_weights() after Module.to_empty()")
     tensors = dict(sorted(weights_to_hf(weights, cfg).items()))
     out = Path(out_dir)

@@ -114,8 +114,17 @@ class MemoryPlan:
     suggestions: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     communication: dict = field(default_factory=dict)  # bytes sent per step by dimension (communication.py)
-    checkpoint_bytes: int = 0  # one checkpoint on disk (the trainer checks free space against it)
     keep_checkpoints: int = 1
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint on disk (the trainer checks free space against it)."""
+        return self.params * formulas.CHECKPOINT_BYTES_PER_PARAM
+
+    @property
+    def checkpoint_disk_bytes(self) -> int:
+        """keep_checkpoints of them, and one being written."""
+        return self.checkpoint_bytes * (self.keep_checkpoints + 1)
 
     @property
     def fits(self) -> bool | None:
@@ -130,7 +139,7 @@ class MemoryPlan:
                 "activations_detail": {k: int(round(v)) for k, v in most.activation_detail.items()},
                 "communication_bytes_per_step": {k: int(v) for k, v in self.communication.items()},
                 "checkpoint_bytes": self.checkpoint_bytes,
-                "checkpoint_disk_bytes": self.checkpoint_bytes * (self.keep_checkpoints + 1),
+                "checkpoint_disk_bytes": self.checkpoint_disk_bytes,
                 "notes": self.notes, "suggestions": self.suggestions, "config": self.summary}
 
     def table(self) -> str:
@@ -165,7 +174,7 @@ class MemoryPlan:
                                                               self.communication.items()))
         if self.checkpoint_bytes:
             lines.append(f"checkpoint on disk: {human_bytes(self.checkpoint_bytes)} each; "
-                         f"{human_bytes(self.checkpoint_bytes * (self.keep_checkpoints + 1))} with "
+                         f"{human_bytes(self.checkpoint_disk_bytes)} with "
                          f"train.keep_checkpoints={self.keep_checkpoints} and one being written")
         for note in self.notes:
             lines.append(f"note: {note}")
@@ -424,7 +433,6 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     plan = MemoryPlan(params=formulas.count_params(cfg.model), active_params=formulas.active_params(cfg.model),
                       memory=stages[worst].memory, params_per_rank=stages[worst].params, stage=worst,
                       stages=stages, device=device, device_memory=device_memory, notes=notes, summary=summary,
-                      checkpoint_bytes=formulas.checkpoint_bytes(cfg.model),
                       keep_checkpoints=cfg.train.keep_checkpoints)
     if suggest and plan.fits is False:
         plan.suggestions = suggest_fixes(cfg, device_memory, device)

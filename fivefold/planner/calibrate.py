@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.planner.hardware import HardwareProfile
+from fivefold.train.metrics import synchronize
 
 LATENCY_REPS = 30
 BANDWIDTH_BYTES = 64 * 2**20
@@ -38,20 +39,15 @@ def measure_bandwidth(gb: float = 1.0, reps: int = 5, device: torch.device | str
     for _ in range(reps):
         start = time.perf_counter()
         x.sum()
-        _sync(device)
+        synchronize(device)
         best["sum"] = min(best["sum"], time.perf_counter() - start)
         start = time.perf_counter()
         y.copy_(x)
-        _sync(device)
+        synchronize(device)
         best["copy"] = min(best["copy"], time.perf_counter() - start)
     nbytes = x.numel() * 4
     return {"read_gb_per_s": nbytes / best["sum"] / 1e9, "copy_gb_per_s": 2 * nbytes / best["copy"] / 1e9,
             "tensor_gb": nbytes / 1e9}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_flops(device: torch.device) -> dict[str, float]:
@@ -97,7 +93,7 @@ def _timed_collective(op, x, out, device) -> float:
     dist.barrier()
     start = time.perf_counter()
     op(x, out)
-    _sync(device)
+    synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
     return float(elapsed)

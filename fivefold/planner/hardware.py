@@ -58,7 +58,7 @@ class HardwareProfile:
         return value
 
     def to_toml(self) -> str:
-        lines = [f"# fivefold hardware profile (fields: fivefold/planner/hardware.py)",
+        lines = ["# fivefold hardware profile (fields: fivefold/planner/hardware.py)",
                  f"name = {_quote(self.name)}", f"description = {_quote(self.description)}",
                  f"device = {_quote(self.device)}", f"source = {_quote(self.source)}",
                  f"gpus_per_node = {self.gpus_per_node}"]

@@ -330,11 +330,11 @@ def verify_checkpoint(ckpt: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
     rank, world = share
     for name in sorted(files)[rank::world]:
         path, expected = ckpt / name, files[name]
-        if not path.is_file():
+        size = path.stat().st_size if path.is_file() else None
+        if size is None:
             problems.append(f"{path} is missing")
-        elif path.stat().st_size != expected["size"]:
-            problems.append(f"{path} has {path.stat().st_size} bytes, {expected['size']} were written "
-                            f"(truncated or overwritten)")
+        elif size != expected["size"]:
+            problems.append(f"{path} has {size} bytes, {expected['size']} were written (truncated or overwritten)")
         elif file_entry(path)[HASH_NAME] != expected[HASH_NAME]:
             problems.append(f"{path} does not match its checksum (its bytes changed after it was written)")
     return problems
@@ -426,7 +426,6 @@ def remove_abandoned(root: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0 only checks; PermissionError still means the process exists
@@ -482,7 +481,7 @@ def _verified(path: Path) -> list[str]:
 
 
 def read_config(ckpt: Path) -> Config:
-    values = read_json(ckpt / "config.json")
+    values = read_json(ckpt / "config.json", missing_ok=False)
     try:
         return config_from_dict(values)
     except ConfigError as e:

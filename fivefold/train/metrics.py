@@ -20,12 +20,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 204
     b = torch.randn(size, size, device=device).to(dtype)
     for _ in range(2):  # warm up: thread pools, kernel selection, AMX tiles
         a @ b
-    _sync(device)
+    synchronize(device)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         a @ b
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
 
@@ -53,7 +53,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
     return peak
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
