@@ -275,7 +275,9 @@ def test_communication_per_step_follows_the_collectives():
     assert step_communication(cfg)["dp"] == 3 / 4 * (2 * 4 * n + 4 * 4 * n)  # 2 reduce-scatters, 4 gathers
     tp = load_config(preset="tiny", overrides=["parallel.tp=2", "train.seq_len=64", "train.micro_batch_size=2"])
     bsh = 2 * 64 * 64 * 4
-    assert step_communication(tp) == {"tp": 2 * 1 / 2 * 4 * bsh * 2}  # 4 all-reduces per layer, 2 layers
+    assert step_communication(tp) == {"tp": 2 * 1 / 2 * bsh * (4 * 2 + 2)}  # 4 all-reduces per layer, 2 layers, embedding, head
+    tp.parallel.sequence_parallel = True  # each all-reduce a gather + a scatter, plus re-gathers before backward
+    assert step_communication(tp) == {"tp": 1 / 2 * bsh * (10 * 2 + 2 + 3)}
     cp = load_config(preset="tiny", overrides=["parallel.cp=2", "train.seq_len=64", "train.micro_batch_size=2"])
     kv = 2 * 2 * 2 * 32 * 16  # K and V: batch 2, 2 kv heads, 32 local tokens, head size 16
     assert step_communication(cp)["cp"] == 2 * (kv * 4 * 2 + kv * 4 * 2)
@@ -296,3 +298,26 @@ def test_pipeline_split_of_the_plan_is_the_runtimes():
     block = formulas.layer_params(load_config(preset="tiny").model)
     assert custom.stages[1].params - even.stages[1].params == 3 * block
     assert custom.stages[0].params - even.stages[0].params == -3 * block
+
+
+def test_deep_stacks_extrapolate_exactly():
+    """replay_forward extrapolates deep stacks from 2-4 blocks; every figure the planner reads equals
+    the block-by-block replay, for every recomputation mode, attention kernel and stage position."""
+    from fivefold.memory import activations
+
+    for preset, overrides in (("tiny", []), ("tiny-gpt2", []), ("tiny", ["model.document_mask=true"]),
+                              ("tiny", ["model.attention=eager", "parallel.tp=2", "parallel.sequence_parallel=true"])):
+        cfg = load_config(preset=preset, overrides=overrides)
+        d = activation_shapes(cfg, "cpu")
+        for recompute in ("none", "selective", "full"):
+            for embed, head in ((True, True), (False, False), (True, False), (False, True)):
+                for layers in (5, 9):
+                    fast = activations.replay_forward(d, layers, recompute, embed, head)
+                    slow = activations._replay(d, layers, recompute, embed, head)
+                    for key in ("peak", "saved_bytes", "live", "backward_peak"):
+                        assert getattr(fast, key) == pytest.approx(getattr(slow, key), rel=1e-12), key
+                    assert len(fast.blocks) == len(slow.blocks) and len(fast.regions) == len(slow.regions)
+                    for a, b in zip(fast.blocks, slow.blocks):
+                        assert a == pytest.approx(b)
+                    for a, b in zip(fast.regions, slow.regions):
+                        assert a[0] == pytest.approx(b[0]) and a[1] == pytest.approx(b[1]) and a[2] == b[2]

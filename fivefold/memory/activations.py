@@ -29,10 +29,13 @@ mask and output) is 32sbh + 2as^2b; fivefold's eager softmax runs in fp32 and ke
 
 from __future__ import annotations
 
+import functools
+import math
+
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(frozen=True)
 class Shapes:
     """Per-rank sizes of one micro-batch. Tensor parallelism divides heads, FFN width and vocabulary;
     sequence parallelism also divides the tensors that are otherwise replicated (norms, residual,
@@ -299,10 +302,46 @@ def _block(r: Replay, x: _Buf, d: Shapes, selective: bool) -> _Buf:
     return x3
 
 
+@functools.lru_cache(maxsize=4096)
 def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool = True,
                    head: bool = True) -> Replay:
     """Replay one micro-batch through `layers` blocks (plus the embedding and the LM head + loss when
-    this rank holds them) and return the Replay: forward peak, saved bytes, recompute regions."""
+    this rank holds them) and return the Replay: forward peak, saved bytes, recompute regions.
+
+    Every block allocates the same tensors and adds the same saved bytes, so beyond a few blocks the
+    figures grow linearly with the block count: a deep stack is replayed with 2, 3 and 4 blocks and
+    extrapolated when those three agree on a constant step (the layout search plans thousands of
+    126-layer stacks), else replayed in full. tests/test_memory_plan.py checks the two agree. Cached:
+    the search asks again for every ZeRO stage and schedule; callers only read the result."""
+    if layers <= 4:
+        return _replay(d, layers, recompute, embed, head)
+    few = [_replay(d, n, recompute, embed, head) for n in (2, 3, 4)]
+    steps = {key: [getattr(b, key) - getattr(a, key) for a, b in zip(few, few[1:])]
+             for key in ("peak", "saved_bytes", "live", "backward_peak")}
+    if any(not math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-6) for a, b in steps.values()):
+        return _replay(d, layers, recompute, embed, head)
+    last = few[-1]
+    more = layers - 4
+    out = Replay(live=last.live + more * steps["live"][1], peak=last.peak + more * steps["peak"][1],
+                 saved_bytes=last.saved_bytes + more * steps["saved_bytes"][1])
+
+    def grown(items: list, i: int, shift):  # item i of `layers`, from the 4-block replay's items 2 and 3
+        if i < 3:
+            return items[i]
+        return shift(items[2], items[3], i - 2)
+
+    def block(a: dict, b: dict, k: int) -> dict:
+        return {key: a[key] + k * (b[key] - a[key]) for key in a}
+
+    def region(a: tuple, b: tuple, k: int) -> tuple:
+        return (a[0] + k * (b[0] - a[0]), a[1], a[2])
+
+    out.blocks = [grown(last.blocks, i, block) for i in range(len(last.blocks) and layers)]
+    out.regions = [grown(last.regions, i, region) for i in range(len(last.regions) and layers)]
+    return out
+
+
+def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool) -> Replay:
     r = Replay()
     positions = r.alloc(8 * d.s)  # arange(s).expand(b, s): int64, one row
     if embed:

@@ -25,10 +25,13 @@ def register(sub) -> None:
     plan.add_argument("--sweep", choices=("seq", "batch"),
                       help="activation memory over train.seq_len or train.micro_batch_size, eager vs SDPA")
     plan.add_argument("--values", help="comma-separated sweep values (default: powers of two around the config's)")
-    plan.add_argument("--png", help="with --sweep: write the plot here")
+    plan.add_argument("--png", help="with --sweep or --search: write the plot here")
     plan.add_argument("--serve", action="store_true",
                       help="serving instead of training: weights, the KV pool (serve.*), and how many "
                            "sequences of each length fit at once")
+    from fivefold.planner.speed_commands import add_arguments
+
+    add_arguments(plan)
     plan.set_defaults(func=run_plan)
 
     mem = sub.add_parser("memory", help="measure memory by category over the first training steps, plot "
@@ -54,13 +57,29 @@ def run_plan(args) -> int:
 
     cfg = config_from_args(args)
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    profile = None
     if args.cluster:
         from fivefold.planner.hardware import load_profile
 
         profile = load_profile(args.cluster)
         device_memory = device_memory or int(profile.memory_bytes)
         args.device = args.device or profile.device
+    elif args.search or args.gpus or args.global_batch:
+        from fivefold.config import ConfigError
+
+        raise ConfigError("--search, --gpus and --global-batch predict speed: give the hardware with --cluster "
+                          "PROFILE (see `fivefold hardware`)")
     args.device = args.device or "cuda"
+    if profile is not None and not args.serve and not args.sweep:
+        from fivefold.planner import speed_commands
+
+        if args.search:
+            return speed_commands.run_search(args, cfg, profile, device_memory)
+        if args.gpus or args.global_batch:
+            cfg = speed_commands.placed(cfg, args.gpus, speed_commands.global_batch_tokens(cfg, args.global_batch))
+        plan = plan_memory(cfg, device_memory, device=args.device)
+        speed_commands.run_speed(args, cfg, plan, profile)
+        return 0
     if args.serve:
         from fivefold.config import ConfigError
         from fivefold.serve.plan import plan_serving

@@ -5,6 +5,7 @@ The same config objects build the model, so tests assert these equal the built m
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
@@ -84,6 +85,19 @@ def active_params(cfg: ModelConfig) -> int:
 
 def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers=None, first_stage: bool = True,
                      last_stage: bool = True, ep: int = 1) -> list[tuple[str, int]]:
+    """(name, numel on one tensor-parallel rank) of every parameter a rank holds (_parameter_shapes);
+    memoised, as the layout search asks for the same stages thousands of times."""
+    layers = tuple(range(cfg.num_layers) if layers is None else layers)
+    return list(_cached_shapes(tuple(vars(cfg).items()), tp, layers, first_stage, last_stage, ep))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_shapes(fields: tuple, tp: int, layers: tuple, first: bool, last: bool, ep: int) -> tuple:
+    return tuple(_parameter_shapes(ModelConfig(**dict(fields)), tp, layers, first, last, ep))
+
+
+def _parameter_shapes(cfg: ModelConfig, tp: int, layers, first_stage: bool, last_stage: bool,
+                      ep: int) -> list[tuple[str, int]]:
     """(name, numel on one tensor-parallel rank) of every parameter a rank holds, named as the model
     names them. `layers` (default all; a pipeline rank's from rank_layers) and first/last stage select
     a pipeline stage; the first stage
@@ -94,7 +108,6 @@ def parameter_shapes(cfg: ModelConfig, tp: int = 1, layers=None, first_stage: bo
     output columns (with their biases), o/down by input rows (their biases stay whole), embedding and
     LM head by vocabulary rows; norms are replicated."""
     h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    layers = range(cfg.num_layers) if layers is None else layers
     shapes: list[tuple[str, int]] = []
     norm_bias = cfg.norm == "layernorm" and cfg.linear_bias
 

@@ -24,12 +24,13 @@ group is dp (expert parallelism has nothing to split until the model has experts
 from __future__ import annotations
 
 import copy
+import functools
 import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 
-from fivefold.config import Config, ConfigError, validate
+from fivefold.config import Config, ConfigError, ModelConfig, validate
 from fivefold.memory import formulas
 from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
                                          replay_forward)
@@ -88,6 +89,41 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads,
                   doc_mask=m.document_mask and par.cp == 1,  # ring attention masks block by block
                   stats_bytes=4 if device == "cuda" else p)
+
+
+@dataclass(frozen=True)
+class _Inventory:
+    """What the plan reads from a rank's parameter list (memoised: the layout search plans the same
+    stages thousands of times)."""
+    n: int
+    largest: int
+    units: tuple[tuple[int, int], ...]  # (decayed, not decayed) numels of each optimizer step unit
+    root: int  # outside the blocks: embeddings, final norm, LM head
+    blocks: tuple[int, ...]  # each block's
+    head: int  # the LM head's
+
+
+@functools.lru_cache(maxsize=1024)
+def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
+    units: dict[str, list[int]] = {}
+    blocks: dict[str, int] = {}
+    for name, numel in shapes:
+        key = formulas.step_chunk_key(name)
+        units.setdefault(key, [0, 0])[formulas.is_no_decay(name)] += numel
+        if key.startswith("layers."):
+            blocks[key] = blocks.get(key, 0) + numel
+    n = sum(numel for _, numel in shapes)
+    return _Inventory(n=n, largest=max(numel for _, numel in shapes), units=tuple(map(tuple, units.values())),
+                      root=n - sum(blocks.values()), blocks=tuple(blocks.values()),
+                      head=sum(numel for name, numel in shapes if name.startswith("lm_head.")))
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_sums(numels: tuple[int, ...], bucket_bytes: int) -> tuple[int, ...]:
+    """Numels of each data-parallel gradient bucket (fivefold.parallel.data_parallel.size_buckets)."""
+    from fivefold.parallel.data_parallel import size_buckets
+
+    return tuple(sum(numels[i] for i in b) for b in size_buckets(list(numels), bucket_bytes))
 
 
 @dataclass
@@ -187,23 +223,25 @@ class MemoryPlan:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
+def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None) -> StagePlan | None:
     m, t, par = cfg.model, cfg.train, cfg.parallel
     mixed, accum32 = t.precision == "bf16-mixed", t.fp32_grad_accum
     bpp = formulas.bytes_per_param(t.precision, accum32)
     dp, zero = par.dp, par.zero
     layers = formulas.rank_layers(m.num_layers, par.pp, stage, par.pp_virtual_stages, par.pp_layers)
     first, last = stage == 0, stage == par.pp - 1
-    shapes = formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep)
-    n = sum(numel for _, numel in shapes)
-    largest = max(numel for _, numel in shapes)
+    shapes = tuple(formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep))
+    inv = _inventory(shapes)
+    n, largest = inv.n, inv.largest
 
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
 
     memory = {"parameters": bpp.parameters * shard(n, 3),
-              "gradients": _gradients(cfg, shapes, bpp, largest)}
+              "gradients": _gradients(cfg, shapes, inv, bpp)}
     memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
+    if limit is not None and sum(memory.values()) > limit:
+        return None  # the model states alone do not fit: no need to replay the activations
 
     d = activation_shapes(cfg, device)
     replay = replay_forward(d, len(layers), t.recompute, embed=first, head=last)
@@ -213,9 +251,9 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     held = (in_flight - 1) * replay.saved_bytes  # earlier micro-batches waiting for their backward
     if par.pp_schedule == "zero-bubble" and par.pp > 1:
         # Micro-batches past their B keep what their W pass needs until it runs.
-        from fivefold.parallel.pipeline_schedules import build_schedule, peak_held
+        from fivefold.parallel.pipeline_schedules import peak_held, rank_schedule
 
-        actions = build_schedule("zero-bubble", par.pp, micro_batches)[stage]
+        actions = rank_schedule("zero-bubble", par.pp, micro_batches, stage)
         held = peak_held(actions, replay.saved_bytes, len(layers) * _weight_pass_bytes(d)) - replay.saved_bytes
     saved_end = replay.saved_bytes
     act_peak = held + max(replay.peak, replay.backward_peak)
@@ -230,11 +268,8 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
     # The optimizer steps one unit (a block, the embedding, the head) at a time; within a unit, foreach
     # AdamW makes sqrt(exp_avg_sq) per param group, and bf16-mixed an fp32 copy of the unit's gradients.
-    units: dict[str, list[int]] = {}
-    for name, numel in shapes:
-        units.setdefault(formulas.step_chunk_key(name), [0, 0])[formulas.is_no_decay(name)] += numel
     step = 0.0
-    for decay, rest in units.values():
+    for decay, rest in inv.units:
         unit = 0.0
         if t.optimizer_impl == "foreach":
             unit += 4 * max(shard(decay, 1), shard(rest, 1))
@@ -245,9 +280,8 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     if zero == 3 and dp > 1 and len(layers):
         # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward, the
         # current + prefetched layer, and one layer's full grads.
-        root = sum(numel for name, numel in shapes if not name.startswith("layers."))
-        gather = d.p * root + 3 * d.p * formulas.layer_params(m) // par.tp
-    reduce_t = _reductions_in_flight(cfg, shapes, device)
+        gather = d.p * inv.root + 3 * d.p * formulas.layer_params(m) // par.tp
+    reduce_t = _reductions_in_flight(cfg, shapes, inv, device)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
     memory["temporary"] = max(loss_t, layer_t + tied_pending, step, gather, reduce_t) + batch
 
@@ -274,7 +308,14 @@ def _stage_plan(cfg: Config, stage: int, device: str) -> StagePlan:
     return StagePlan(stage, len(layers), n, memory, in_flight, detail)
 
 
-def _reductions_in_flight(cfg: Config, shapes: list[tuple[str, int]], device: str) -> float:
+def stage_total(cfg: Config, stage: int, device: str, limit: float) -> float:
+    """Peak bytes of one pipeline stage's rank, or infinity once the model states alone pass `limit` (the
+    layout search's test of fit; cfg already validated)."""
+    plan = _stage_plan(cfg, stage, device, limit)
+    return math.inf if plan is None else plan.memory["total"]
+
+
+def _reductions_in_flight(cfg: Config, shapes: tuple, inv: _Inventory, device: str) -> float:
     """ZeRO-2/3's reduce-scatters in flight (fivefold.parallel.zero, at most MAX_REDUCES_IN_FLIGHT): each
     holds its unit's full fp32 gradients and the fp32 output shard; gloo (device "cpu") reduce-scatters
     through an all-reduce of a copy of the input. At the end of backward the last unit reduced is the
@@ -282,21 +323,12 @@ def _reductions_in_flight(cfg: Config, shapes: list[tuple[str, int]], device: st
     par = cfg.parallel
     if par.dp == 1 or par.zero < 2:
         return 0.0
-    from fivefold.parallel.data_parallel import size_buckets
     from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
 
     if par.zero == 3:
-        root = sum(numel for name, numel in shapes if not name.startswith("layers."))
-        blocks: dict[str, int] = {}
-        for name, numel in shapes:
-            if name.startswith("layers."):
-                key = formulas.step_chunk_key(name)
-                blocks[key] = blocks.get(key, 0) + numel
-        units = sorted([root, *blocks.values()], reverse=True)
+        units = sorted([inv.root, *inv.blocks], reverse=True)
     else:
-        numels = [numel for _, numel in shapes]
-        units = sorted((sum(numels[i] for i in b) for b in size_buckets(numels, int(par.bucket_mb * 2**20))),
-                       reverse=True)
+        units = sorted(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)), reverse=True)
     copies = 2 if device == "cpu" else 1
     return sum(4 * u * (copies + 1 / par.dp) for u in units[:MAX_REDUCES_IN_FLIGHT])
 
@@ -316,11 +348,24 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
         grad_buffers = 4 * shard(n, 2)
     elif t.fp32_grad_accum:
         grad_buffers = 4 * n
-    full = dict(formulas.parameter_shapes(cfg.model))  # every parameter's global size
+    return parameters + masters + grad_buffers + 4 * _largest_being_made(tuple(shapes), cfg.model)
+
+
+def _largest_being_made(shapes: tuple, model) -> int:
+    """Elements of the largest full parameter (plus its tensor-parallel slice) this rank materialises."""
+    return _largest_cached(shapes, tuple(vars(model).items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_cached(shapes: tuple, model_fields: tuple) -> int:
+    model = ModelConfig(**dict(model_fields))
+    layers = sorted({int(name.split(".")[1]) for name, _ in shapes if name.startswith("layers.")})
+    names = {name for name, _ in shapes}
+    full = dict(formulas.parameter_shapes(model, 1, layers, "embed_tokens.weight" in names,
+                                          "norm.weight" in names))  # global sizes of this rank's parameters
     # (a tied model's last pipeline stage holds a copy of the embedding as lm_head.weight)
-    full.setdefault("lm_head.weight", full["embed_tokens.weight"])
-    largest = max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes)
-    return parameters + masters + grad_buffers + 4 * largest
+    full.setdefault("lm_head.weight", model.vocab_size * model.hidden_size)
+    return max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes)
 
 
 def _ffn_width(m) -> int:
@@ -331,7 +376,7 @@ def _ffn_width(m) -> int:
     return m.ffn_hidden_size
 
 
-def _gradients(cfg: Config, shapes: list[tuple[str, int]], bpp, largest: int) -> float:
+def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
     """Peak gradient memory. One process: every .grad (or the fp32 accumulation buffers plus the one
     bf16 .grad being folded in). Data parallel (fivefold.parallel): the reduction is in fp32 and its
     result is what the optimizer reads, so ZeRO-0 ends backward with 4 bytes per parameter and ZeRO-1
@@ -339,10 +384,10 @@ def _gradients(cfg: Config, shapes: list[tuple[str, int]], bpp, largest: int) ->
     reduction. ZeRO-2/3 keep persistent fp32 gradient shards, plus the full gradients of the bucket
     (ZeRO-2) or gather unit (ZeRO-3: a block, or the embeddings + head root) still being filled."""
     t, par = cfg.train, cfg.parallel
-    n = sum(numel for _, numel in shapes)
+    n = inv.n
     full = bpp.gradients * n
     if t.fp32_grad_accum:
-        full = bpp.main_gradients * n + bpp.gradients * largest
+        full = bpp.main_gradients * n + bpp.gradients * inv.largest
     if par.dp == 1:
         return full
     shard = math.ceil(n / par.dp)
@@ -351,19 +396,9 @@ def _gradients(cfg: Config, shapes: list[tuple[str, int]], bpp, largest: int) ->
         # fp32 buffers stay beside the reduced gradients; the bf16 .grad being folded in is gone by then.
         return bpp.main_gradients * n + reduced if t.fp32_grad_accum else max(full, reduced)
     if par.zero == 2:
-        from fivefold.parallel.data_parallel import size_buckets
-
-        numels = [numel for _, numel in shapes]
-        filling = max(sum(numels[i] for i in b) for b in size_buckets(numels, int(par.bucket_mb * 2**20)))
+        filling = max(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)))
     else:
-        units: dict[str, int] = {}
-        for name, numel in shapes:
-            key = formulas.step_chunk_key(name)
-            units[key if key.startswith("layers.") else "root"] = units.get(key if key.startswith("layers.")
-                                                                            else "root", 0) + numel
-        head = sum(numel for name, numel in shapes if name.startswith("lm_head."))
-        blocks = [v for k, v in units.items() if k != "root"]
-        filling = max(units.get("root", 0), head + max(blocks, default=0))
+        filling = max(inv.root, inv.head + max(inv.blocks, default=0))
     return 4 * shard + bpp.gradients * filling
 
 

@@ -21,6 +21,7 @@ its output gradient from the stage after.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble")
@@ -42,6 +43,21 @@ def stage_of(rank: int, chunk: int, pp: int) -> int:
 
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
     """The action list of every rank."""
+    return [list(actions) for actions in _built(name, pp, m, v)]
+
+
+def rank_schedule(name: str, pp: int, m: int, rank: int, v: int = 1) -> tuple[Action, ...]:
+    """One rank's action list (shared: do not modify)."""
+    return _built(name, pp, m, v)[rank]
+
+
+@functools.lru_cache(maxsize=256)
+def _built(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """Built once per shape: the planner and the layout search ask for the same schedules many times."""
+    return tuple(tuple(actions) for actions in _build(name, pp, m, v))
+
+
+def _build(name: str, pp: int, m: int, v: int) -> list[list[Action]]:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "afab":
@@ -148,12 +164,19 @@ class Timeline:
     events: list[tuple[int, Action, float, float]]
     pp: int
 
-    @property
+    @functools.cached_property
     def makespan(self) -> float:
         return max(end for *_, end in self.events) - min(start for _, _, start, _ in self.events)
 
     def busy(self, rank: int) -> float:
-        return sum(end - start for r, _, start, end in self.events if r == rank)
+        return self._busy.get(rank, 0.0)
+
+    @functools.cached_property
+    def _busy(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for r, _, start, end in self.events:
+            out[r] = out.get(r, 0.0) + end - start
+        return out
 
     @property
     def bubble(self) -> float:
@@ -162,30 +185,48 @@ class Timeline:
         return (self.makespan - busy) / busy
 
 
-def simulate(lists: list[list[Action]], costs: dict[str, float] | None = None) -> Timeline:
-    """Run the lists with fixed costs (default F=1, B=2, or B=W=1 when W passes exist), each action as
-    soon as its rank is free and its input has arrived. Raises if the lists deadlock."""
+def simulate(lists: list[list[Action]], costs=None) -> Timeline:
+    """Run the lists with costs per kind (default F=1, B=2, or B=W=1 when W passes exist) or from a
+    function (rank, action) -> seconds (the step-time model's per-stage costs), each action as soon as
+    its rank is free and its input has arrived. Raises if the lists deadlock."""
     pp = len(lists)
     split = any(a.kind == "W" for lst in lists for a in lst)
     costs = costs or {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+    cost = costs if callable(costs) else (lambda rank, action: costs[action.kind])
     chunks = 1 + max(a.chunk for lst in lists for a in lst)
+    # Per action: what it finishes, what it waits for (_ready_time's rule; None: nothing) and its cost.
+    rows = []
+    for r, actions in enumerate(lists):
+        row = []
+        for a in actions:
+            stage = stage_of(r, a.chunk, pp)
+            need = (None if a.kind == "F" and stage == 0 else
+                    ("F", a.mb, stage - 1) if a.kind == "F" else
+                    ("F", a.mb, stage) if a.kind == "B" and stage == pp * chunks - 1 else
+                    ("B", a.mb, stage + 1) if a.kind == "B" else ("B", a.mb, stage))
+            row.append((a, (a.kind, a.mb, stage), need, cost(r, a)))
+        rows.append(row)
     position, free = [0] * pp, [0.0] * pp
     done: dict[tuple[str, int, int], float] = {}
     events = []
-    while any(position[r] < len(lists[r]) for r in range(pp)):
+    remaining = sum(len(row) for row in rows)
+    while remaining:
         progressed = False
-        for r in range(pp):
-            while position[r] < len(lists[r]):
-                action = lists[r][position[r]]
-                ready = _ready_time(action, r, pp, chunks, done)
+        for r, row in enumerate(rows):
+            i, now = position[r], free[r]
+            while i < len(row):
+                action, key, need, seconds = row[i]
+                ready = 0.0 if need is None else done.get(need)
                 if ready is None:
                     break
-                start = max(free[r], ready)
-                free[r] = start + costs[action.kind]
-                done[(action.kind, action.mb, stage_of(r, action.chunk, pp))] = free[r]
-                events.append((r, action, start, free[r]))
-                position[r] += 1
-                progressed = True
+                start = now if now > ready else ready
+                now = start + seconds
+                done[key] = now
+                events.append((r, action, start, now))
+                i += 1
+            if i > position[r]:
+                progressed, remaining = True, remaining - (i - position[r])
+                position[r], free[r] = i, now
         if not progressed:
             stuck = {r: str(lists[r][position[r]]) for r in range(pp) if position[r] < len(lists[r])}
             raise RuntimeError(f"pipeline schedule deadlocks; waiting actions: {stuck}")

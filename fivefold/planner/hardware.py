@@ -13,6 +13,17 @@ Fields (SI units: bytes, bytes per second, seconds, FLOP/s):
     inter_node_latency    seconds for a small message across nodes
     [flops]               dense matmul FLOP/s per dtype: bf16, fp16, fp8, fp32 (0 or absent: none)
 
+How close kernels come to those peaks (the step-time model, fivefold.planner.speed; optional, defaults below):
+
+    matmul_efficiency     fraction of the [flops] peak a large matmul reaches (0.8)
+    matmul_knee           a matmul dimension d runs at d / (d + knee) of that: small or skinny shapes leave
+                          tensor-core tiles idle (128)
+    attention_efficiency  fraction of the peak fused (flash) attention reaches, forward and backward (0.5)
+    memory_efficiency     fraction of memory_bandwidth elementwise kernels (norms, activations, Adam) reach (0.8)
+    op_overhead           seconds of host time per kernel launched, which small models cannot hide (5e-6)
+    overlap               fraction of overlappable communication that actually hides behind compute: 1 on
+                          GPUs (copy engines, NCCL's own SMs); a CPU host's gloo threads share the cores (1)
+
 Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb), from vendor datasheets.
 A user's own file is given by path. A link figure of 0 means "not measured" (e.g. a calibration run on one
 process cannot see a link).
@@ -30,6 +41,9 @@ from fivefold.config import ConfigError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
+EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
+              "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0}
+_FRACTIONS = ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "overlap")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
             "inter_node_bandwidth", "inter_node_latency")
 
@@ -48,6 +62,12 @@ class HardwareProfile:
     inter_node_latency: float
     flops: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    matmul_efficiency: float = EFFICIENCY["matmul_efficiency"]
+    matmul_knee: float = EFFICIENCY["matmul_knee"]
+    attention_efficiency: float = EFFICIENCY["attention_efficiency"]
+    memory_efficiency: float = EFFICIENCY["memory_efficiency"]
+    op_overhead: float = EFFICIENCY["op_overhead"]
+    overlap: float = EFFICIENCY["overlap"]
 
     def peak_flops(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` (bf16, fp16, fp8, fp32); an error if the device has none."""
@@ -62,7 +82,7 @@ class HardwareProfile:
                  f"name = {_quote(self.name)}", f"description = {_quote(self.description)}",
                  f"device = {_quote(self.device)}", f"source = {_quote(self.source)}",
                  f"gpus_per_node = {self.gpus_per_node}"]
-        lines += [f"{key} = {getattr(self, key):.6g}" for key in _NUMBERS]
+        lines += [f"{key} = {getattr(self, key):.6g}" for key in (*_NUMBERS, *EFFICIENCY)]
         lines += ["", "[flops]"] + [f"{dtype} = {value:.6g}" for dtype, value in self.flops.items()]
         return "\n".join(lines) + "\n"
 
@@ -99,10 +119,13 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
     missing = sorted(k for k in ("name", "device", "memory_bytes", "gpus_per_node", *_NUMBERS) if k not in values)
     if missing:
         raise ConfigError(f"hardware profile {where}: missing {', '.join(missing)}")
-    for key in _NUMBERS:
+    for key in (*_NUMBERS, *(k for k in EFFICIENCY if k in values)):
         value = values[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"hardware profile {where}: {key}={value!r} must be a number >= 0")
+    for key in _FRACTIONS:
+        if key in values and not 0 < values[key] <= 1 and not (key == "overlap" and values[key] == 0):
+            raise ConfigError(f"hardware profile {where}: {key}={values[key]!r} must be a fraction in (0, 1]")
     if values["memory_bytes"] <= 0:
         raise ConfigError(f"hardware profile {where}: memory_bytes must be > 0")
     if not isinstance(values["gpus_per_node"], int) or values["gpus_per_node"] < 1:
@@ -117,4 +140,4 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"hardware profile {where}: flops.{dtype}={value!r} must be a number >= 0")
     return HardwareProfile(**{**values, "flops": {k: float(v) for k, v in flops.items()},
-                              **{k: float(values[k]) for k in _NUMBERS}})
+                              **{k: float(values[k]) for k in (*_NUMBERS, *EFFICIENCY) if k in values}})

@@ -1,0 +1,341 @@
+"""Step-time model: how long one optimizer step of a layout takes on a hardware profile, and where the
+time goes. Pure arithmetic on the config; no model is built.
+
+Per micro-batch and pipeline stage, a forward (F), a backward (B) and, under zero-bubble, a weight pass
+(W) are costed from:
+- matmuls: 2 M K N FLOPs at the profile's peak x matmul_efficiency x prod(d / (d + knee)) over the three
+  dimensions (small or skinny shapes fill fewer tensor-core tiles); backward twice the forward (input and
+  weight gradients), split B / W under zero-bubble;
+- attention: causal, so half of 4 b heads s s_kv head_size FLOPs forward, 2.5x that backward
+  (FlashAttention recomputes the scores: Dao 2023), at attention_efficiency; eager attention computes
+  the full scores at matmul speed and moves them through memory;
+- elementwise kernels (norms, RoPE, activations, residuals, the loss): bytes moved / (memory_bandwidth x
+  memory_efficiency), unfused as the eager model runs them, or fused (torch.compile; the fused kernels of
+  published frameworks);
+- kernel launches: op_overhead per op;
+- recomputation: the forward again before backward (full), or the attention core (selective);
+- communication on the critical path: tensor / sequence parallel and expert all-to-alls inside every
+  layer, the ring-attention shifts beyond the block compute they overlap, pipeline sends, ZeRO-3's gathers
+  beyond the prefetch window and ZeRO-2's per-micro-batch reduce-scatters beyond their backward.
+Each collective is timed on the link its group crosses (fivefold.memory.communication lists them): ranks
+are laid out (pp, dp, cp, tp), tp innermost, so a group of `size` ranks `stride` apart stays inside a
+node when stride x size <= gpus_per_node; ring algorithms, latency per step.
+
+The stages' F / B / W costs drive the pipeline's own action lists (fivefold.parallel.pipeline_schedules:
+AFAB, 1F1B, interleaved, zero-bubble) through the schedule simulator: the bubble is what the simulated
+schedule leaves idle, not a closed formula. After the last backward: the data-parallel gradient
+reduction beyond the backward it overlaps, the optimizer step (memory-bound: Adam reads and writes ~36
+bytes per local parameter), and ZeRO-1/2's parameter all-gather.
+
+MFU counts model FLOPs (fivefold.memory.formulas.flops_per_token: no recomputation, the PaLM convention)
+against the profile's peak for the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fivefold.config import Config
+from fivefold.memory import formulas
+from fivefold.memory.communication import Collective, step_collectives
+from fivefold.planner.hardware import HardwareProfile
+
+# Elementwise traffic per element, in units of the activation dtype's bytes p, plus fp32 bytes (the norms'
+# statistics, the loss). Counted from the eager model's ops (fivefold/model); "fused" assumes one read and
+# one write per fused region. Backward moves about twice the forward's bytes.
+UNFUSED = {"norm": (4, 28), "residual": (3, 0), "rope": (13, 0), "heads": (2, 0), "swiglu": (5, 0),
+           "gelu": (4, 0), "loss": (2, 24)}
+FUSED = {"norm": (3, 0), "residual": (0, 0), "rope": (3, 0), "heads": (0, 0), "swiglu": (3, 0),
+         "gelu": (2, 0), "loss": (1, 8)}
+OPS_PER_LAYER = {False: 45, True: 12}  # kernels per layer forward (backward: twice), eager vs fused
+ADAM_BYTES_PER_PARAM = 36  # read weight, master, 2 moments, gradient; write weight, master, moments; norm
+BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer")
+
+
+@dataclass
+class SpeedPlan:
+    step_time_s: float
+    tokens_per_step: int
+    world: int
+    flops_per_token: float
+    peak_flops: float
+    breakdown: dict[str, float]  # seconds of the step on the critical path (sums to step_time_s)
+    profile: str
+    micro_batches: int
+    bubble_fraction: float  # idle / busy on the busiest pipeline rank
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_time_s / self.world
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_gpu * self.flops_per_token / self.peak_flops
+
+    def to_json(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "tokens_per_s": self.tokens_per_s_per_gpu * self.world, "mfu": self.mfu,
+                "tokens_per_step": self.tokens_per_step, "gpus": self.world, "profile": self.profile,
+                "peak_flops": self.peak_flops, "micro_batches": self.micro_batches,
+                "bubble_fraction": self.bubble_fraction,
+                "breakdown_s": {k: v for k, v in self.breakdown.items() if v > 0}, "notes": self.notes}
+
+    def table(self) -> str:
+        lines = [f"speed on {self.world} x {self.profile}: step {_seconds(self.step_time_s)}, "
+                 f"{self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU ({self.tokens_per_s_per_gpu * self.world:,.0f} "
+                 f"in all), MFU {100 * self.mfu:.1f}%",
+                 "  where the step goes: " + ", ".join(
+                     f"{_LABELS[k]} {100 * v / self.step_time_s:.1f}%" for k, v in self.breakdown.items() if v > 0)]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+_LABELS = {"compute": "compute", "recompute": "recompute", "tp": "tp comm", "cp": "cp comm", "ep": "ep comm",
+           "pp": "pp comm", "dp": "dp comm", "bubble": "bubble", "optimizer": "optimizer"}
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
+
+
+# -- costs ------------------------------------------------------------------------------------------------
+
+
+class _Costs:
+    """Seconds of one micro-batch's work on this hardware, by kind."""
+
+    def __init__(self, cfg: Config, hw: HardwareProfile, fused: bool):
+        m, t, p = cfg.model, cfg.train, cfg.parallel
+        self.cfg, self.hw, self.fused = cfg, hw, fused
+        self.p = 2 if t.precision == "bf16-mixed" else 4
+        self.peak = hw.peak_flops("bf16" if t.precision == "bf16-mixed" else "fp32")
+        self.tokens = t.micro_batch_size * t.seq_len // p.cp  # per rank and micro-batch
+        self.bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+
+    def matmul(self, m: float, k: float, n: float) -> float:
+        knee = self.hw.matmul_knee
+        shape = (m / (m + knee)) * (k / (k + knee)) * (n / (n + knee))
+        return 2 * m * k * n / (self.peak * self.hw.matmul_efficiency * shape)
+
+    def bytes(self, kind: str, elements: float) -> float:
+        act, fp32 = (FUSED if self.fused else UNFUSED)[kind]
+        return elements * (act * self.p + fp32) / self.bandwidth
+
+    def layer_matmuls(self) -> float:
+        """Forward seconds of one layer's linears."""
+        m, tp, T = self.cfg.model, self.cfg.parallel.tp, self.tokens
+        h = m.hidden_size
+        out = self.matmul(T, h, (m.q_size + 2 * m.kv_size) / tp) + self.matmul(T, m.q_size / tp, h)
+        if m.num_experts:
+            ep = self.cfg.parallel.ep
+            per_expert = T * m.experts_per_token * ep / m.num_experts  # tokens each local expert gets
+            experts = m.num_experts / ep
+            out += self.matmul(T, h, m.num_experts)
+            out += experts * (self.matmul(per_expert, h, 2 * m.expert_size / tp)
+                              + self.matmul(per_expert, m.expert_size / tp, h))
+            if m.shared_expert_size:
+                out += self.matmul(T, h, 2 * m.shared_expert_size / tp) + self.matmul(T, m.shared_expert_size / tp, h)
+            return out
+        up = 2 if m.activation == "swiglu" else 1
+        return out + self.matmul(T, h, up * m.ffn_hidden_size / tp) + self.matmul(T, m.ffn_hidden_size / tp, h)
+
+    def attention(self) -> tuple[float, float]:
+        """(forward, backward) seconds of the attention core."""
+        m, t, p = self.cfg.model, self.cfg.train, self.cfg.parallel
+        heads, s_q, s_kv = m.num_heads / p.tp, self.tokens / t.micro_batch_size, t.seq_len
+        full = 4 * t.micro_batch_size * heads * s_q * s_kv * m.head_size
+        if m.attention == "eager" and p.cp == 1:  # scores materialised, masked, not skipped
+            scores = t.micro_batch_size * heads * s_q * s_kv
+            forward = full / (self.peak * self.hw.matmul_efficiency) + 6 * scores * self.p / self.bandwidth
+            return forward, 2 * forward
+        forward = full / 2 / (self.peak * self.hw.attention_efficiency)
+        return forward, 2.5 * forward
+
+    def layer_elementwise(self) -> float:
+        """Forward seconds of one layer's memory-bound kernels."""
+        m, p = self.cfg.model, self.cfg.parallel
+        T = self.tokens
+        sp = p.tp if p.sequence_parallel else 1
+        width = (m.experts_per_token * m.expert_size + m.shared_expert_size) if m.num_experts else m.ffn_hidden_size
+        out = self.bytes("norm", 2 * T * m.hidden_size / sp) + self.bytes("residual", 2 * T * m.hidden_size / sp)
+        out += self.bytes("heads", T * (2 * m.q_size + 2 * m.kv_size) / p.tp)
+        if m.position == "rope":
+            out += self.bytes("rope", T * (m.q_size + m.kv_size) / p.tp)
+        return out + self.bytes("swiglu" if m.activation == "swiglu" else "gelu", T * width / p.tp)
+
+    def head(self) -> tuple[float, float]:
+        """(forward, backward) seconds of the final norm, LM head and loss."""
+        m, p = self.cfg.model, self.cfg.parallel
+        T = self.tokens
+        matmul = self.matmul(T, m.hidden_size, m.vocab_size / p.tp)
+        loss = self.bytes("loss", T * m.vocab_size / p.tp) + self.bytes("norm", T * m.hidden_size)
+        return matmul + loss / 3, 2 * matmul + 2 * loss / 3
+
+    def ops(self, layers: int) -> float:
+        return OPS_PER_LAYER[self.fused] * layers * self.hw.op_overhead
+
+
+def _link(profile: HardwareProfile, stride: int, size: int) -> tuple[float, float, bool]:
+    """(bandwidth, latency, crosses nodes) of a group of `size` ranks `stride` apart."""
+    if stride * size <= profile.gpus_per_node:
+        return profile.intra_node_bandwidth, profile.intra_node_latency, False
+    return profile.inter_node_bandwidth, profile.inter_node_latency, True
+
+
+def collective_seconds(c: Collective, profile: HardwareProfile, cfg: Config) -> float:
+    """One call of `c` on the link its group crosses: ring bandwidth term plus a latency per ring step
+    (across nodes at most 2 log2(g) steps: NCCL's trees and hierarchical rings)."""
+    p = cfg.parallel
+    stride = {"tp": 1, "cp": p.tp, "dp": p.tp, "ep": p.tp * p.cp, "pp": p.tp * p.cp * p.dp}[c.dim]
+    bandwidth, latency, inter = _link(profile, stride, c.group)
+    if not bandwidth:
+        return 0.0
+    steps = {"all_reduce": 2 * (c.group - 1), "send": 1}.get(c.op, c.group - 1)
+    if inter:
+        steps = min(steps, 2 * math.ceil(math.log2(c.group)))
+    return steps * latency + c.sent / bandwidth
+
+
+@dataclass
+class _Stage:
+    """Per-micro-batch seconds of one pipeline rank's chunk, by breakdown category, for F, B and W."""
+    F: dict[str, float]
+    B: dict[str, float]
+    W: dict[str, float]
+
+
+def _stage_costs(cfg: Config, hw: HardwareProfile, costs: _Costs, layers: int, first: bool, last: bool,
+                 comm: dict[str, dict[str, float]], split_w: bool) -> _Stage:
+    t = cfg.train
+    matmul, (attn_f, attn_b), elem = costs.layer_matmuls(), costs.attention(), costs.layer_elementwise()
+    ops = costs.ops(layers)
+    forward = layers * (matmul + attn_f + elem) + ops
+    weight = layers * matmul if split_w else 0.0  # the weight gradients, a W pass of their own
+    backward = layers * (2 * matmul + attn_b + 2 * elem) + 2 * ops - weight
+    recompute = 0.0
+    if t.recompute == "full":
+        recompute = forward
+    elif t.recompute == "selective":
+        recompute = layers * attn_f
+    if last:
+        head_f, head_b = costs.head()
+        forward, backward = forward + head_f, backward + head_b
+    F = {"compute": forward, **comm["forward"]}
+    B = {"compute": backward, "recompute": recompute, **comm["backward"]}
+    return _Stage(F, B, {"compute": weight})
+
+
+def _per_micro_batch_comm(cfg: Config, hw: HardwareProfile, costs: _Costs, stage: int, layers: int,
+                          stage_layers: int, compute_f: float, compute_b: float) -> dict[str, dict[str, float]]:
+    """Exposed communication seconds per micro-batch of one chunk (`layers` of the rank's `stage_layers`),
+    forward and backward, by dimension."""
+    p, micro = cfg.parallel, cfg.train.grad_accum
+    share = layers / stage_layers if stage_layers else 0.0
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    attn_f, attn_b = costs.attention()
+    for c in step_collectives(cfg, stage):
+        seconds = collective_seconds(c, hw, cfg) * c.count / micro  # per micro-batch, the whole stage
+        if c.phase in ("forward", "backward"):
+            side = fwd if c.phase == "forward" else bwd
+            side[c.dim] = side.get(c.dim, 0.0) + seconds * share
+        elif c.phase.startswith("ring"):  # each shift hides behind one block of attention compute
+            block = (attn_f if c.phase == "ring_forward" else attn_b) / p.cp
+            shifts = c.count / micro / max(1, stage_layers) * layers
+            side = fwd if c.phase == "ring_forward" else bwd
+            side["cp"] = side.get("cp", 0.0) + shifts * max(0.0, collective_seconds(c, hw, cfg) - hw.overlap * block)
+        elif c.phase == "boundary":
+            one = collective_seconds(c, hw, cfg)
+            if stage < p.pp - 1:
+                fwd["pp"] = fwd.get("pp", 0.0) + one * share
+            if stage > 0:
+                bwd["pp"] = bwd.get("pp", 0.0) + one * share
+        elif c.phase == "gather":  # ZeRO-3: one gather per block, the next prefetched behind this block
+            half = seconds / 2 * share
+            fwd["dp"] = fwd.get("dp", 0.0) + max(half / max(1, layers), half - hw.overlap * compute_f)
+            bwd["dp"] = bwd.get("dp", 0.0) + max(half / max(1, layers), half - hw.overlap * compute_b)
+        elif c.phase == "gradients" and p.zero >= 2:  # reduce-scattered behind every micro-batch's backward
+            bwd["dp"] = bwd.get("dp", 0.0) + max(seconds * share * _last_bucket(cfg, c), seconds * share
+                                                 - hw.overlap * compute_b)
+    return {"forward": fwd, "backward": bwd}
+
+
+def _last_bucket(cfg: Config, c: Collective) -> float:
+    """Fraction of a bucketed gradient reduction that runs after backward is over (its last bucket)."""
+    return min(1.0, cfg.parallel.bucket_mb * 2**20 / max(c.size, 1.0))
+
+
+# -- the step ---------------------------------------------------------------------------------------------
+
+
+def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = None,
+                 at_least: float = 0.0) -> SpeedPlan | None:
+    """Step time, throughput, MFU and the breakdown of training `cfg` on `profile` devices. `fused`:
+    assume fused elementwise kernels (default: train.compile). `at_least` (tokens/s per device): None
+    when even a pipeline without bubble would not reach it (the search skips the simulation)."""
+    from fivefold.parallel.pipeline_schedules import build_schedule, simulate
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    fused = t.compile if fused is None else fused
+    costs = _Costs(cfg, profile, fused)
+    v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
+    parts = formulas.partition(m.num_layers, p.pp * v, p.pp_layers)
+    split_w = p.pp_schedule == "zero-bubble" and p.pp > 1
+    stages: dict[tuple[int, int], _Stage] = {}
+    for rank in range(p.pp):
+        stage_layers = sum(len(parts[c * p.pp + rank]) for c in range(v))
+        for chunk in range(v):
+            index = chunk * p.pp + rank
+            layers = len(parts[index])
+            first, last = index == 0, index == p.pp * v - 1
+            rough = _stage_costs(cfg, profile, costs, layers, first, last, {"forward": {}, "backward": {}}, split_w)
+            comm = _per_micro_batch_comm(cfg, profile, costs, rank, layers, stage_layers,
+                                         rough.F["compute"], rough.B["compute"])
+            stages[rank, chunk] = _stage_costs(cfg, profile, costs, layers, first, last, comm, split_w)
+
+    micro = t.grad_accum
+    tokens = t.micro_batch_size * micro * p.dp * t.seq_len
+    if at_least:
+        busy = max(micro * sum(sum(getattr(stages[r, c], kind).values()) for c in range(v) for kind in "FBW")
+                   for r in range(p.pp))
+        if tokens / busy / p.world_size < at_least:
+            return None
+    lists = build_schedule(p.pp_schedule if p.pp > 1 else "1f1b", p.pp, micro, v)
+
+    totals = {(rank, chunk, kind): sum(getattr(stage, kind).values())
+              for (rank, chunk), stage in stages.items() for kind in "FBW"}
+    timeline = simulate(lists, lambda rank, action: totals[rank, action.chunk, action.kind])
+    busiest = max(range(p.pp), key=timeline.busy)
+    breakdown = dict.fromkeys(BREAKDOWN, 0.0)
+    for action in lists[busiest]:
+        for key, seconds in getattr(stages[busiest, action.chunk], action.kind).items():
+            breakdown[key] += seconds
+    breakdown["bubble"] = timeline.makespan - timeline.busy(busiest)
+
+    # After the last backward: the gradient reduction beyond what the last backward hides, the optimizer.
+    local = sum(n for _, n in formulas.parameter_shapes(
+        m, p.tp, formulas.rank_layers(m.num_layers, p.pp, busiest, p.pp_virtual_stages, p.pp_layers),
+        busiest == 0, busiest == p.pp - 1, p.ep))
+    optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
+    optimizer += 20 * profile.op_overhead
+    last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v
+    for c in step_collectives(cfg, busiest):
+        seconds = collective_seconds(c, profile, cfg) * c.count
+        if c.phase == "gradients" and p.zero <= 1:
+            breakdown["dp"] += max(seconds * _last_bucket(cfg, c), seconds - profile.overlap * last_backward)
+        elif c.phase == "after_step":
+            breakdown["dp"] += max(0.0, seconds - profile.overlap * optimizer)
+    breakdown["optimizer"] = optimizer
+    step = sum(breakdown.values())
+    notes = []
+    if p.tp > 1 and _link(profile, 1, p.tp)[2]:
+        notes.append(f"tp={p.tp} spans more than one node of {profile.gpus_per_node}: its collectives use the "
+                     f"inter-node link")
+    if not profile.intra_node_bandwidth and p.world_size > 1:
+        notes.append(f"profile {profile.name!r} has no link figures: communication is not timed")
+    return SpeedPlan(step_time_s=step, tokens_per_step=tokens, world=p.world_size,
+                     flops_per_token=formulas.flops_per_token(m, t.seq_len), peak_flops=costs.peak,
+                     breakdown=breakdown, profile=profile.name, micro_batches=micro,
+                     bubble_fraction=timeline.bubble, notes=notes)
