@@ -14,7 +14,7 @@ import warnings
 
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
-    "fivefold.train.commands",      # train, generate
+    "fivefold.train.commands",      # train, compare-runs, plot, generate
     "fivefold.data.commands",       # prepare
     "fivefold.interop.commands",    # import-hf, export-hf
     "fivefold.memory.commands",     # plan, memory

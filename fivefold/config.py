@@ -96,6 +96,13 @@ class TrainConfig:
     # Batch-size schedule: "tokens_seen:grad_accum,..." e.g. "200000:2,600000:4" grows the global
     # batch by raising grad_accum once that many tokens have been trained on.
     batch_schedule: str = ""
+    # "auto": grow grad_accum toward the measured gradient noise scale (fivefold.train.batch_ramp), up to
+    # max_grad_accum; "schedule": train.batch_schedule (or a fixed batch).
+    batch_ramp: Literal["schedule", "auto"] = "schedule"
+    max_grad_accum: int = 0  # batch_ramp=auto: the largest grad_accum the ramp may reach (0: unset)
+    # EMA factor smoothing the gradient noise scale's two estimates (fivefold.train.noise_scale); its
+    # horizon 1 / (1 - gns_ema) steps is also how often batch_ramp=auto reconsiders the batch.
+    gns_ema: float = 0.95
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -378,9 +385,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule=interleaved")
     if p.pp > 1 and p.pp_schedule == "interleaved":
         accums = [t.grad_accum] + [a for _, a in parse_batch_schedule(t.batch_schedule)]
+        accums += [t.max_grad_accum] if t.batch_ramp == "auto" else []
         if any(a % p.pp for a in accums):
             raise ConfigError(f"the interleaved schedule runs micro-batches in groups of pp={p.pp}: make "
-                              f"train.grad_accum (and every batch_schedule value) a multiple of {p.pp}")
+                              f"train.grad_accum (and every batch_schedule value, and max_grad_accum) a "
+                              f"multiple of {p.pp}")
     if m.num_experts:
         if not 1 <= m.experts_per_token <= m.num_experts:
             raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in 1..model.num_experts="
@@ -406,6 +415,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if len(counts) != stages or sum(counts) != m.num_layers or min(counts) < 1:
             raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must give {stages} stages of >= 1 layer "
                               f"summing to model.num_layers={m.num_layers}")
+    _check_batch_ramp(cfg)
     if world_size is not None and world_size != p.world_size:
         others = p.tp * p.pp * p.cp
         fix = (f"set parallel.dp={world_size // others} or launch {p.world_size} processes"
@@ -431,7 +441,8 @@ _RANGES = [
     ("train.beta1", 0, 1, True, False), ("train.beta2", 0, 1, True, False), ("train.eps", 0, None, True, None),
     ("train.grad_clip", 0, None, True, None), ("train.eval_every", 0, None, True, None),
     ("train.eval_batches", 1, None, True, None), ("train.save_every", 0, None, True, None),
-    ("train.peak_flops", 0, None, True, None), ("data.val_fraction", 0, 1, False, False),
+    ("train.peak_flops", 0, None, True, None), ("train.max_grad_accum", 0, None, True, None),
+    ("train.gns_ema", 0, 1, True, False), ("data.val_fraction", 0, 1, False, False),
     ("parallel.bucket_mb", 0, None, False, None),
 ]
 
@@ -449,11 +460,43 @@ def _check_ranges(cfg: Config) -> None:
                 rule = f"must be in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
             hint = {"train.grad_clip": " (0 turns clipping off)", "train.eval_every": " (0 turns evaluation off)",
                     "train.save_every": " (0 saves at the end only)", "model.capacity_factor": " (0 is dropless)",
-                    "train.warmup_steps": " (0: no warm-up)"}.get(key, "")
+                    "train.warmup_steps": " (0: no warm-up)",
+                    "train.max_grad_accum": " (the largest grad_accum train.batch_ramp=auto may reach)",
+                    "train.gns_ema": " (the gradient noise scale's EMA factor, e.g. 0.95)"}.get(key, "")
             raise ConfigError(f"{key}={value} {rule}{hint}")
     device = cfg.train.device
     if device != "auto" and not re.fullmatch(r"(cpu|cuda)(:\d+)?", device):
         raise ConfigError(f"train.device={device!r} is not valid; use auto, cpu, cuda or cuda:N")
+
+
+def _check_batch_ramp(cfg: Config) -> None:
+    """train.batch_ramp=auto needs a noise scale to follow and room to grow (fivefold.train.batch_ramp)."""
+    t = cfg.train
+    if t.batch_ramp != "auto":
+        if t.max_grad_accum:
+            raise ConfigError(f"train.max_grad_accum={t.max_grad_accum} only applies to train.batch_ramp=auto; set "
+                              f"train.batch_ramp=auto, or remove max_grad_accum")
+        return
+    if t.batch_schedule.strip():
+        raise ConfigError(f"train.batch_ramp=auto grows the batch itself, and train.batch_schedule="
+                          f"{t.batch_schedule!r} sets it too; remove train.batch_schedule, or use "
+                          f"train.batch_ramp=schedule")
+    if t.grad_accum < 2:
+        raise ConfigError("train.batch_ramp=auto follows the gradient noise scale, measured from a step's first "
+                          "micro-batch, which needs train.grad_accum >= 2; set train.grad_accum=2 (and halve "
+                          "train.micro_batch_size to keep the batch)")
+    if t.max_grad_accum <= t.grad_accum:
+        raise ConfigError(f"train.batch_ramp=auto needs train.max_grad_accum > train.grad_accum={t.grad_accum} (the "
+                          f"largest grad_accum the batch may grow to), e.g. train.max_grad_accum={8 * t.grad_accum}")
+    from fivefold.parallel.small_batch import layout_unavailable
+
+    reason = layout_unavailable(cfg)
+    if reason is None and cfg.parallel.pp > 1:
+        from fivefold.parallel.small_batch import unavailable
+        reason = unavailable(cfg, t.grad_accum)
+    if reason is not None:
+        raise ConfigError(f"train.batch_ramp=auto needs the gradient noise scale, which this layout cannot measure: "
+                          f"{reason}; or use train.batch_ramp=schedule")
 
 
 # What may change when a run is resumed. Anything that changes what the saved state means is refused:

@@ -37,6 +37,7 @@ from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline import Pipeline, tied_group
 from fivefold.parallel.placement import Placement, Placements, record
+from fivefold.parallel.small_batch import SmallBatchGradient
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
@@ -76,6 +77,7 @@ class ParallelModel:
         self.pipeline = None
         self.router_loss: Callable | None = None  # set by the trainer for models with experts
         self.reducer = None
+        self.small_batch: SmallBatchGradient | None = None  # the gradient noise scale's probe, once materialised
         if mesh.pp_size > 1:  # keeps only this rank's stages
             # Weakly: the pipeline is ours, and must not keep us (and every tensor we hold) alive.
             self.pipeline = Pipeline(model, cfg, mesh, self.dtype, weak(self._current_reducer),
@@ -128,6 +130,7 @@ class ParallelModel:
         self.reducer = self._reducer(optimizer, engine)
         if self.reducer is not None:
             optimizer.gradient_source = self.reducer.local_grads
+        self.small_batch = SmallBatchGradient(cfg, mesh, optimizer, self.reducer, self.pipeline)
         return optimizer, self.reducer
 
     def _zero(self, stage: int, placements: list[Placement], masters, value_of, mixed: bool) -> ZeroDataParallel:
@@ -246,19 +249,28 @@ class ParallelModel:
 
     # -- one step's forward and backward --------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor,
-                         docs: torch.Tensor | None = None) -> torch.Tensor:
+                         docs: torch.Tensor | None = None, measure_small_batch: bool = False) -> torch.Tensor:
         """Forward and backward over this rank's tokens of a global batch, in micro-batches, through the
         pipeline schedule or one after the other; gradients are reduced as the layout requires. Returns
         the global batch's mean loss (the loss of every micro-batch is its token-loss sum divided by the
-        global batch's `num_tokens`, so the gradients add up to the big-batch gradient)."""
+        global batch's `num_tokens`, so the gradients add up to the big-batch gradient). With
+        `measure_small_batch`, the first micro-batch's gradient norm is captured where the layout allows
+        (fivefold.parallel.small_batch; `small_batch.result` reads it after the step)."""
         reducer = self.reducer
+        micro = self.cfg.train.micro_batch_size
+        count = -(-len(inputs) // micro)
+        probe = self.small_batch if measure_small_batch else None
+        if probe is not None:
+            probe.reset()
+            probe = probe if probe.unavailable(count) is None else None
         if self.pipeline is not None:
-            loss = self.pipeline.train_step(inputs, labels, num_tokens, self.loss_sum)
+            after = probe.pipeline_points(count, labels[:micro]) if probe is not None else None
+            loss = self.pipeline.train_step(inputs, labels, num_tokens, self.loss_sum, after)
             if reducer is not None:
                 reducer.finish()
             dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
             return self.sum_over_batch(loss)
-        micro_batches = torch.arange(len(inputs)).split(self.cfg.train.micro_batch_size)
+        micro_batches = torch.arange(len(inputs)).split(micro)
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if reducer is not None:
@@ -270,6 +282,8 @@ class ParallelModel:
             loss += part.detach()
             if reducer is not None and reducer.sync:
                 reducer.finish()
+            if i == 0 and probe is not None:  # gradients now hold the first micro-batch's (reduced, under ZeRO-2/3)
+                probe.capture(labels[mb])
         return self.sum_over_batch(loss)
 
 

@@ -17,6 +17,7 @@ stashes (input, output gradient) and W computes the weight gradient from them.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,15 @@ class Pipeline:
             # Untie from the first stage's copy: a parameter of this stage, named embed_tokens.weight.
             model.lm_head.weight = model.embed_tokens.weight
 
+    def chunk_of(self, name: str) -> int:
+        """The chunk (of this rank's) holding parameter `name`: its block's, the first stage's for the
+        embeddings, the last stage's for the final norm and head."""
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layer = int(parts[1])
+            return next(c for c, layers in enumerate(self.chunks) if layer in layers)
+        return 0 if parts[0].startswith("embed") else self.v - 1
+
     def tied_parameter(self) -> nn.Parameter | None:
         """The shared embedding/head matrix when this rank holds one of its two copies."""
         if self.tied and self.pp > 1 and (self.first or self.last):
@@ -145,9 +155,12 @@ class Pipeline:
             self._schedules[m] = build_schedule(self.cfg.parallel.pp_schedule, self.pp, m, self.v)
         return self._schedules[m]
 
-    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor, loss_fn):
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor, loss_fn,
+                   after: dict[int, Callable[[], None]] | None = None):
         """Forward and backward of every micro-batch of (N, S) inputs; returns this rank's summed loss
-        (non-zero on the last stage only). `loss_fn(logits, labels)` is the summed token loss."""
+        (non-zero on the last stage only). `loss_fn(logits, labels)` is the summed token loss. `after`:
+        {index in this rank's action list: called once that action is done} (fivefold.parallel.small_batch
+        reads micro-batch 0's gradient there)."""
         micro = self.cfg.train.micro_batch_size
         batches = list(zip(inputs.split(micro), labels.split(micro)))
         m = len(batches)
@@ -158,7 +171,7 @@ class Pipeline:
         reducer = self.reducer_of()
         self.timeline = []  # (action, start, end) in seconds from the step's start: the measured picture
         step_start = time.perf_counter()
-        for action in self.schedule(m):
+        for index, action in enumerate(self.schedule(m)):
             start = time.perf_counter() - step_start
             stage = stage_of(self.rank, action.chunk, self.pp)
             receives = (action.kind == "F" and stage > 0) or (action.kind == "B" and stage < self.num_stages - 1)
@@ -195,6 +208,8 @@ class Pipeline:
             # Waiting for a receive counts as idle: the action starts when its input is here.
             self.timeline.append((action, start + self._waited, time.perf_counter() - step_start))
             self._waited = 0.0
+            if after and index in after:
+                after[index]()
         self._flush(sends, pending)
         pending.wait_all()
         return loss_sum

@@ -4,6 +4,11 @@ Measured, each as the best of several repetitions (outside load only slows a rep
 - matmul peak per dtype: fp32 and bf16 (fp16 too on CUDA), square matmuls (train.metrics.measure_peak_flops);
 - memory bandwidth: a sum over a large fp32 tensor (reads only);
 - memory size: the device's (CUDA) or the host's RAM (CPU);
+- the step-time model's kernel figures (fivefold/planner/hardware.py): the matmul knee, fitted to square
+  matmuls of 256 and 2048 (efficiency 1 at 2048, where [flops] is measured); fused attention's fraction of
+  the matmul peak (SDPA forward + backward, causal); elementwise bandwidth (a copy) against the read
+  bandwidth; seconds per small autograd op (host overhead); overlap 0 on a CPU host, whose gloo threads
+  share the cores with compute, 1 on CUDA;
 - with `--nproc N` (N >= 2 processes under torchrun, gloo on CPU, NCCL on CUDA): all-reduce and all-to-all
   latency (an 8-byte message, median) and bus bandwidth at 64 MiB (NCCL-tests' convention: all-reduce
   moves 2(n-1)/n of the buffer per rank, all-to-all (n-1)/n). One machine has no inter-node link: those
@@ -63,6 +68,47 @@ def measure_flops(device: torch.device) -> dict[str, float]:
     return flops
 
 
+def measure_kernels(device: torch.device, dtype: torch.dtype, peak: float) -> dict[str, float]:
+    """matmul_knee, matmul_efficiency, attention_efficiency and op_overhead (see the module docstring)."""
+    from fivefold.train.metrics import measure_peak_flops
+
+    small = measure_peak_flops(device, dtype, size=256, reps=20)
+    ratio = min(small / peak, 0.999)
+    # (256 / (256 + k) / (2048 / (2048 + k)))^3 = ratio: bisect for k
+    low, high = 0.0, 1e5
+    for _ in range(60):
+        k = (low + high) / 2
+        if ((256 / (256 + k)) / (2048 / (2048 + k))) ** 3 > ratio:
+            low = k
+        else:
+            high = k
+    knee = (low + high) / 2
+    out = {"matmul_knee": knee, "matmul_efficiency": min(1.0, 1 / (2048 / (2048 + knee)) ** 3)}
+    b, heads, s, hd = 4, 8, 512, 64
+    q, k_, v = (torch.randn(b, heads, s, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    best = float("inf")
+    for rep in range(4):
+        start = time.perf_counter()
+        torch.nn.functional.scaled_dot_product_attention(q, k_, v, is_causal=True).sum().backward()
+        synchronize(device)
+        if rep:  # the first is warm-up
+            best = min(best, time.perf_counter() - start)
+    out["attention_efficiency"] = min(1.0, 3.5 * 2 * b * heads * s * s * hd / best / peak)  # causal: half of 4bhs^2d
+    x = torch.ones(8, device=device, requires_grad=True)
+    ops, best = 20, float("inf")
+    for rep in range(30):
+        start = time.perf_counter()
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+        synchronize(device)
+        if rep:
+            best = min(best, time.perf_counter() - start)
+    out["op_overhead"] = best / (2 * ops + 2)  # forward and backward kernels
+    return out
+
+
 def memory_size(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -106,7 +152,13 @@ def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
     if world > 1:
         raw.update(measure_collectives(device))
     flops = measure_flops(device)
-    bandwidth = measure_bandwidth(1.0, device=device)["read_gb_per_s"] * 1e9
+    memory = measure_bandwidth(1.0, device=device)
+    bandwidth = memory["read_gb_per_s"] * 1e9
+    dtype = "bf16" if device.type == "cuda" else "fp32"  # what training computes in on this device
+    kernels = measure_kernels(device, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], flops[dtype])
+    kernels["memory_efficiency"] = min(1.0, memory["copy_gb_per_s"] / memory["read_gb_per_s"])
+    kernels["overlap"] = 1.0 if device.type == "cuda" else 0.0
+    raw.update(kernels)
     raw.update({f"flops_{k}": v for k, v in flops.items()}, memory_bandwidth=bandwidth)
     link = raw.get("all_reduce_bus_bandwidth", 0.0)
     latency = raw.get("all_reduce_latency_s", 0.0)
@@ -119,7 +171,7 @@ def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
         name=name, description=f"{what}, {_threads()}" if device.type == "cpu" else what,
         device=device.type, memory_bytes=float(memory_size(device)), memory_bandwidth=bandwidth,
         gpus_per_node=world, intra_node_bandwidth=link, intra_node_latency=latency,
-        inter_node_bandwidth=link, inter_node_latency=latency, flops=flops,
+        inter_node_bandwidth=link, inter_node_latency=latency, flops=flops, **kernels,
         source=f"fivefold calibrate on {host}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; {links}")
     return profile, raw
 

@@ -101,9 +101,12 @@ def _schedules(pp: int, layers: int):
 
 
 def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batch_tokens: int, top: int = 10,
-                   fused: bool | None = None, device_memory: float | None = None) -> SearchResult:
+                   fused: bool | None = None, device_memory: float | None = None,
+                   only: dict | None = None) -> SearchResult:
     """Rank the layouts of `cfg`'s model on `gpus` devices of `profile` for a global batch of
-    `global_batch_tokens` (a multiple of train.seq_len)."""
+    `global_batch_tokens` (a multiple of train.seq_len). `only`: Candidate.layout() keys held fixed
+    (e.g. a published run's stated dp, tp, pp; the search fills in the rest)."""
+    only = only or {}
     start = time.perf_counter()
     seq = cfg.train.seq_len
     if global_batch_tokens % seq:
@@ -114,13 +117,14 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
     found: list[Candidate] = []
     meshes = costed = fitting = 0
     for dp, tp, pp, cp, ep in _meshes(cfg, gpus):
-        if sequences % dp:
+        if sequences % dp or any(only.get(k, v) != v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp),
+                                                                   ("ep", ep))):
             continue
         per_rank = sequences // dp
         base = copy.deepcopy(cfg)
         par = base.parallel
         par.dp, par.tp, par.pp, par.cp, par.ep = dp, tp, pp, cp, ep
-        par.sequence_parallel = tp > 1
+        par.sequence_parallel = only.get("sequence_parallel", tp > 1)
         par.pp_layers, par.pp_schedule, par.pp_virtual_stages = "", "1f1b", 1
         base.train.micro_batch_size, base.train.grad_accum, base.train.batch_schedule = 1, per_rank, ""
         try:
@@ -131,7 +135,10 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
         states = {(schedule, v, zero): _model_states(base, v, zero) for schedule, v in
                   _schedules(pp, cfg.model.num_layers) for zero in range(4)}
         for schedule, v in _schedules(pp, cfg.model.num_layers):
-            for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
+            if pp > 1 and any(only.get(k, x) != x for k, x in (("pp_schedule", schedule), ("pp_virtual_stages", v))):
+                continue
+            sizes = [only["micro_batch_size"]] if "micro_batch_size" in only else MICRO_BATCHES
+            for mbs in (b for b in sizes if per_rank % b == 0):
                 trial = copy.deepcopy(base)
                 trial.parallel.pp_schedule, trial.parallel.pp_virtual_stages = schedule, v
                 trial.train.micro_batch_size, trial.train.grad_accum = mbs, per_rank // mbs
@@ -140,10 +147,10 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
                 except ConfigError:
                     continue
                 fitted_any, best_zero = False, 4
-                for recompute in RECOMPUTE:
+                for recompute in [only["recompute"]] if "recompute" in only else RECOMPUTE:
                     trial.train.recompute = recompute
                     for zero in range(best_zero if dp * cp > 1 else min(best_zero, 1)):
-                        if states[schedule, v, zero] > limit:
+                        if only.get("zero", zero) != zero or states[schedule, v, zero] > limit:
                             continue
                         trial.parallel.zero = zero
                         memory = _most_loaded(trial, profile.device, limit)

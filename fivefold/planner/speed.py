@@ -45,9 +45,10 @@ from fivefold.planner.hardware import HardwareProfile
 # statistics, the loss). Counted from the eager model's ops (fivefold/model); "fused" assumes one read and
 # one write per fused region. Backward moves about twice the forward's bytes.
 UNFUSED = {"norm": (4, 28), "residual": (3, 0), "rope": (13, 0), "heads": (2, 0), "swiglu": (5, 0),
-           "gelu": (4, 0), "loss": (2, 24)}
+           "gelu": (4, 0), "loss": (2, 24), "permute": (5, 0)}
 FUSED = {"norm": (3, 0), "residual": (0, 0), "rope": (3, 0), "heads": (0, 0), "swiglu": (3, 0),
-         "gelu": (2, 0), "loss": (1, 8)}
+         "gelu": (2, 0), "loss": (1, 8), "permute": (3, 0)}
+# permute: a mixture of experts copies each token to its k experts and weighs their outputs back together
 OPS_PER_LAYER = {False: 45, True: 12}  # kernels per layer forward (backward: twice), eager vs fused
 ADAM_BYTES_PER_PARAM = 36  # read weight, master, 2 moments, gradient; write weight, master, moments; norm
 BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer")
@@ -163,6 +164,8 @@ class _Costs:
         out += self.bytes("heads", T * (2 * m.q_size + 2 * m.kv_size) / p.tp)
         if m.position == "rope":
             out += self.bytes("rope", T * (m.q_size + m.kv_size) / p.tp)
+        if m.num_experts:
+            out += self.bytes("permute", T * m.experts_per_token * m.hidden_size)
         return out + self.bytes("swiglu" if m.activation == "swiglu" else "gelu", T * width / p.tp)
 
     def head(self) -> tuple[float, float]:

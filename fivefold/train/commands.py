@@ -1,4 +1,4 @@
-"""`fivefold train` and `fivefold generate`."""
+"""`fivefold train`, `compare-runs`, `plot` and `generate`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def register(sub) -> None:
     cmp.add_argument("--rtol", type=float, default=1e-5)
     cmp.add_argument("--atol", type=float, default=0.0)
     cmp.set_defaults(func=run_compare)
+
+    plot = sub.add_parser("plot", help="draw a run's metrics: loss, lr, global batch and gradient noise scale "
+                                       "over tokens seen")
+    plot.add_argument("run_dir", help="run directory (holding metrics.jsonl)")
+    plot.add_argument("--png", help="image to write (default RUN_DIR/metrics.png)")
+    plot.set_defaults(func=run_plot)
 
     gen = sub.add_parser("generate", help="generate text from a checkpoint (or a Hugging Face directory)")
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
@@ -141,6 +147,13 @@ def run_compare(args) -> int:
     result = compare_runs(args.run_a, args.run_b, args.key, args.rtol, args.atol)
     print(result.summary())
     return 0 if result.ok else 1
+
+
+def run_plot(args) -> int:
+    from fivefold.train.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.png)}")
+    return 0
 
 
 def run_generate(args) -> int:

@@ -35,6 +35,7 @@ class MasterWeightAdamW:
         self.sharding, self.tp_group, self.pp_group, self.ep_group = sharding, tp_group, pp_group, ep_group
         self.syncs: list[tuple[int, object]] = []  # (parameter index, group summing its gradient)
         self.uncounted: set[int] = set()  # copies of a parameter counted elsewhere in the norm
+        self._masks: dict[tuple[int, ...], list[torch.Tensor]] = {}  # local_squares' kinds, by parameter set
         if sharding is not None:
             self.masters = list(sharding.masters)
         elif self.mixed:
@@ -104,22 +105,51 @@ class MasterWeightAdamW:
         return norm
 
     def _global_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        present = [i for i, g in enumerate(grads) if g is not None and i not in self.uncounted]
-        norms = torch.stack(torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32))
         if self.sharding is None and self.tp_group is None and self.pp_group is None and self.ep_group is None:
-            return torch.linalg.vector_norm(norms)
+            present = self._counted(grads)
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([grads[i] for i in present], 2,
+                                                                            dtype=torch.float32)))
+        return self.reduce_squares(self.local_squares(grads), zero_rows=True).sqrt()
+
+    def _counted(self, grads: list[torch.Tensor | None]) -> list[int]:
+        return [i for i, g in enumerate(grads) if g is not None and i not in self.uncounted]
+
+    def local_squares(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """This rank's squared norms of `grads` (in parameter order, None: not counted), summed by what
+        differs across ranks: (whole tensors, tensor-parallel shards, this rank's experts, both), fp32.
+        The clipping norm is `reduce_squares` of these; so is the gradient noise scale's small-batch norm
+        (fivefold.parallel.small_batch), taken at another moment of the step."""
+        present = self._counted(grads)
+        if not present:
+            return torch.zeros(4, device=self.masters[0].device)
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32))
+        squares = norms.square()
+        return torch.stack([squares[mask].sum() for mask in self._kind_masks(tuple(present), norms.device)])
+
+    def _kind_masks(self, present: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+        """Boolean masks over `present` picking each kind (whole, tp, ep, tp and ep), made once per set of
+        parameters: a step asks for the same sets every time (all, or a pipeline chunk's)."""
+        masks = self._masks.get(present)
+        if masks is None:
+            if len(self._masks) >= 16:  # sets that vary (experts no token reached): keep the cache bounded
+                self._masks.clear()
+            # kind: bit 0 = a tensor-parallel shard, bit 1 = an expert of this rank only
+            kind = torch.tensor([self.placements[i].tp_sharded + 2 * self.placements[i].expert for i in present]
+                                if self.placements else [0] * len(present), device=device)
+            masks = self._masks[present] = [kind == k for k in range(4)]
+        return masks
+
+    def reduce_squares(self, parts: torch.Tensor, zero_rows: bool) -> torch.Tensor:
+        """|g|^2 of the gradient whose local squares are `parts` (local_squares), summed over every rank
+        that holds a different part of it. `zero_rows`: the gradients are ZeRO row shards (the reducer's),
+        so the data-parallel ranks' parts add up too; False for full local gradients (before reduction)."""
         import torch.distributed as dist
 
         # Squares summed separately by what differs across ranks: tensor-parallel shards, this rank's
         # experts (each rank of the group holds a different part), both, or neither (whole tensors, the
         # same on every rank of those groups); ZeRO rows partition all of them across dp, pipeline
         # stages hold different parameters.
-        # kind: bit 0 = a tensor-parallel shard, bit 1 = an expert of this rank only
-        kind = torch.tensor([self.placements[i].tp_sharded + 2 * self.placements[i].expert for i in present]
-                            if self.placements else [0] * len(present), device=norms.device)
-        squares = norms.square()
-        parts = torch.stack([squares[kind == k].sum() for k in range(4)])  # whole, tp, ep, tp and ep
-        if self.sharding is not None:
+        if self.sharding is not None and zero_rows:
             dist.all_reduce(parts, group=self.sharding.group)
         if self.pp_group is not None:
             dist.all_reduce(parts, group=self.pp_group)
@@ -129,7 +159,7 @@ class MasterWeightAdamW:
             parts[1::2] = tp_parts
         if self.ep_group is not None:
             dist.all_reduce(parts[2:4], group=self.ep_group)
-        return parts.sum().sqrt()
+        return parts.sum()
 
     def sync_gradient(self, param: torch.Tensor, group, counted: bool) -> None:
         """Sum `param`'s gradient over `group` before each step (copies of one tied parameter on several

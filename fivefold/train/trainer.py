@@ -23,9 +23,11 @@ from fivefold.parallel.apply import compute_dtype, parallelize
 from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.batch_ramp import AutoBatchRamp
 from fivefold.train.interrupt import GracefulStop
 from fivefold.train.loss import IGNORE_INDEX
 from fivefold.train.metrics import MetricsLog, memory_bytes, peak_flops, progress_bar
+from fivefold.train.noise_scale import NoiseScale
 from fivefold.train.optim import grad_accum_at, lr_at
 from fivefold.train.routing import RouterLosses
 
@@ -79,6 +81,13 @@ class Trainer:
         self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, compute_dtype(cfg),
                                                              torch.get_num_threads())
         self.num_params = count_params(cfg.model)
+        # The gradient noise scale, and the batch ramp that follows it (train.batch_ramp=auto).
+        self.noise = NoiseScale(cfg.train.gns_ema)
+        self.ramp = None
+        if cfg.train.batch_ramp == "auto":
+            interleaved = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "interleaved"
+            self.ramp = AutoBatchRamp(cfg.train, self.mesh.dp_size, cfg.parallel.pp if interleaved else 1)
+        self.notes: set[str] = set()  # one-time notes already given (why gns is not measured)
         self.interrupted = 0  # the signal fit() stopped for
         self.save_error: str | None = None  # why the latest save failed (None: it succeeded)
         self.saved_step: int | None = None
@@ -126,23 +135,27 @@ class Trainer:
         n = self.cfg.train.micro_batch_size * grad_accum * self.mesh.dp_size
         return self.data.train.batch(self.sampler.take(n)).to(self.device)
 
-    def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor,
+                             measure_small_batch: bool = False) -> torch.Tensor:
         """Forward and backward over a global batch (N, S) in micro-batches; returns the global mean loss
-        over the labels that are not IGNORE_INDEX (padding)."""
+        over the labels that are not IGNORE_INDEX (padding). `measure_small_batch`: capture the first
+        micro-batch's gradient norm for the noise scale (read by `parallel.small_batch.result`)."""
         num_tokens = (labels != IGNORE_INDEX).sum()  # of the global batch: every rank holds all of it
         mine = self.parallel.local_rows(len(inputs))
         inputs, labels, docs = self.parallel.local_columns(inputs[mine], labels[mine])
         if self.routing is not None:
             micro_batches = -(-len(inputs) // self.cfg.train.micro_batch_size)
             self.routing.start_step(micro_batches * self.mesh.dp_size)  # context-parallel ranks share one
-        return self.parallel.forward_backward(inputs, labels, num_tokens, docs)
+        return self.parallel.forward_backward(inputs, labels, num_tokens, docs, measure_small_batch)
 
     def train_step(self) -> dict:
         cfg = self.cfg.train
         start = time.perf_counter()
-        accum = grad_accum_at(self.tokens_seen, cfg)
+        accum = self.ramp.grad_accum if self.ramp is not None else grad_accum_at(self.tokens_seen, cfg)
         batch = self.global_batch(accum)
-        loss_value = self.accumulate_gradients(batch[:, :-1], batch[:, 1:]).item()
+        targets = (batch[:, 1:] != IGNORE_INDEX).sum()  # the labels that count: B_big of the noise scale
+        loss_value = self.accumulate_gradients(batch[:, :-1], batch[:, 1:], measure_small_batch=True).item()
+        target_tokens = targets.item()
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
                                 f"train.grad_clip, or use train.precision=fp32 to locate the overflow")
@@ -155,6 +168,7 @@ class Trainer:
         if not math.isfinite(grad_norm):
             raise TrainingError(f"gradient norm is {grad_norm} at step {self.step + 1}; lower train.lr "
                                 f"or use train.precision=fp32")
+        self._measure_noise(accum, grad_norm, target_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -162,10 +176,44 @@ class Trainer:
         self.tokens_seen += batch_tokens
         tokens_per_sec = batch_tokens / elapsed
         routing = self.routing.record() if self.routing is not None else {}
-        return {**routing, "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / (self.peak_flops * self.mesh.world_size),
-                "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
-                "step_time": elapsed}
+        record = {**routing, "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / (self.peak_flops * self.mesh.world_size),
+                  "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
+                  "step_time": elapsed, **self.noise.record()}
+        if self.ramp is not None and self.ramp.due(self.step):
+            self._reconsider_batch(target_tokens / accum)
+        return record
+
+    def _measure_noise(self, accum: int, grad_norm: float, target_tokens: int) -> None:
+        """Fold this step's two batch sizes into the noise scale: the first micro-batch's gradient (captured
+        during backward) and the whole step's, whose norm is the clipping norm (fivefold.train.noise_scale)."""
+        probe = self.parallel.small_batch
+        small = probe.result(target_tokens)  # collective: every rank, every step
+        if small is not None:
+            self.noise.update(small[0], small[1], grad_norm ** 2, target_tokens)
+            return
+        reason = probe.unavailable(accum)
+        if reason is not None and reason not in self.notes:
+            self.notes.add(reason)
+            self._say(f"note: gns (the gradient noise scale) is not measured: {reason}")
+
+    def _reconsider_batch(self, tokens_per_accum: float) -> None:
+        """train.batch_ramp=auto: grow grad_accum toward the noise scale, by the maximum of every rank's
+        proposal (fivefold.train.batch_ramp)."""
+        proposal = torch.tensor(self.ramp.target(self.noise, tokens_per_accum), device=self.device)
+        if self.mesh.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(proposal, op=dist.ReduceOp.MAX)
+        before = self.ramp.grad_accum
+        if self.ramp.grow(int(proposal.item())):
+            self._say(f"batch ramp: gns {self.noise.value:,.0f} tokens; grad_accum {before} -> {self.ramp.grad_accum} "
+                      f"from step {self.step + 1}")
+
+    def _say(self, message: str) -> None:
+        if not self.quiet:
+            from tqdm import tqdm
+            tqdm.write(message)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -260,9 +308,10 @@ class Trainer:
         if self.quiet:
             return
         val = f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else ""
+        gns = f" | gns {r['gns']:,.0f} tok" if "gns" in r else ""
         msg = (f"step {r['step']:>5d} | loss {r['loss']:.4f}{val} | lr {r['lr']:.2e} | grad_norm "
                f"{r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
-               f"batch {r['batch_tokens']} tok")
+               f"batch {r['batch_tokens']} tok{gns}")
         from tqdm import tqdm
         tqdm.write(msg)
 
@@ -274,7 +323,9 @@ class Trainer:
     def save(self) -> Path:
         """Every rank writes the rows it owns (replicated tensors once); rank 0 the rest."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
-                 "base_batch_tokens": self.base_batch_tokens}
+                 "base_batch_tokens": self.base_batch_tokens, "noise_scale": self.noise.state_dict()}
+        if self.ramp is not None:
+            state["batch_ramp"] = self.ramp.state_dict()
         rng = {"torch_cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["torch_cuda"] = torch.cuda.get_rng_state(self.device)
@@ -313,6 +364,16 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path / 'trainer_state.json'} is incomplete or invalid ({e!r}); resume "
                                   f"from an older checkpoint by removing {path}") from None
+        try:  # absent from checkpoints written before the noise scale existed: it starts afresh
+            if "noise_scale" in state:
+                self.noise.load_state_dict(state["noise_scale"])
+            if self.ramp is not None and "batch_ramp" in state:
+                self.ramp.load_state_dict(state["batch_ramp"])
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise ConfigError(f"cannot resume {path}: {e}") from None
+            raise CheckpointError(f"{path / 'trainer_state.json'} has an invalid noise scale or batch ramp "
+                                  f"state ({e!r}); resume from an older checkpoint by removing {path}") from None
         try:
             self.sampler.load_state_dict(sampler)
         except (KeyError, TypeError) as e:

@@ -1,0 +1,147 @@
+"""The step-time model (fivefold.planner.speed), the layout search and their validation tables.
+
+Nothing here is timed: the CPU validation re-predicts the step times bench/planner_cpu.py measured and
+stored, and the published-run validation predicts the runs in fivefold/planner/published_runs.toml."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.memory.communication import Collective, step_collectives, step_communication
+from fivefold.memory.planner import plan_memory
+from fivefold.planner.hardware import load_profile, profile_from_dict
+from fivefold.planner.speed import collective_seconds, predict_step
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = load_profile("h100-sxm")
+
+
+def _cfg(*overrides, preset="llama3-8b"):
+    return load_config(preset=preset, overrides=["train.seq_len=4096", "train.precision=bf16-mixed",
+                                                 "train.micro_batch_size=1", *overrides])
+
+
+def test_breakdown_adds_up_and_throughput_follows():
+    speed = predict_step(_cfg("parallel.dp=8", "train.grad_accum=4"), H100)
+    assert sum(speed.breakdown.values()) == pytest.approx(speed.step_time_s, rel=1e-12)
+    assert speed.tokens_per_step == 1 * 4 * 8 * 4096
+    assert speed.tokens_per_s_per_gpu == pytest.approx(speed.tokens_per_step / speed.step_time_s / 8)
+    assert speed.mfu == pytest.approx(speed.tokens_per_s_per_gpu * speed.flops_per_token / 989e12)
+    assert 0.2 < speed.mfu < 0.75  # an 8B model on H100s is neither idle nor above the sustained matmul rate
+    assert speed.world == 8
+
+
+def test_compute_scales_with_the_hardware_and_recompute_costs_a_forward():
+    cfg = _cfg("train.grad_accum=2")
+    fast = dataclasses.replace(H100, flops={**H100.flops, "bf16": 2 * H100.flops["bf16"]})
+    a, b = predict_step(cfg, H100), predict_step(cfg, fast)
+    matmul_share = a.breakdown["compute"] - b.breakdown["compute"]
+    assert 0 < matmul_share < a.breakdown["compute"]  # halving matmul time halves only the matmul part
+    full = predict_step(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="full")), H100)
+    selective = predict_step(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="selective")),
+                             H100)
+    assert 0 < selective.breakdown["recompute"] < full.breakdown["recompute"]
+    # full recomputation replays every forward: a third of forward + backward's compute, minus the head
+    assert full.breakdown["recompute"] == pytest.approx(a.breakdown["compute"] / 3, rel=0.15)
+
+
+def test_the_bubble_comes_from_the_schedule_simulation():
+    """With equal stages the simulated bubble is the textbook one: (pp-1)/m for 1F1B, less interleaved."""
+    def bubble(schedule, v=1, m=8):
+        cfg = _cfg("model.num_layers=32", "parallel.pp=4", f"parallel.pp_schedule={schedule}",
+                   f"parallel.pp_virtual_stages={v}", f"train.grad_accum={m}", "model.tie_embeddings=false")
+        return predict_step(cfg, H100).bubble_fraction
+
+    one = bubble("1f1b")
+    assert one == pytest.approx(3 / 8, rel=0.2)  # the last stage's LM head makes stages unequal
+    assert bubble("interleaved", v=2) < one and bubble("zero-bubble") < one
+    assert bubble("1f1b", m=32) < one / 3
+
+
+def test_collectives_are_timed_on_the_link_they_cross():
+    cfg = _cfg("parallel.tp=8", "parallel.dp=2")
+    tp = next(c for c in step_collectives(cfg) if c.dim == "tp")
+    inside = collective_seconds(tp, H100, cfg)
+    assert inside == pytest.approx(14 * 3e-6 + tp.sent / 450e9)  # ring all-reduce on NVLink
+    dp = next(c for c in step_collectives(cfg) if c.dim == "dp")  # 2 ranks 8 apart: one in each node
+    assert collective_seconds(dp, H100, cfg) == pytest.approx(2 * 10e-6 + dp.sent / 50e9)
+    assert Collective("pp", "send", 100.0, 2, 1, "boundary").sent == 100.0
+    assert step_communication(cfg)["tp"] == pytest.approx(sum(c.sent * c.count for c in step_collectives(cfg)
+                                                              if c.dim == "tp"))
+
+
+def test_search_ranks_layouts_that_fit_and_reproduce():
+    from fivefold.planner.search import search_layouts, why_first
+
+    cfg = load_config(preset="llama3-8b", overrides=["train.seq_len=4096", "train.precision=bf16-mixed"])
+    result = search_layouts(cfg, H100, 16, 256 * 4096, top=5)
+    assert len(result.ranked) == 5 and result.fitting >= 5 and result.meshes > 5
+    speeds = [c.speed.tokens_per_s_per_gpu for c in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in result.ranked:
+        assert c.cfg.parallel.world_size == 16
+        assert c.cfg.train.micro_batch_size * c.cfg.train.grad_accum * c.cfg.parallel.dp == 256
+        exact = plan_memory(c.cfg, device="cuda", suggest=False).memory["total"]
+        assert exact == pytest.approx(c.memory) and exact <= H100.memory_bytes
+        again = load_config(preset="llama3-8b", overrides=["train.seq_len=4096", "train.precision=bf16-mixed",
+                                                          *c.overrides().split()])
+        assert predict_step(again, H100).step_time_s == pytest.approx(c.speed.step_time_s)
+    assert why_first(result.ranked[0], result.ranked[1]).startswith("#1 is ")
+    tight = search_layouts(cfg, H100, 16, 256 * 4096, top=0, device_memory=30e9)
+    assert tight.ranked and all(c.memory <= 30e9 for c in tight.ranked)
+    assert tight.fitting < search_layouts(cfg, H100, 16, 256 * 4096, top=0).fitting
+
+
+def _fivefold(*args):
+    return subprocess.run([sys.executable, "-m", "fivefold", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_plan_cli_speed_search_and_errors(tmp_path):
+    base = ["plan", "--preset", "llama3-8b", "--set", "train.seq_len=4096", "--set", "train.precision=bf16-mixed",
+            "--set", "train.micro_batch_size=1"]
+    run = _fivefold(*base, "--cluster", "h100-sxm", "--gpus", "16", "--global-batch", "1Mi", "--json")
+    assert run.returncode == 0, run.stderr
+    speed = json.loads(run.stdout)["speed"]
+    assert {"step_time_s", "tokens_per_s_per_gpu", "mfu"} <= set(speed) and speed["gpus"] == 16
+    assert speed["tokens_per_step"] == 2**20
+    run = _fivefold(*base, "--cluster", "h100-sxm", "--gpus", "8", "--global-batch", "1Mi", "--search", "--top", "3",
+                    "--png", str(tmp_path / "top.png"))
+    assert run.returncode == 0, run.stderr
+    assert "run #1 with: --set parallel.dp=" in run.stdout and (tmp_path / "top.png").stat().st_size > 10_000
+    for args, message in ((["--search"], "give the hardware with --cluster"),
+                          (["--cluster", "h100-sxm", "--gpus", "6", "--set", "parallel.tp=4"], "not a multiple of"),
+                          (["--cluster", "h100-sxm", "--global-batch", "5000"], "not a whole number"),
+                          (["--cluster", "h100-sxm", "--global-batch", "4X"], "write a whole number")):
+        run = _fivefold(*base, *args)
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, (args, run.stderr)
+
+
+def test_cpu_layouts_predicted_within_25_percent_of_measured():
+    """bench/planner_cpu.py measured these step times with the profile it calibrated; the current model
+    must still predict each within +-25%."""
+    data = json.loads((ROOT / "bench/results/planner_cpu.json").read_text())
+    profile = profile_from_dict(data["profile"], "bench/results/planner_cpu.json")
+    assert len(data["layouts"]) == 7
+    for row in data["layouts"]:
+        cfg = load_config(preset=data["preset"], overrides=[*data["base"], *row["overrides"]])
+        predicted = predict_step(cfg, profile).step_time_s
+        assert abs(predicted / row["measured_s"] - 1) <= 0.25, (row["layout"], predicted, row)
+
+
+def test_published_runs():
+    """Every verified run in the data file is predicted; the errors are the ones docs/planner_validation.md
+    reports (regression bounds: see that page for the issue's targets and where they are missed)."""
+    from fivefold.planner.published import check_run, load_runs, summary
+
+    checks = [check_run(run) for run in load_runs()]
+    s = summary(checks)
+    assert s["runs"] >= 8 and s["sources"] >= 3
+    assert s["median_abs_error"] <= 0.20
+    assert s["worst_abs_error"] <= 0.50
+    assert all(math.isfinite(c.predicted) and c.predicted > 0 for c in checks)
