@@ -48,7 +48,7 @@ class Candidate:
                 "recompute": t.recompute, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum}
 
     def overrides(self) -> str:
-        """The --set arguments that run this layout."""
+        """The settings that run this layout, as `key=value` separated by spaces."""
         keys = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
                 "ep": "parallel.ep", "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel",
                 "pp_schedule": "parallel.pp_schedule", "pp_virtual_stages": "parallel.pp_virtual_stages",
@@ -193,22 +193,25 @@ def _most_loaded(cfg: Config, device: str, limit: float) -> float:
 
 
 def why_first(best: Candidate, second: Candidate) -> str:
-    """What the winner gains over the runner-up, from their step-time breakdowns."""
+    """What the winner gains over the runner-up, from their step-time breakdowns (GPU-microseconds per
+    token, so layouts with different batches and device counts compare)."""
     a, b = best.speed, second.speed
-    diffs = {k: b.breakdown.get(k, 0.0) * b.world / b.tokens_per_step - a.breakdown.get(k, 0.0) * a.world
-             / a.tokens_per_step for k in set(a.breakdown) | set(b.breakdown)}  # seconds per token per GPU
+
+    def per_token(speed, key: str) -> float:
+        return speed.breakdown.get(key, 0.0) * speed.world / speed.tokens_per_step * 1e6
+
+    diffs = {k: per_token(b, k) - per_token(a, k) for k in set(a.breakdown) | set(b.breakdown)}
+    differ = ", ".join(f"{k}={v}" for k, v in best.layout().items() if second.layout()[k] != v) or "same layout"
+    lead = a.tokens_per_s_per_gpu / b.tokens_per_s_per_gpu - 1
+    if lead < 0.005:
+        return f"#1 and #2 tie (within 0.5%): they differ in {differ}; either will do"
     gains = sorted(((v, k) for k, v in diffs.items() if v > 0), reverse=True)[:2]
-    losses = sorted(((v, k) for k, v in diffs.items() if v < 0))[:1]
-    differ = [f"{k}={v}" for k, v in best.layout().items() if second.layout()[k] != v]
-    total = sum(diffs.values())
-    text = (f"#1 is {100 * (a.tokens_per_s_per_gpu / b.tokens_per_s_per_gpu - 1):.1f}% faster than #2 "
-            f"({', '.join(differ) or 'same layout'}): ")
-    if gains:
-        text += "it spends less time on " + " and ".join(
-            f"{_NAMES[k]} ({100 * v / max(total, 1e-30):.0f}% of the gap)" for v, k in gains)
+    losses = sorted((v, k) for k, v in diffs.items() if v < 0)[:1]
+    text = f"#1 is {100 * lead:.1f}% faster than #2 ({differ}): " + " and ".join(
+        f"{v:.2f} us less {_NAMES[k]}" for v, k in gains) + " per token"
     if losses:
         v, k = losses[0]
-        text += f", though more on {_NAMES[k]}"
+        text += f", for {-v:.2f} us more {_NAMES[k]}"
     return text
 
 

@@ -104,7 +104,7 @@ def run_search(args, cfg: Config, profile, device_memory) -> int:
                   f"{human_bytes(c.memory):>9s}  {_short(c.layout())}")
         if reason:
             print(reason)
-        print(f"run #1 with: --set {result.ranked[0].overrides()}")
+        print("run #1 with: " + " ".join(f"--set {o}" for o in result.ranked[0].overrides().split()))
     if args.png:
         from fivefold.planner.plots import plot_breakdown
 
