@@ -232,7 +232,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     first, last = stage == 0, stage == par.pp - 1
     shapes = tuple(formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep))
     inv = _inventory(shapes)
-    n, largest = inv.n, inv.largest
+    n = inv.n
 
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count

@@ -108,7 +108,7 @@ class _Costs:
     """Seconds of one micro-batch's work on this hardware, by kind."""
 
     def __init__(self, cfg: Config, hw: HardwareProfile, fused: bool):
-        m, t, p = cfg.model, cfg.train, cfg.parallel
+        t, p = cfg.train, cfg.parallel
         self.cfg, self.hw, self.fused = cfg, hw, fused
         self.p = 2 if t.precision == "bf16-mixed" else 4
         self.peak = hw.peak_flops("bf16" if t.precision == "bf16-mixed" else "fp32")
@@ -209,8 +209,8 @@ class _Stage:
     W: dict[str, float]
 
 
-def _stage_costs(cfg: Config, hw: HardwareProfile, costs: _Costs, layers: int, first: bool, last: bool,
-                 comm: dict[str, dict[str, float]], split_w: bool) -> _Stage:
+def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict[str, dict[str, float]],
+                 split_w: bool) -> _Stage:
     t = cfg.train
     matmul, (attn_f, attn_b), elem = costs.layer_matmuls(), costs.attention(), costs.layer_elementwise()
     ops = costs.ops(layers)
@@ -292,11 +292,12 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         for chunk in range(v):
             index = chunk * p.pp + rank
             layers = len(parts[index])
-            first, last = index == 0, index == p.pp * v - 1
-            rough = _stage_costs(cfg, profile, costs, layers, first, last, {"forward": {}, "backward": {}}, split_w)
+            last = index == p.pp * v - 1
+            # Compute first: it is the window the overlapped collectives can hide behind.
+            compute = _stage_costs(cfg, costs, layers, last, {"forward": {}, "backward": {}}, split_w)
             comm = _per_micro_batch_comm(cfg, profile, costs, rank, layers, stage_layers,
-                                         rough.F["compute"], rough.B["compute"])
-            stages[rank, chunk] = _stage_costs(cfg, profile, costs, layers, first, last, comm, split_w)
+                                         compute.F["compute"], compute.B["compute"])
+            stages[rank, chunk] = _stage_costs(cfg, costs, layers, last, comm, split_w)
 
     micro = t.grad_accum
     tokens = t.micro_batch_size * micro * p.dp * t.seq_len
