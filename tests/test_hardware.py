@@ -41,6 +41,9 @@ GOOD = load_profile("h200").to_toml()
     (GOOD.replace("fp8 = ", "int4 = "), "[flops] takes bf16, fp16, fp8, fp32"),
     ("\n".join(line for line in GOOD.splitlines() if not line.startswith("memory_bytes")), "missing memory_bytes"),
     ("name = [", "is not valid TOML"),
+    (GOOD.replace("attention_efficiency = 0.45", "attention_efficiency = 1.5"), "attention_efficiency=1.5 must be a "
+                                                                               "fraction in (0, 1]"),
+    (GOOD.replace("matmul_efficiency = 0.755", "matmul_efficiency = 0"), "matmul_efficiency=0 must be in (0, 4]"),
 ])
 def test_a_bad_profile_is_a_clear_error(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -72,4 +75,9 @@ def test_calibrate_measures_this_machine_into_a_profile(tmp_path, data_cache):
     assert profile.memory_bandwidth > 1e9 and profile.memory_bytes > 1e9
     assert profile.intra_node_bandwidth > 1e7 and 0 < profile.intra_node_latency < 0.1
     assert "gloo all-reduce over 2 processes" in profile.source
+    # the step-time model's kernel figures: a 2048^3 matmul is predicted at the measured [flops]
+    knee = profile.matmul_knee
+    assert profile.matmul_efficiency * (2048 / (2048 + knee)) ** 3 == pytest.approx(1.0, rel=1e-4)  # 6 digits in TOML
+    assert 0 < profile.attention_efficiency <= 1 and 0 < profile.memory_efficiency <= 1
+    assert profile.overlap == 0 and 1e-7 < profile.op_overhead < 1e-2
     assert profile_from_dict(__import__("tomllib").loads(out.read_text()), str(out)) == profile

@@ -15,7 +15,9 @@ Fields (SI units: bytes, bytes per second, seconds, FLOP/s):
 
 How close kernels come to those peaks (the step-time model, fivefold.planner.speed; optional, defaults below):
 
-    matmul_efficiency     fraction of the [flops] peak a large matmul reaches (0.8)
+    matmul_efficiency     a large matmul's rate over the [flops] figure (0.8): below 1 against a datasheet
+                          peak; a calibrated profile's [flops] is measured at 2048^3, where the knee already
+                          costs, so its asymptote may lie above 1 (at most 4)
     matmul_knee           a matmul dimension d runs at d / (d + knee) of that: small or skinny shapes leave
                           tensor-core tiles idle (128)
     attention_efficiency  fraction of the peak fused (flash) attention reaches, forward and backward (0.5)
@@ -43,7 +45,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0}
-_FRACTIONS = ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "overlap")
+_FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
             "inter_node_bandwidth", "inter_node_latency")
 
@@ -123,6 +125,9 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
         value = values[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"hardware profile {where}: {key}={value!r} must be a number >= 0")
+    if "matmul_efficiency" in values and not 0 < values["matmul_efficiency"] <= 4:
+        raise ConfigError(f"hardware profile {where}: matmul_efficiency={values['matmul_efficiency']!r} must be "
+                          f"in (0, 4]")
     for key in _FRACTIONS:
         if key in values and not 0 < values[key] <= 1 and not (key == "overlap" and values[key] == 0):
             raise ConfigError(f"hardware profile {where}: {key}={values[key]!r} must be a fraction in (0, 1]")
