@@ -278,8 +278,7 @@ def breakdown(ours: OursTimedReducer, rounds: int) -> dict:
     out = {k: [] for k in keys}
     for _ in range(rounds):
         ours.launch_s.clear(), ours.finish_s.clear(), ours.wait_s.clear()
-        batch = tr.global_batch(tr.cfg.train.grad_accum)
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        inputs, labels = tr.global_batch(tr.cfg.train.grad_accum)
         dist.barrier()
         start = time.perf_counter()
         tr.accumulate_gradients(inputs, labels)

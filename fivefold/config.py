@@ -134,6 +134,13 @@ class DataConfig:
     # written by `fivefold prepare`.
     dataset: str = "embedded"
     tokenizer: str = ""  # path to a tokenizer.json; "" = train (and cache) a BPE on the corpus
+    # Supervised fine-tuning instead of next-token pretraining: a JSONL file of {"prompt", "completion"} or
+    # {"messages": [...]} examples, or "demo" (the set that ships with fivefold); the loss counts only
+    # completion tokens (fivefold.finetune.sft).
+    sft: str = ""
+    # pack: several examples per row, attention kept inside each (needs model.document_mask=true);
+    # pad: one example per row, padded to train.seq_len.
+    sft_packing: Literal["pack", "pad"] = "pack"
     val_fraction: float = 0.05
     cache_dir: str = ""  # "" = $FIVEFOLD_CACHE or ~/.cache/fivefold
 
@@ -173,6 +180,28 @@ class ServeConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021) on a frozen base (fivefold.finetune.lora): W x + (alpha / r) B A x,
+    A random and B zero, so step 0 is the base model exactly."""
+    r: int = 0  # 0: no adapters (every parameter trains)
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapters' input; > 0 makes runs depend on the layout's random streams
+    targets: str = "q,k,v,o,gate,up,down"  # comma-separated, any of LORA_TARGETS
+    init_from: str = ""  # a PEFT adapter directory to start the adapters from (fivefold.finetune.peft)
+
+    @property
+    def target_list(self) -> list[str]:
+        return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r if self.r else 0.0
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -180,6 +209,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -416,6 +446,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must give {stages} stages of >= 1 layer "
                               f"summing to model.num_layers={m.num_layers}")
     _check_batch_ramp(cfg)
+    _check_finetune(cfg)
     if world_size is not None and world_size != p.world_size:
         others = p.tp * p.pp * p.cp
         fix = (f"set parallel.dp={world_size // others} or launch {p.world_size} processes"
@@ -469,6 +500,39 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.device={device!r} is not valid; use auto, cpu, cuda or cuda:N")
 
 
+def _check_finetune(cfg: Config) -> None:
+    """LoRA adapters and supervised fine-tuning data (fivefold.finetune)."""
+    lora, m = cfg.lora, cfg.model
+    if lora.r < 0:
+        raise ConfigError(f"lora.r={lora.r} must be >= 0 (0: no adapters; typical ranks are 2 to 64)")
+    if lora.r:
+        if lora.alpha <= 0:
+            raise ConfigError(f"lora.alpha={lora.alpha} must be > 0 (the update is scaled by alpha / r)")
+        if not 0 <= lora.dropout < 1:
+            raise ConfigError(f"lora.dropout={lora.dropout} must be in [0, 1)")
+        targets = lora.target_list
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets or len(set(targets)) != len(targets):
+            raise ConfigError(f"lora.targets={lora.targets!r} must list distinct names among "
+                              f"{', '.join(LORA_TARGETS)} (comma-separated)")
+        if m.activation != "swiglu" and "gate" in targets:
+            raise ConfigError("lora.targets names gate, but model.activation=gelu has no gate projection; drop "
+                              "gate (up and down are the GELU MLP's fc and proj)")
+        if m.num_experts and set(targets) & {"gate", "up", "down"}:
+            raise ConfigError("LoRA on a mixture of experts' MLPs is not supported: set lora.targets=q,k,v,o "
+                              "(attention only)")
+        if lora.init_from and not Path(lora.init_from).is_dir():
+            raise ConfigError(f"lora.init_from={lora.init_from!r} is not a directory; give a PEFT adapter directory "
+                              f"(adapter_config.json + adapter_model.safetensors)")
+        if cfg.parallel.zero == 3 and cfg.parallel.dp > 1:
+            raise ConfigError("lora.r>0 with parallel.zero=3: ZeRO-3 shards parameters that train, and the frozen "
+                              "base does not; use parallel.zero=1 or 2 (the adapters' states are small), and "
+                              "tp or pp to split the base")
+    if cfg.data.sft and cfg.data.sft_packing == "pack" and not m.document_mask:
+        raise ConfigError("data.sft with data.sft_packing=pack puts several examples in one row, which must not "
+                          "attend to each other: set model.document_mask=true, or data.sft_packing=pad")
+
+
 def _check_batch_ramp(cfg: Config) -> None:
     """train.batch_ramp=auto needs a noise scale to follow and room to grow (fivefold.train.batch_ramp)."""
     t = cfg.train
@@ -505,7 +569,7 @@ def _check_batch_ramp(cfg: Config) -> None:
 # (micro_batch_size x grad_accum x dp; the layout and micro-batching may change if that product does not).
 # Everything else (steps, the schedule's settings, layout, precision, recomputation, logging, saving,
 # device) may change: the run goes on from the saved step with the new values.
-RESUME_FIXED = ("model", "data.dataset", "data.tokenizer", "data.val_fraction", "train.seq_len", "train.seed")
+RESUME_FIXED = ("model", "lora", "data.dataset", "data.sft", "data.sft_packing", "data.tokenizer", "data.val_fraction", "train.seq_len", "train.seed")
 
 
 def resume_conflicts(saved: Config, new: Config) -> list[str]:
@@ -519,8 +583,9 @@ def resume_conflicts(saved: Config, new: Config) -> list[str]:
             if not name:
                 changed = [f.name for f in dataclasses.fields(old_value)
                            if getattr(old_value, f.name) != getattr(new_value, f.name)]
-                conflicts.append(f"the model differs ({', '.join(f'model.{k}' for k in changed)}); the checkpoint's "
-                                 f"weights have the saved shapes")
+                what = "the model differs" if key == "model" else f"the {key} settings differ"
+                conflicts.append(f"{what} ({', '.join(f'{key}.{k}' for k in changed)}); the checkpoint's weights "
+                                 f"have the saved shapes")
             else:
                 conflicts.append(f"{key} was {old_value!r}, now {new_value!r}")
     if saved.global_batch_sequences != new.global_batch_sequences:

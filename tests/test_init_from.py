@@ -70,7 +70,7 @@ def test_a_checkpoint_restarts_with_its_weights_and_a_fresh_optimizer(data_cache
     _, saved = load_model(tmp_path / "a")
     for (n, p), (m, q) in zip(second.model.named_parameters(), saved.named_parameters()):
         assert n == m and torch.equal(p, q), n
-    assert second.step == 0 and not second.optimizer.inner.state[second.optimizer.masters[0]]["exp_avg"].any()
+    assert second.step == 0 and not second.optimizer.moment(second.optimizer.masters[0], "exp_avg").any()
 
 
 def test_mismatched_shapes_are_refused_with_the_setting_to_change(hf_dirs, data_cache, tmp_path):

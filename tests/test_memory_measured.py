@@ -99,3 +99,21 @@ def test_memory_cli_timeline(tmp_path, capsys):
     assert max(row[column["gradients"]] for row in samples) == out["peaks"]["gradients"] > 0
     # Activations go back to zero after every backward.
     assert all(samples[i - 1][column["activations"]] < 1000 for i in starts[1:])
+
+
+@pytest.mark.parametrize("overrides", [
+    ("lora.r=8",),
+    ("lora.r=8", "lora.targets=q,v", "train.precision=bf16-mixed"),
+    ("lora.r=8", "lora.dropout=0.1", "train.recompute=full"),
+    ("lora.r=4", "lora.dropout=0.1", "train.recompute=selective", "model.attention=eager", "train.grad_accum=2"),
+])
+def test_lora_matches_plan(overrides):
+    """LoRA (fivefold.finetune.lora): the frozen base holds no gradients or optimizer states, and saves
+    fewer activations (no input of a frozen weight, no normalised x of a frozen gain, nothing for the first
+    norm after a frozen embedding); each adapter saves its r-wide A output, with dropout its dropped input
+    and mask. Exact on these runs, as for full training."""
+    assert_matches_plan(measure("tiny", *overrides))
+
+
+def test_lora_in_gpt2_layout_matches_plan():
+    assert_matches_plan(measure("tiny-gpt2", "lora.r=8", "lora.targets=q,k,v,o,up,down"))

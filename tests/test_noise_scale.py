@@ -87,8 +87,7 @@ def step_one_estimates(cfg, small_sets: list[list[int]]) -> tuple[float, float]:
     batches `small_sets` (rows of the global batch; several are averaged, as dp ranks are) against the
     whole global batch of cfg.train.micro_batch_size x grad_accum x dp rows."""
     trainer = Trainer(cfg, quiet=True)
-    batch = trainer.global_batch(cfg.train.grad_accum)
-    inputs, labels = batch[:, :-1], batch[:, 1:]
+    inputs, labels = trainer.global_batch(cfg.train.grad_accum)
     small_sq = sum(squared_mean_gradient(trainer, inputs, labels, rows) for rows in small_sets) / len(small_sets)
     big_sq = squared_mean_gradient(trainer, inputs, labels, list(range(len(inputs))))
     seq = cfg.train.seq_len

@@ -14,8 +14,7 @@ def grads(trainer):
 
 def first_batch(trainer, accum):
     """(inputs, labels) of the first global batch."""
-    batch = trainer.global_batch(accum)
-    return batch[:, :-1], batch[:, 1:]
+    return trainer.global_batch(accum)
 
 
 def test_accumulated_gradients_equal_big_batch_gradients(tiny_config):

@@ -304,6 +304,12 @@ class PackedSequences:
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.batch([i])[0]
 
+    def pairs(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), each (n, seq_len) int64: every token of a window counts (the trainer's view of
+        any dataset; fine-tuning data sets the labels it does not count to IGNORE_INDEX)."""
+        batch = self.batch(indices)
+        return batch[:, :-1], batch[:, 1:]
+
     def batch(self, indices: Iterable[int]) -> torch.Tensor:
         """(n, seq_len + 1) int64; inputs are [:, :-1] and labels [:, 1:]."""
         rows, indices = [], list(indices)
@@ -397,7 +403,12 @@ def _prepare_embedded(cfg: Config) -> Path:
 
 
 def load_datasets(cfg: Config) -> Datasets:
-    """The train and validation windows for `cfg`: the embedded corpus, or a `prepare`d directory."""
+    """The train and validation windows for `cfg`: the embedded corpus, or a `prepare`d directory; with
+    data.sft, the fine-tuning rows of fivefold.finetune.sft instead."""
+    if cfg.data.sft:
+        from fivefold.finetune.sft import load_sft_datasets
+
+        return load_sft_datasets(cfg)
     if cfg.data.dataset == "embedded":
         data_dir = _prepare_embedded(cfg)
     else:

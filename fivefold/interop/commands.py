@@ -29,6 +29,9 @@ def register(subparsers) -> None:
                    help="target architecture (default: chosen from the model config)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="split weights into shards of at most this size, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: write the base with its adapters folded in (default: the adapters alone, "
+                        "in PEFT's format)")
     p.set_defaults(func=_export)
 
 
@@ -55,11 +58,24 @@ def _import(args) -> int:
 
 def _export(args) -> int:
     from fivefold.interop.hf import export_hf, read_tokenizer_files
-    from fivefold.train.checkpoint import load_model, resolve_checkpoint
+    from fivefold.train.checkpoint import load_model, read_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)
-    _, model = load_model(ckpt)
+    cfg = read_config(ckpt)
     extra = read_tokenizer_files(ckpt)  # tokenizer.json etc., from import-hf or a trained run
+    if cfg.lora.r and not args.merge:
+        from fivefold.finetune.lora import read_adapters
+        from fivefold.finetune.peft import save_adapter
+
+        adapters = read_adapters(ckpt, cfg)
+        out = save_adapter(adapters, cfg, args.out, base=cfg.train.init_from)
+        n = sum(t.numel() for t in adapters.values())
+        print(f"exported the LoRA adapter ({n:,d} parameters, r={cfg.lora.r}) to {out} in PEFT's format; its base "
+              f"is {cfg.train.init_from or 'the seeded init of the run config'} (--merge writes the merged model)")
+        return 0
+    if args.merge and not cfg.lora.r:
+        print(f"note: {ckpt} is not a LoRA run; --merge changes nothing")
+    _, model = load_model(ckpt)
     out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size, extra_files=extra)
     n = sum(p.numel() for p in model.parameters())
     print(f"exported {n:,d} parameters to {out}" + (f" with {', '.join(extra)}" if extra else ""))

@@ -278,11 +278,17 @@ def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     return out
 
 
+def hf_name(name: str) -> str:
+    """A Llama-family parameter's Hugging Face name: layers.0.attn.q_proj.weight ->
+    model.layers.0.self_attn.q_proj.weight."""
+    return _llama_name(name, _LLAMA_MODULES, "", "model.")
+
+
 def weights_to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if cfg.position == "learned":
         out = _gpt2_to_hf(weights, cfg)
     else:
-        out = {_llama_name(k, _LLAMA_MODULES, "", "model."): v for k, v in weights.items()}
+        out = {hf_name(k): v for k, v in weights.items()}
     return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
 
 
@@ -397,7 +403,7 @@ class HFWeights:
 
     def __call__(self, name: str, placement) -> torch.Tensor:
         if self.cfg.position != "learned":
-            return self._read(_llama_name(name, _LLAMA_MODULES, "", "model."), placement)
+            return self._read(hf_name(name), placement)
         return placement.local(self._gpt2(name))
 
     def _gpt2(self, name: str) -> torch.Tensor:

@@ -61,6 +61,11 @@ class Shapes:
     groups: int = 1  # query heads per key/value head
     doc_mask: bool = False  # packed documents: a (b, 1, s, sk) boolean mask built once per forward
     stats_bytes: int = 2  # LayerNorm mean/rstd element size (the input dtype on CPU, fp32 on CUDA)
+    # LoRA (fivefold.finetune.lora): the targeted linears; () = every weight trains. A frozen weight needs
+    # no saved input (nor a norm gain its normalised x); each adapter saves its r-wide A output.
+    adapters: tuple[str, ...] = ()
+    rank: int = 0
+    adapter_dropout: bool = False  # each adapter then saves its own dropped input and mask
 
     @property
     def bsh(self) -> float:
@@ -148,29 +153,32 @@ class Replay:
 # The model's forward, tensor by tensor (fivefold/model/layers.py, attention.py, rope.py, transformer.py).
 
 
-def _norm(r: Replay, x: _Buf, d: Shapes) -> _Buf:
+def _norm(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf:
+    """`grad_in`: x needs a gradient (not so for a frozen embedding's output): else nothing is saved."""
+    save = r.save if grad_in else (lambda *bufs: None)
     if not d.rms:  # F.layer_norm saves its input, mean and rstd
         n = r.alloc(d.p * d.bsh)
         stats = r.alloc(2 * d.stats_bytes * d.bs)
-        r.save(x, stats)
+        save(x, stats)
         r.free(stats)
         return n
     x32 = x if d.p == 4 else r.alloc(4 * d.bsh)  # x.float(): a copy unless already fp32
     sq = r.alloc(4 * d.bsh)  # pow(2) saves x32
-    r.save(x32)
+    save(x32)
     mean = r.alloc(4 * d.bs)
     r.free(sq)
     eps = r.alloc(4 * d.bs)
     r.free(mean)
     rsqrt = r.alloc(4 * d.bs)  # saved by rsqrt and by the mul
-    r.save(rsqrt)
+    save(rsqrt)
     r.free(eps)
     y32 = r.alloc(4 * d.bsh)  # x32 = x32 * rsqrt: the local now names the product
     if x32 is not x:
         r.free(x32)
     y = y32 if d.p == 4 else r.alloc(d.p * d.bsh)  # .to(x.dtype)
-    n = r.alloc(d.p * d.bsh)  # weight * y saves y
-    r.save(y)
+    n = r.alloc(d.p * d.bsh)  # weight * y saves y (for the gain's gradient: none when it is frozen)
+    if not d.adapters:
+        save(y)
     r.free(rsqrt, y, y32)
     return n
 
@@ -243,11 +251,40 @@ def _core(r: Replay, q: _Buf, k: _Buf, v: _Buf, d: Shapes) -> _Buf:
     return out
 
 
-def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool) -> _Buf:
-    q = r.alloc(d.p * d.b * d.s * d.q)
-    r.save(n)  # shared input of q/k/v projections
-    k = r.alloc(d.p * d.b * d.s * d.kv)
-    v = r.alloc(d.p * d.b * d.s * d.kv)
+def _weight_input(d: Shapes, *targets: str) -> bool:
+    """Whether a linear input is saved: for the weights' gradients, or by an adapter on one of `targets`
+    (with dropout, each adapter saves its own dropped copy instead)."""
+    return not d.adapters or (not d.adapter_dropout and any(t in d.adapters for t in targets))
+
+
+def _adapt(r: Replay, x: _Buf, y: _Buf, d: Shapes, target: str, grad_in: bool = True) -> _Buf:
+    """y + (alpha / r) B A dropout(x) (fivefold.finetune.lora) when `target` is adapted: A's output is saved
+    for B's gradient; B's output and its scaled copy are transient. Dropout keeps its mask (in x's dtype)
+    only when x needs a gradient; A keeps the dropped x."""
+    if target not in d.adapters:
+        return y
+    if d.adapter_dropout:
+        mask = r.alloc(x.nbytes) if grad_in else None
+        dropped = r.alloc(x.nbytes)
+        r.save(dropped, *([mask] if mask else []))
+    h = r.alloc(d.p * d.b * d.s * d.rank)
+    r.save(h)
+    b_out = r.alloc(y.nbytes)
+    scaled = r.alloc(y.nbytes)
+    r.free(b_out)
+    out = r.alloc(y.nbytes)
+    r.free(scaled, y, h)  # (saved tensors stay: free only drops what a recomputed region does not keep)
+    if d.adapter_dropout:
+        r.free(dropped, *([mask] if mask else []))
+    return out
+
+
+def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
+    q = _adapt(r, n, r.alloc(d.p * d.b * d.s * d.q), d, "q", grad_in)
+    if _weight_input(d, "q", "k", "v"):
+        r.save(n)  # shared input of q/k/v projections
+    k = _adapt(r, n, r.alloc(d.p * d.b * d.s * d.kv), d, "k", grad_in)
+    v = _adapt(r, n, r.alloc(d.p * d.b * d.s * d.kv), d, "v", grad_in)
     if d.rope:
         q_lin, k_lin = q, k
         q, k = _rope(r, q_lin, d.q, d), _rope(r, k_lin, d.kv, d)
@@ -257,38 +294,41 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool) -> _Buf:
         o_in = out
     else:  # eager or ring output (b, heads, s, d): transpose + reshape copies
         o_in = r.alloc(d.p * d.b * d.s * d.q)
-    r.save(o_in)
-    o = r.alloc(d.p * d.bsh)
+    if _weight_input(d, "o"):
+        r.save(o_in)
+    o = _adapt(r, o_in, r.alloc(d.p * d.bsh), d, "o")
     r.free(o_in, out, q, k, v)
     return o
 
 
 def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
     bsf = d.p * d.b * d.s * d.f
-    r.save(n)
+    if _weight_input(d, "gate", "up"):
+        r.save(n)
+    down_input = _weight_input(d, "down")
     if d.swiglu:
-        gate = r.alloc(bsf)
+        gate = _adapt(r, n, r.alloc(bsf), d, "gate")
         act = r.alloc(bsf)  # silu saves its input
         r.save(gate)
         r.free(gate)
-        up = r.alloc(bsf)
+        up = _adapt(r, n, r.alloc(bsf), d, "up")
         prod = r.alloc(bsf)  # the mul saves both factors
-        r.save(act, up, prod)
+        r.save(act, up, *([prod] if down_input else []))
         r.free(act, up)
     else:
-        up = r.alloc(bsf)
+        up = _adapt(r, n, r.alloc(bsf), d, "up")
         prod = r.alloc(bsf)  # gelu saves its input
-        r.save(up, prod)
+        r.save(up, *([prod] if down_input else []))
         r.free(up)
-    out = r.alloc(d.p * d.bsh)
+    out = _adapt(r, prod, r.alloc(d.p * d.bsh), d, "down")
     r.free(prod)
     return out
 
 
-def _block(r: Replay, x: _Buf, d: Shapes, selective: bool) -> _Buf:
+def _block(r: Replay, x: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
     r.mark("block")
-    n = _norm(r, x, d)
-    o = _attention(r, n, d, selective)
+    n = _norm(r, x, d, grad_in)
+    o = _attention(r, n, d, selective, grad_in)
     r.mark("attention")
     r.free(n)
     x2 = r.alloc(d.p * d.bsh)  # residual
@@ -377,15 +417,17 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool) -> 
         same_doc = r.alloc(d.b * d.s * d.sk)
         r.shared_mask = [r.alloc(d.b * d.s * d.sk)]
         r.free(causal, same_doc)
-    for _ in range(layers):
+    for i in range(layers):
+        grad_in = not (i == 0 and embed and d.adapters)  # a frozen embedding's output needs no gradient
         if recompute == "full":
-            x = r.checkpoint(_block, [x], d, False)
+            x = r.checkpoint(_block, [x], d, False, grad_in)
         else:
-            x = _block(r, x, d, recompute == "selective")
+            x = _block(r, x, d, recompute == "selective", grad_in)
     if head:
         n = _norm(r, x, d)
         logits = r.alloc(d.p * d.b * d.s * d.vocab)
-        r.save(n)
+        if not d.adapters:  # the LM head's input, for its weight's gradient
+            r.save(n)
         r.free(n, x, positions, *rope, *r.shared_mask)
         as_float = logits if d.p == 4 else r.alloc(4 * d.b * d.s * d.vocab)
         log_probs = r.alloc(4 * d.b * d.s * d.vocab)  # log_softmax saves its output

@@ -170,6 +170,26 @@ def is_no_decay(name: str) -> bool:
     return name.endswith(".bias") or "embed" in name or "norm" in name
 
 
+def adapter_shapes(cfg: ModelConfig, lora, tp: int = 1, layers=None) -> list[tuple[str, int]]:
+    """(name, numel on one tensor-parallel rank) of the LoRA adapters (fivefold.finetune.lora) of `layers`:
+    r x in (A) and out x r (B) per targeted linear; A whole and B split for column-parallel linears (q, k, v,
+    gate, up), A split and B whole for row-parallel ones (o, down)."""
+    if not lora.r:
+        return []
+    h, f, r = cfg.hidden_size, cfg.ffn_hidden_size, lora.r
+    dims = {"q": ("attn.q_proj", h, cfg.q_size, 0), "k": ("attn.k_proj", h, cfg.kv_size, 0),
+            "v": ("attn.v_proj", h, cfg.kv_size, 0), "o": ("attn.o_proj", cfg.q_size, h, 1),
+            "gate": ("mlp.gate_proj", h, f, 0), "up": ("mlp.up_proj", h, f, 0), "down": ("mlp.down_proj", f, h, 1)}
+    order = [t for t in dims if t in lora.target_list]
+    shapes = []
+    for i in range(cfg.num_layers) if layers is None else layers:
+        for target in order:
+            module, d_in, d_out, row = dims[target]
+            shapes.append((f"layers.{i}.{module}.lora_A.weight", r * d_in // (tp if row else 1)))
+            shapes.append((f"layers.{i}.{module}.lora_B.weight", d_out * r // (1 if row else tp)))
+    return shapes
+
+
 # --------------------------------------------------------------------------------------------
 # Bytes per parameter of the model states (Rajbhandari et al. 2020, "ZeRO", section 3.1).
 

@@ -88,7 +88,9 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   ring=par.cp > 1,
                   rope=m.position == "rope", groups=m.num_heads // m.num_kv_heads,
                   doc_mask=m.document_mask and par.cp == 1,  # ring attention masks block by block
-                  stats_bytes=4 if device == "cuda" else p)
+                  stats_bytes=4 if device == "cuda" else p,
+                  adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
+                  adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0)
 
 
 @dataclass(frozen=True)
@@ -151,11 +153,12 @@ class MemoryPlan:
     summary: dict = field(default_factory=dict)
     communication: dict = field(default_factory=dict)  # bytes sent per step by dimension (communication.py)
     keep_checkpoints: int = 1
+    adapters: int = 0  # LoRA's trainable parameters (the rest is a frozen base); 0: every parameter trains
 
     @property
     def checkpoint_bytes(self) -> int:
-        """One checkpoint on disk (the trainer checks free space against it)."""
-        return self.params * formulas.CHECKPOINT_BYTES_PER_PARAM
+        """One checkpoint on disk (the trainer checks free space against it): what trains, with its moments."""
+        return (self.adapters or self.params) * formulas.CHECKPOINT_BYTES_PER_PARAM
 
     @property
     def checkpoint_disk_bytes(self) -> int:
@@ -169,6 +172,7 @@ class MemoryPlan:
     def to_json(self) -> dict:
         most = self.stages[self.stage]
         return {"params": self.params, "active_params": self.active_params, "params_per_rank": self.params_per_rank,
+                "adapters": self.adapters,
                 "memory": {k: int(round(v)) for k, v in self.memory.items()},
                 "device_memory": self.device_memory, "fits": self.fits, "device": self.device,
                 "most_loaded_stage": self.stage, "micro_batches_in_flight": most.in_flight,
@@ -187,7 +191,9 @@ class MemoryPlan:
                  f"parallel: dp={s['dp']} tp={s['tp']} pp={s['pp']} cp={s['cp']} ep={s['ep']} zero={s['zero']} "
                  f"sp={s['sequence_parallel']} schedule={s['pp_schedule']}; device model: {self.device}",
                  f"parameters: {self.params:,} (active {self.active_params:,}); on the most loaded rank "
-                 f"(pipeline stage {self.stage}): {self.params_per_rank:,}", ""]
+                 f"(pipeline stage {self.stage}): {self.params_per_rank:,}",
+                 f"LoRA: {self.adapters:,} adapter parameters train ({100 * self.adapters / self.params:.2f}% of the "
+                 f"model); the base is frozen: no gradients, no optimizer states" if self.adapters else None, ""]
         dm = self.device_memory
         header = f"{'category':18s} {'bytes per rank':>18s} {'':>10s}" + (f" {'% of device':>12s}" if dm else "")
         lines.append(header)
@@ -231,14 +237,19 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     layers = formulas.rank_layers(m.num_layers, par.pp, stage, par.pp_virtual_stages, par.pp_layers)
     first, last = stage == 0, stage == par.pp - 1
     shapes = tuple(formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep))
-    inv = _inventory(shapes)
+    # With LoRA the base is frozen: parameters only; gradients and optimizer states are the adapters'.
+    adapters = tuple(formulas.adapter_shapes(m, cfg.lora, par.tp, layers))
+    frozen = _inventory(shapes).n if adapters else 0
+    shapes = shapes + adapters
+    trained = adapters or shapes
+    inv = _inventory(trained)
     n = inv.n
 
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
 
-    memory = {"parameters": bpp.parameters * shard(n, 3),
-              "gradients": _gradients(cfg, shapes, inv, bpp)}
+    memory = {"parameters": bpp.parameters * (frozen + shard(n, 3)),
+              "gradients": _gradients(cfg, trained, inv, bpp)}
     memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
     if limit is not None and sum(memory.values()) > limit:
         return None  # the model states alone do not fit: no need to replay the activations
@@ -264,7 +275,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # (in .grad, or for tied embeddings in autograd's input buffer until the embedding's arrives).
     loss_t = loss_backward_bytes(d) if last else 0.0
     layer_t = layer_backward_bytes(d) if len(layers) else 0.0
-    head_grad = d.p * d.vocab * m.hidden_size if last else 0.0
+    head_grad = d.p * d.vocab * m.hidden_size if last and not adapters else 0.0
     tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
     # The optimizer steps one unit (a block, the embedding, the head) at a time; within a unit, foreach
     # AdamW makes sqrt(exp_avg_sq) per param group, and bf16-mixed an fp32 copy of the unit's gradients.
@@ -281,7 +292,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward, the
         # current + prefetched layer, and one layer's full grads.
         gather = d.p * inv.root + 3 * d.p * formulas.layer_params(m) // par.tp
-    reduce_t = _reductions_in_flight(cfg, shapes, inv, device)
+    reduce_t = _reductions_in_flight(cfg, trained, inv, device)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
     memory["temporary"] = max(loss_t, layer_t + tied_pending, step, gather, reduce_t) + batch
 
@@ -293,6 +304,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     in_block = 0.0
     if len(layers):
         grads = (head_grad, d.p * formulas.mlp_params(m) / par.tp, d.p * formulas.layer_params(m) / par.tp)
+        if adapters:  # only the adapters' gradients are made
+            mlp_adapters = sum(k for name, k in adapters if ".mlp." in name)
+            grads = (0.0, d.p * mlp_adapters / len(layers), d.p * n / len(layers))
         in_block = held + _block_backward(replay, d, t.recompute, *(grads if not held_grads else (0, 0, 0)))
         in_block += tied_pending
     forward_backward = max(act_peak, held + saved_end + loss_t, in_block) + held_grads + gather
@@ -302,10 +316,10 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     optimizer_step = memory["gradients"] + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
-    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard)
+    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n)
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
-    return StagePlan(stage, len(layers), n, memory, in_flight, detail)
+    return StagePlan(stage, len(layers), frozen + n, memory, in_flight, detail)
 
 
 def stage_total(cfg: Config, stage: int, device: str, limit: float) -> float:
@@ -333,15 +347,14 @@ def _reductions_in_flight(cfg: Config, shapes: tuple, inv: _Inventory, device: s
     return sum(4 * u * (copies + 1 / par.dp) for u in units[:MAX_REDUCES_IN_FLIGHT])
 
 
-def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard) -> float:
+def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int) -> float:
     """Peak while a rank builds its part (fivefold.parallel.apply): the model is split on the meta
     device, then each local parameter is materialised from its full fp32 initial value, one at a time.
     Held at the end: the parameters, the fp32 masters (bf16-mixed; Adam's moments only come with the
     first step), and the gradient buffers made up front (fp32 accumulation buffers; ZeRO-2/3's fp32
     gradient shards). On top, the one parameter being made: its full fp32 value, and under tensor
-    parallelism this rank's fp32 slice of it."""
+    parallelism this rank's fp32 slice of it. `n`: the parameters that train (all, or LoRA's adapters)."""
     t, par = cfg.train, cfg.parallel
-    n = sum(numel for _, numel in shapes)
     masters = 4 * shard(n, 1) if t.precision == "bf16-mixed" else 0.0
     grad_buffers = 0.0
     if par.dp > 1 and par.zero >= 2:
@@ -365,7 +378,7 @@ def _largest_cached(shapes: tuple, model_fields: tuple) -> int:
                                           "norm.weight" in names))  # global sizes of this rank's parameters
     # (a tied model's last pipeline stage holds a copy of the embedding as lm_head.weight)
     full.setdefault("lm_head.weight", model.vocab_size * model.hidden_size)
-    return max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes)
+    return max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes if name in full)
 
 
 def _ffn_width(m) -> int:
@@ -468,7 +481,8 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     plan = MemoryPlan(params=formulas.count_params(cfg.model), active_params=formulas.active_params(cfg.model),
                       memory=stages[worst].memory, params_per_rank=stages[worst].params, stage=worst,
                       stages=stages, device=device, device_memory=device_memory, notes=notes, summary=summary,
-                      keep_checkpoints=cfg.train.keep_checkpoints)
+                      keep_checkpoints=cfg.train.keep_checkpoints,
+                      adapters=sum(k for _, k in formulas.adapter_shapes(cfg.model, cfg.lora)))
     if suggest and plan.fits is False:
         plan.suggestions = suggest_fixes(cfg, device_memory, device)
     from fivefold.memory.communication import step_communication

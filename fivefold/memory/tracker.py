@@ -310,6 +310,10 @@ class RandomTokens:
                               generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i)) for i in indices]
         return torch.stack(rows)
 
+    def pairs(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.batch(indices)
+        return rows[:, :-1], rows[:, 1:]
+
 
 @dataclass
 class _Datasets:

@@ -70,8 +70,9 @@ def give_memory(param: nn.Parameter, data: torch.Tensor) -> None:
     hooks = dict(param._backward_hooks or {})
     torch.utils.swap_tensors(param, nn.Parameter(data, requires_grad=param.requires_grad))
     param._backward_hooks = None  # the swap left its hook dict registered with the old (meta) tensor only
-    for hook in hooks.values():
-        param.register_hook(hook)
+    if param.requires_grad:  # a frozen parameter (LoRA's base) keeps no gradient hooks
+        for hook in hooks.values():
+            param.register_hook(hook)
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
+from fivefold.finetune.lora import adapter_value, apply_lora, is_adapter
 from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_value, materialize_parameters,
                             meta_model)
 from fivefold.model.moe import MoE
@@ -52,10 +53,52 @@ def compute_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else torch.float32
 
 
+def with_adapters(values: ValueSource, cfg: Config) -> ValueSource:
+    """`values` for the base's parameters; for LoRA's, lora.init_from's PEFT adapter or their own init."""
+    if cfg.lora.init_from:
+        from fivefold.finetune.peft import read_adapter
+
+        loaded = read_adapter(cfg.lora.init_from, cfg)
+
+        def adapter(name, shape):
+            return loaded[name]
+    else:
+        def adapter(name, shape):
+            return adapter_value(name, shape, cfg.train.seed)
+    return lambda name, placement: placement.local(adapter(name, torch.Size(placement.global_shape))) \
+        if is_adapter(name) else values(name, placement)
+
+
 def initial_values(cfg: Config) -> ValueSource:
     """The layout-independent initialisation: each parameter's full value from (seed, name), sliced."""
     return lambda name, placement: placement.local(
         initial_value(name, torch.Size(placement.global_shape), cfg.model, cfg.train.seed))
+
+
+def init_from_values(cfg: Config) -> ValueSource | None:
+    """The values train.init_from gives: a Hugging Face directory's (safetensors slices), or a fivefold run's
+    or checkpoint's (DCP reads), each rank reading only its parts; None without train.init_from."""
+    from pathlib import Path
+
+    from fivefold.config import ConfigError
+    from fivefold.interop.hf import HFWeights, check_same_shapes
+    from fivefold.train import checkpoint as ckpt
+
+    init = cfg.train.init_from
+    if not init:
+        return None
+    if not Path(init).exists():
+        raise ConfigError(f"train.init_from={init!r} does not exist; give a Hugging Face model directory or a "
+                          f"fivefold run or checkpoint directory")
+    if (Path(init) / "config.json").is_file() and not (Path(init) / "state").is_dir():
+        return HFWeights(init, cfg.model)
+    path = ckpt.resolve_checkpoint(init)
+    source = ckpt.read_config(path)
+    check_same_shapes(cfg.model, source.model, f"train.init_from={str(path)!r}")
+    if source.lora.r:
+        raise ConfigError(f"train.init_from={init!r} is a LoRA run: its checkpoints hold adapters, not the model; "
+                          f"merge them first (fivefold export-hf {init} --merge --out DIR) and start from DIR")
+    return ckpt.CheckpointWeights(path)
 
 
 class ParallelModel:
@@ -73,6 +116,8 @@ class ParallelModel:
             experts = apply_expert_parallel(model, mesh.ep_group)
         if mesh.cp_size > 1:
             apply_context_parallel(model, mesh.cp_group)
+        if cfg.lora.r:  # the base freezes; adapters follow their layer's tensor-parallel split
+            tp_axes.update(apply_lora(model, cfg.lora, self.tp_group, cfg.parallel.sequence_parallel))
         self.model = model
         self.pipeline = None
         self.router_loss: Callable | None = None  # set by the trainer for models with experts
@@ -100,11 +145,15 @@ class ParallelModel:
         Peak while doing so: the parameters this rank keeps, its masters, and one full parameter."""
         cfg, mesh, model = self.cfg, self.mesh, self.model
         values = values or initial_values(cfg)
+        if cfg.lora.r:  # adapters start from their own init (or a PEFT adapter), whatever the base's source
+            values = with_adapters(values, cfg)
         mixed = self.dtype != torch.float32
         zero = cfg.parallel.zero if mesh.grad_size > 1 else 0
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         placements = [self.placements[n] for n in names]
         masters: list | None = [None] * len(names) if mixed else None
+        trained = {name: i for i, name in enumerate(names)}  # frozen parameters have no masters
+        every = [n for n, _ in model.named_parameters()]
         engine = None
         if zero == 3:  # the parameters stay on meta: the engine keeps only this rank's rows of each value
             apply_recompute(model, cfg.train.recompute)
@@ -113,7 +162,9 @@ class ParallelModel:
             model.reset_buffers(self.device)
         else:
             def keep(i, value):  # the fp32 value, before the bf16 parameter replaces it: this rank's masters
-                masters[i] = own_rows(value, mesh.grad_size, mesh.grad_rank).clone() if zero else value
+                if every[i] in trained:
+                    masters[trained[every[i]]] = own_rows(value, mesh.grad_size, mesh.grad_rank).clone() \
+                        if zero else value
 
             materialize_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
                                    self.dtype, keep if mixed else None)
@@ -145,7 +196,8 @@ class ParallelModel:
             return
         group = tied_group(self.mesh, self.cfg.parallel.pp)  # every rank takes part in creating the groups
         tied = self.pipeline.tied_parameter()
-        if tied is not None:  # the first and last stages' copies of the matrix take the summed gradient
+        # The first and last stages' copies of the matrix take the summed gradient (unless it is frozen).
+        if tied is not None and tied.requires_grad:
             optimizer.sync_gradient(tied, group, counted=self.pipeline.first)
 
     def _reducer(self, optimizer: MasterWeightAdamW, engine: ZeroDataParallel | None):

@@ -73,6 +73,8 @@ class _DeferredLinear(nn.Module):
         self.weight, self.bias, self.stash = linear.weight, linear.bias, stash
 
     def forward(self, x):
+        if not x.requires_grad:  # nothing upstream trains (a LoRA adapter on a frozen embedding's output):
+            return F.linear(x, self.weight, self.bias)  # a detached weight would leave no backward at all
         return _DeferredWeightLinear.apply(x, self.weight.detach(), self.bias, self.stash, self)
 
 
@@ -104,7 +106,7 @@ class Pipeline:
             for i in self._own_layers():
                 for module in list(model.layers[i].modules()):
                     for name, child in list(module.named_children()):
-                        if type(child) is nn.Linear:
+                        if type(child) is nn.Linear and child.weight.requires_grad:  # not a frozen base
                             setattr(module, name, _DeferredLinear(child, self.stash))
         self._schedules: dict[int, list] = {}
         self.timeline: list = []

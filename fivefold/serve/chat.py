@@ -46,13 +46,15 @@ class ChatTemplate:
         self.template = env.from_string(self.source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text for `messages` ([{role, content}, ...]), ending where the assistant's reply begins."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{role, content}, ...]), ending where the assistant's reply begins;
+        without `add_generation_prompt`, the conversation as it stands (fine-tuning renders both, to find
+        where each assistant turn starts and ends)."""
         from jinja2 import TemplateError
 
         try:
             return self.template.render(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                                        add_generation_prompt=True)
+                                        add_generation_prompt=add_generation_prompt)
         except ChatTemplateError:
             raise
         except TemplateError as e:

@@ -58,7 +58,7 @@ def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = No
     """The model (this rank's shard when tp > 1: the process group is started here, after the layout is
     validated), its tokenizer.json and, from tokenizer_config.json, its chat template."""
     from fivefold.parallel.placement import record
-    from fivefold.train.checkpoint import Piece, read_state
+    from fivefold.train.checkpoint import Piece, read_config, read_state
 
     directory = model_directory(source)
     device = torch.device(device)
@@ -77,6 +77,10 @@ def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = No
         from fivefold.interop.hf import HFWeights
         weights = HFWeights(directory, cfg.model)  # a tensor-parallel rank reads only its slices
         materialize_parameters(model, lambda name, p: weights(name, placements[name]), device, torch.float32)
+    elif read_config(directory).lora.r:  # a LoRA run: its base with the adapters folded in, slice by slice
+        from fivefold.finetune.lora import merged_values
+        values = merged_values(directory, read_config(directory))
+        materialize_parameters(model, lambda name, p: values(name, placements[name]), device, torch.float32)
     else:
         materialize_parameters(model, lambda name, p: torch.empty(placements[name].local_shape), device,
                                torch.float32)

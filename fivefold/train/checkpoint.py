@@ -396,8 +396,9 @@ def find_intact(root: Path, fallback: bool = True, verify=verify_checkpoint) -> 
     raise FileNotFoundError(f"no checkpoint found under {str(root)!r}")
 
 
-def read_state(ckpt: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill `tensors` (name -> plain tensor, or a Piece of this rank's) in place from `ckpt`."""
+def read_state(ckpt: Path, tensors: dict[str, torch.Tensor], alone: bool = False) -> None:
+    """Fill `tensors` (name -> plain tensor, or a Piece of this rank's) in place from `ckpt`; collectively
+    with every rank, or `alone` (ranks reading different tensors at different times)."""
     dcp, Reader, _ = _dcp()
     try:
         available = set(Reader(str(ckpt / "state")).read_metadata().state_dict_metadata)
@@ -409,9 +410,24 @@ def read_state(ckpt: Path, tensors: dict[str, torch.Tensor]) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process", etc.
-            dcp.load(tensors, storage_reader=Reader(str(ckpt / "state")))
+            dcp.load(tensors, storage_reader=Reader(str(ckpt / "state")), no_dist=alone)
     except (Exception, _dcp_exception()) as e:
         raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_describe(e)}") from e
+
+
+class CheckpointWeights:
+    """A value source for materialisation (fivefold.parallel.apply): each parameter's part (its placement's
+    tensor-parallel slice) read from a checkpoint's fp32 weights, one parameter at a time, by each rank
+    alone, so a rank never holds more than the slices it keeps."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt = ckpt
+
+    def __call__(self, name: str, placement) -> torch.Tensor:
+        local = torch.empty(placement.local_shape)
+        target = Piece(local, placement.global_shape, placement.offsets) if placement.tp_sharded else local
+        read_state(self.ckpt, {f"model.{name}": target}, alone=True)
+        return local
 
 
 def remove_abandoned(root: Path) -> None:
@@ -521,9 +537,17 @@ def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float3
     cfg = read_config(ckpt)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    materialize(model, device, seed=0, dtype=torch.float32)
-    with torch.no_grad():
-        read_state(ckpt, {f"model.{n}": p for n, p in model.named_parameters()})
+    if cfg.lora.r:  # a LoRA run's checkpoint holds adapters: its base, with them folded in
+        from fivefold.finetune.lora import merged_values
+        from fivefold.model.init import materialize_parameters
+        from fivefold.parallel.placement import Placement
+
+        values = merged_values(ckpt, cfg)
+        materialize_parameters(model, lambda name, p: values(name, Placement(tuple(p.shape))), device, torch.float32)
+    else:
+        materialize(model, device, seed=0, dtype=torch.float32)
+        with torch.no_grad():
+            read_state(ckpt, {f"model.{n}": p for n, p in model.named_parameters()})
     model.to(dtype)
     model.reset_buffers()
     return cfg, model

@@ -19,7 +19,7 @@ from fivefold.config import Config, ConfigError, resume_conflicts, validate
 from fivefold.data.dataset import ResumableSampler, load_datasets
 from fivefold.errors import CheckpointError, CheckpointSaveError, UserError
 from fivefold.memory.formulas import checkpoint_bytes, count_params, flops_per_token
-from fivefold.parallel.apply import compute_dtype, parallelize
+from fivefold.parallel.apply import compute_dtype, init_from_values, parallelize
 from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.train import checkpoint as ckpt
@@ -72,7 +72,8 @@ class Trainer:
         if self.parallel.moe_layers:
             self.routing = RouterLosses(cfg.model.num_experts, self.device, weak(self.parallel.sum_over_model))
             self.parallel.router_loss = self.routing
-        self.optimizer, self.reducer = self.parallel.materialise(self._initial_weights())
+        resuming = resume and bool(ckpt.checkpoint_candidates(self.checkpoint_root))
+        self.optimizer, self.reducer = self.parallel.materialise(self._initial_weights(resuming))
         self.sampler = ResumableSampler(len(self.data.train), cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -93,47 +94,25 @@ class Trainer:
         self.saved_step: int | None = None
         if self.mesh.is_main and self.checkpoint_root.is_dir():
             ckpt.remove_abandoned(self.checkpoint_root)  # what a killed save left behind
-        if not (resume and self.load_latest()) and cfg.train.init_from and not self._init_source_is_hf():
-            self._load_weights(ckpt.resolve_checkpoint(cfg.train.init_from))
+        if not (resume and self.load_latest()) and cfg.train.init_from and not self.quiet:
+            print(f"initialised from {cfg.train.init_from}")
 
-    # -- where the weights come from ----------------------------------------------------------------
-    def _init_source_is_hf(self) -> bool:
-        return (Path(self.cfg.train.init_from) / "config.json").is_file() and not \
-            (Path(self.cfg.train.init_from) / "state").is_dir()
-
-    def _initial_weights(self):
-        """The value source `materialise` makes this rank's parameters from: a Hugging Face directory
-        (train.init_from), streamed slice by slice; otherwise the seeded init (a fivefold checkpoint in
-        train.init_from is loaded into this rank's shards afterwards, by _load_weights)."""
-        if not self.cfg.train.init_from:
+    def _initial_weights(self, resuming: bool):
+        """The value source `materialise` makes this rank's parameters from (fivefold.parallel.apply.
+        init_from_values), or None for the seeded init. A resumed run reads its checkpoint instead, except
+        a LoRA run's frozen base, which its checkpoints do not hold."""
+        if resuming and not self.cfg.lora.r:
             return None
-        if not Path(self.cfg.train.init_from).exists():
-            raise ConfigError(f"train.init_from={self.cfg.train.init_from!r} does not exist; give a Hugging Face "
-                              f"model directory or a fivefold run or checkpoint directory")
-        if not self._init_source_is_hf():
-            return None
-        from fivefold.interop.hf import HFWeights
-
-        return HFWeights(self.cfg.train.init_from, self.cfg.model)
-
-    def _load_weights(self, path: Path) -> None:
-        """A fivefold checkpoint's weights (fp32 masters) into this rank's shards; the optimizer starts
-        afresh (zero moments, step 0)."""
-        from fivefold.interop.hf import check_same_shapes
-
-        check_same_shapes(self.cfg.model, ckpt.read_config(path).model, f"train.init_from={str(path)!r}")
-        tensors = {k: v for k, v in self.optimizer.checkpoint_tensors().items() if k.startswith("model.")}
-        ckpt.read_state(path, tensors)
-        self.optimizer.loaded(0)
-        if not self.quiet:
-            print(f"initialised from {path}")
+        return init_from_values(self.cfg)
 
     # ---------------------------------------------------------------------------------------------
-    def global_batch(self, grad_accum: int) -> torch.Tensor:
-        """The step's global batch, (micro_batch_size * grad_accum * dp, seq_len + 1) token ids: the same
-        tokens in the same order whatever the parallel layout."""
+    def global_batch(self, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's global batch as (inputs, labels), each (micro_batch_size * grad_accum * dp, seq_len):
+        the same tokens in the same order whatever the parallel layout; labels the loss does not count
+        (fine-tuning prompts, padding) are IGNORE_INDEX."""
         n = self.cfg.train.micro_batch_size * grad_accum * self.mesh.dp_size
-        return self.data.train.batch(self.sampler.take(n)).to(self.device)
+        inputs, labels = self.data.train.pairs(self.sampler.take(n))
+        return inputs.to(self.device), labels.to(self.device)
 
     def accumulate_gradients(self, inputs: torch.Tensor, labels: torch.Tensor,
                              measure_small_batch: bool = False) -> torch.Tensor:
@@ -150,16 +129,20 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg.train
+        summary = getattr(self.data.train, "summary", "")  # fine-tuning data describes itself once
+        if summary and summary not in self.notes:
+            self.notes.add(summary)
+            self._say(summary)
         start = time.perf_counter()
         accum = self.ramp.grad_accum if self.ramp is not None else grad_accum_at(self.tokens_seen, cfg)
-        batch = self.global_batch(accum)
-        targets = (batch[:, 1:] != IGNORE_INDEX).sum()  # the labels that count: B_big of the noise scale
-        loss_value = self.accumulate_gradients(batch[:, :-1], batch[:, 1:], measure_small_batch=True).item()
+        inputs, labels = self.global_batch(accum)
+        targets = (labels != IGNORE_INDEX).sum()  # the labels that count: B_big of the noise scale
+        loss_value = self.accumulate_gradients(inputs, labels, measure_small_batch=True).item()
         target_tokens = targets.item()
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
                                 f"train.grad_clip, or use train.precision=fp32 to locate the overflow")
-        batch_tokens = batch[:, 1:].numel()
+        batch_tokens = labels.numel()
         lr = lr_at(self.step, cfg, batch_tokens, self.base_batch_tokens)
         grad_norm = self.optimizer.step(lr, cfg.grad_clip).item()
         self.optimizer.zero_grad()
@@ -217,8 +200,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean per-token loss on the first `eval_batches * micro_batch_size` validation sequences,
-        shared out across data-parallel ranks like a training batch."""
+        """Mean loss per counted label (not IGNORE_INDEX) on the first `eval_batches * micro_batch_size`
+        validation sequences, shared out across data-parallel ranks like a training batch."""
         cfg = self.cfg.train
         n = min(len(self.data.val), cfg.eval_batches * cfg.micro_batch_size)
         per_step = cfg.micro_batch_size * self.mesh.dp_size
@@ -228,24 +211,31 @@ class Trainer:
             mine = rows[self.parallel.local_rows(len(rows))]
             # A rank left without rows by the ragged tail still runs a forward (ZeRO-3 gathers
             # parameters inside it, collectively), and counts nothing.
-            batch = self.data.val.batch(mine or rows[:1]).to(self.device)
-            inputs, labels, docs = self.parallel.local_columns(batch[:, :-1], batch[:, 1:])
+            inputs, labels = (t.to(self.device) for t in self.data.val.pairs(mine or rows[:1]))
+            inputs, labels, docs = self.parallel.local_columns(inputs, labels)
             loss = self.parallel.eval_loss_sum(inputs, labels, docs)
             if mine:
-                totals += torch.tensor([loss.item(), labels.numel()], dtype=torch.float64, device=self.device)
+                counted = (labels != IGNORE_INDEX).sum().item()
+                totals += torch.tensor([loss.item(), counted], dtype=torch.float64, device=self.device)
         self.parallel.sum_over_batch(totals)
         return (totals[0] / totals[1]).item()
 
     def unigram_loss(self) -> float:
         """Validation loss of the best context-free predictor (train-split token frequencies, add-one
-        smoothed): the bar a model must clear to show it learned anything beyond token counts."""
+        smoothed): the bar a model must clear to show it learned anything beyond token counts. On
+        fine-tuning data, over the target tokens only, as the loss counts them."""
         import numpy as np
 
+        def tokens(data) -> np.ndarray:
+            if hasattr(data, "store"):  # a token store: every token
+                return data.store.read(0, data.store.num_tokens)
+            labels = data.pairs(range(len(data)))[1]
+            return labels[labels != IGNORE_INDEX].numpy()
+
         vocab = self.cfg.model.vocab_size
-        train, val = self.data.train.store, self.data.val.store
-        counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab).astype(np.float64) + 1.0
+        counts = np.bincount(tokens(self.data.train), minlength=vocab).astype(np.float64) + 1.0
         log_probs = np.log(counts / counts.sum())
-        return float(-log_probs[val.read(0, val.num_tokens)].mean())
+        return float(-log_probs[tokens(self.data.val)].mean())
 
     # ---------------------------------------------------------------------------------------------
     def fit(self, until: int | None = None, handle_signals: bool = True) -> list[dict]:
