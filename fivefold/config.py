@@ -192,6 +192,10 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapters' input; > 0 makes runs depend on the layout's random streams
     targets: str = "q,k,v,o,gate,up,down"  # comma-separated, any of LORA_TARGETS
     init_from: str = ""  # a PEFT adapter directory to start the adapters from (fivefold.finetune.peft)
+    # QLoRA (fivefold.finetune.qlora): the blocks' frozen linears stored as int4 codes, group_size columns
+    # per float16 scale and zero point, dequantized for each matmul.
+    quantize_base: Literal["none", "int4"] = "none"
+    group_size: int = 64
 
     @property
     def target_list(self) -> list[str]:
@@ -521,6 +525,14 @@ def _check_finetune(cfg: Config) -> None:
         if m.num_experts and set(targets) & {"gate", "up", "down"}:
             raise ConfigError("LoRA on a mixture of experts' MLPs is not supported: set lora.targets=q,k,v,o "
                               "(attention only)")
+        if lora.quantize_base != "none":
+            tp = cfg.parallel.tp
+            widths = {"model.hidden_size": m.hidden_size, "model.q_size (heads x head size) / tp": m.q_size // tp,
+                      f"model.ffn_hidden_size / tp": m.ffn_hidden_size // tp}
+            bad = [f"{k}={v}" for k, v in widths.items() if lora.group_size < 1 or v % lora.group_size]
+            if bad:
+                raise ConfigError(f"lora.group_size={lora.group_size} must divide every quantized linear's input "
+                                  f"width ({', '.join(bad)}); choose e.g. lora.group_size=32 or 64")
         if lora.init_from and not Path(lora.init_from).is_dir():
             raise ConfigError(f"lora.init_from={lora.init_from!r} is not a directory; give a PEFT adapter directory "
                               f"(adapter_config.json + adapter_model.safetensors)")
@@ -528,6 +540,9 @@ def _check_finetune(cfg: Config) -> None:
             raise ConfigError("lora.r>0 with parallel.zero=3: ZeRO-3 shards parameters that train, and the frozen "
                               "base does not; use parallel.zero=1 or 2 (the adapters' states are small), and "
                               "tp or pp to split the base")
+    if lora.quantize_base != "none" and not lora.r:
+        raise ConfigError(f"lora.quantize_base={lora.quantize_base} quantizes LoRA's frozen base (QLoRA): set lora.r "
+                          f"(e.g. lora.r=16) as well")
     if cfg.data.sft and cfg.data.sft_packing == "pack" and not m.document_mask:
         raise ConfigError("data.sft with data.sft_packing=pack puts several examples in one row, which must not "
                           "attend to each other: set model.document_mask=true, or data.sft_packing=pad")

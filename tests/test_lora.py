@@ -113,6 +113,7 @@ def test_moe_mlp_targets_are_rejected():
 # -- every layout against one process ------------------------------------------------------------------------
 
 GLOBAL = 8
+QLORA = {"lora.quantize_base": "int4", "lora.group_size": 16}
 LAYOUTS = {  # name -> (processes, overrides)
     "dp2_zero1": (2, {"parallel.dp": 2, "parallel.zero": 1}),
     "dp2_zero2": (2, {"parallel.dp": 2, "parallel.zero": 2}),
@@ -123,6 +124,9 @@ LAYOUTS = {  # name -> (processes, overrides)
     "tp2_sp_dp2_zero1": (4, {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.dp": 2,
                              "parallel.zero": 1}),
     "pp2_tp2": (4, {"parallel.pp": 2, "parallel.tp": 2, "train.grad_accum": 2}),
+    # QLoRA: each tp rank quantizes its own slice (groups never straddle ranks), against one QLoRA process
+    "qlora_tp2_sp": (2, {**QLORA, "parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "qlora_pp2_dp2": (4, {**QLORA, "parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 1, "train.grad_accum": 2}),
 }
 
 
@@ -142,6 +146,7 @@ def layout_runs(tmp_path_factory, data_cache):
               "train.out_dir": str(base), "train.steps": 3, "train.save_every": 0, "train.micro_batch_size": GLOBAL}
     Trainer(load_config(preset="tiny", overrides=[f"{k}={v}" for k, v in values.items()]), quiet=True).fit()
     Trainer(config_from_dict(layout_config(data_cache, root / "single", base)), quiet=True).fit()
+    Trainer(config_from_dict(layout_config(data_cache, root / "single_qlora", base, **QLORA)), quiet=True).fit()
     for nproc in sorted({n for n, _ in LAYOUTS.values()}):
         runs = [{"config": layout_config(data_cache, root / name, base, **overrides)}
                 for name, (n, overrides) in LAYOUTS.items() if n == nproc]
@@ -155,7 +160,7 @@ def test_every_layout_matches_one_process(layout_runs, name):
     criteria), and every adapter weight within 2e-4 + 1e-4 relative after 10 steps of lr 1e-2."""
     from parity import assert_parity
 
-    run, ref = layout_runs / name, layout_runs / "single"
+    run, ref = layout_runs / name, layout_runs / ("single_qlora" if name.startswith("qlora") else "single")
     assert_parity(run, ref, weights=False)
     ours, theirs = (read_adapters(resolve_checkpoint(r), load_model_config(r)) for r in (run, ref))
     assert ours.keys() == theirs.keys()
@@ -168,3 +173,36 @@ def test_every_layout_matches_one_process(layout_runs, name):
 def load_model_config(run):
     from fivefold.train.checkpoint import read_config
     return read_config(resolve_checkpoint(run))
+
+
+# -- QLoRA ---------------------------------------------------------------------------------------------------
+
+
+def test_qlora_starts_from_the_dequantized_base_and_keeps_int4_codes(tiny_config, base_run):
+    from fivefold.finetune.qlora import quantized_weight_bytes
+    from fivefold.quant.formats import quantize_int4
+
+    trainer = Trainer(lora_config(tiny_config, base_run, **QLORA), quiet=True)
+    _, base = load_model(base_run)
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if name.startswith("layers.") and name.endswith("_proj"):
+                module.weight.copy_(quantize_int4(module.weight, 16).dequantize(torch.float32))
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(trainer.model, ids), logits(base, ids), rtol=1e-5, atol=1e-5)
+    codes = {n: b for n, b in trainer.model.named_buffers() if n.endswith((".qweight", ".scales", ".zeros"))}
+    linears = [n for n, _ in base.named_parameters() if n.startswith("layers.") and n.endswith("_proj.weight")]
+    assert len(codes) == 3 * len(linears) and not any(n in dict(trainer.model.named_parameters()) for n in linears)
+    numel = sum(p.numel() for n, p in base.named_parameters() if n in linears)
+    assert sum(b.numel() * b.element_size() for b in codes.values()) == quantized_weight_bytes(numel, 16)
+    history = trainer.fit(until=3)
+    assert all(math.isfinite(r["loss"]) for r in history) and history[-1]["grad_norm"] > 0
+    cfg, merged = load_model(trainer.out_dir)  # the dequantized base with the adapters folded in
+    torch.testing.assert_close(logits(merged, ids), logits(trainer.model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_qlora_group_size_must_divide_the_widths():
+    with pytest.raises(ConfigError, match="lora.group_size=48"):
+        load_config(preset="tiny", overrides=["lora.r=4", "lora.quantize_base=int4", "lora.group_size=48"])
+    with pytest.raises(ConfigError, match="set lora.r"):
+        load_config(preset="tiny", overrides=["lora.quantize_base=int4"])

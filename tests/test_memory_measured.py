@@ -106,6 +106,8 @@ def test_memory_cli_timeline(tmp_path, capsys):
     ("lora.r=8", "lora.targets=q,v", "train.precision=bf16-mixed"),
     ("lora.r=8", "lora.dropout=0.1", "train.recompute=full"),
     ("lora.r=4", "lora.dropout=0.1", "train.recompute=selective", "model.attention=eager", "train.grad_accum=2"),
+    ("lora.r=8", "lora.quantize_base=int4", "lora.group_size=32"),
+    ("lora.r=8", "lora.quantize_base=int4", "train.precision=bf16-mixed", "train.recompute=full"),
 ])
 def test_lora_matches_plan(overrides):
     """LoRA (fivefold.finetune.lora): the frozen base holds no gradients or optimizer states, and saves

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import LoraConfig, ModelConfig
-from fivefold.model.init import param_seed
+from fivefold.model.init import meta_model, param_seed
 
 # lora.targets -> the linear's attribute name in the model (GELU MLPs call fc "up" and proj "down").
 MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
@@ -172,10 +172,14 @@ def merged_values(ckpt, cfg):
 
     base = init_from_values(cfg) or initial_values(cfg)
     adapters = read_adapters(ckpt, cfg)
+    quantized = {f"{n}.weight" for n, _ in targets(meta_model(cfg.model), LoraConfig(r=1, targets=",".join(MODULES)))}
 
     def value(name: str, placement) -> torch.Tensor:
         v = base(name, placement)
         module = name.removesuffix(".weight")
+        if cfg.lora.quantize_base != "none" and name in quantized:  # QLoRA trained on the dequantized base
+            from fivefold.quant.formats import quantize_int4
+            v = quantize_int4(v, cfg.lora.group_size).dequantize(torch.float32)
         if f"{module}.lora_A.weight" in adapters:
             delta = adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"] * cfg.lora.scaling
             v = v + placement.local(delta)

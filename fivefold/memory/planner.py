@@ -240,6 +240,12 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # With LoRA the base is frozen: parameters only; gradients and optimizer states are the adapters'.
     adapters = tuple(formulas.adapter_shapes(m, cfg.lora, par.tp, layers))
     frozen = _inventory(shapes).n if adapters else 0
+    frozen_bytes = bpp.parameters * frozen
+    if cfg.lora.quantize_base != "none":  # QLoRA: the blocks' linears as int4 codes + group scales
+        from fivefold.finetune.qlora import quantized_weight_bytes
+
+        linear = sum(k for name, k in shapes if re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", name))
+        frozen_bytes += quantized_weight_bytes(linear, cfg.lora.group_size) - bpp.parameters * linear
     shapes = shapes + adapters
     trained = adapters or shapes
     inv = _inventory(trained)
@@ -248,7 +254,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
 
-    memory = {"parameters": bpp.parameters * (frozen + shard(n, 3)),
+    memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3),
               "gradients": _gradients(cfg, trained, inv, bpp)}
     memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
     if limit is not None and sum(memory.values()) > limit:

@@ -54,7 +54,9 @@ class MemoryTracker(TorchDispatchMode):
         self.samples: list[tuple[float, ...]] = []  # one row per op: CATEGORIES..., device_allocated
         self.marks: list[tuple[int, str]] = []
         self.phase = "idle"  # "forward" from the model's forward until backward starts
-        self.params = list(model.parameters())
+        # QLoRA's int4 codes (fivefold.finetune.qlora) are buffers, but they are the frozen weights.
+        self.params = [*model.parameters(), *(b for n, b in model.named_buffers()
+                                              if n.rsplit(".", 1)[-1] in ("qweight", "scales", "zeros"))]
         self.cuda = any(p.is_cuda for p in self.params)
         self._hooks = []
 

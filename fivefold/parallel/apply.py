@@ -147,6 +147,10 @@ class ParallelModel:
         values = values or initial_values(cfg)
         if cfg.lora.r:  # adapters start from their own init (or a PEFT adapter), whatever the base's source
             values = with_adapters(values, cfg)
+        if cfg.lora.quantize_base != "none":  # QLoRA: the blocks' linears become int4 codes, one at a time
+            from fivefold.finetune.qlora import quantize_base
+
+            quantize_base(model, cfg.lora, lambda name: values(name, self.placements[name]), self.device)
         mixed = self.dtype != torch.float32
         zero = cfg.parallel.zero if mesh.grad_size > 1 else 0
         names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -169,6 +169,10 @@ class ColumnParallelLinear(nn.Module):
             x = _CopyToTP.apply(x, self.group)
         elif self.input == "gather":
             x = _GatherSequence.apply(x, self.group)
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The local product (QLoRA replaces it by one from a quantized weight: fivefold.finetune.qlora)."""
         return F.linear(x, self.weight, self.bias)
 
 
@@ -184,9 +188,13 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach()) if linear.bias is not None else None  # whole: added after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         y = _ReduceScatterSequence.apply(y, self.group) if self.sequence_parallel else _ReduceFromTP.apply(y, self.group)
         return y + self.bias if self.bias is not None else y
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The local partial product (QLoRA replaces it: fivefold.finetune.qlora); the bias comes after the sum."""
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -47,12 +47,13 @@ class BlockManager:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
-    def match_prefix(self, tokens: list[int]) -> list[int]:
+    def match_prefix(self, tokens: list[int], salt: bytes = b"") -> list[int]:
         """Cached blocks holding the longest full-block prefix of `tokens`, leaving at least the last
-        token to compute (its logits are what the next token is sampled from)."""
+        token to compute (its logits are what the next token is sampled from). `salt` roots the chain (a
+        LoRA adapter's name: the same tokens have other keys and values under another adapter)."""
         if not self.prefix_cache:
             return []
-        found, parent, bs = [], b"", self.block_size
+        found, parent, bs = [], salt, self.block_size
         for i in range((len(tokens) - 1) // bs):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             block = self.cached.get(parent)
@@ -64,7 +65,7 @@ class BlockManager:
     def start(self, seq, token_budget: int, reserve: int = 0) -> int:
         """Give a sequence with no blocks its cached prefix and room for its next chunk, leaving `reserve`
         blocks free; returns the tokens scheduled (0: it does not fit now, nothing changed)."""
-        hits = self.match_prefix(seq.token_ids)
+        hits = self.match_prefix(seq.token_ids, seq.cache_salt)
         computed = len(hits) * self.block_size
         n = min(len(seq.token_ids) - computed, token_budget)
         fresh = blocks_for(computed + n, self.block_size) - len(hits)
@@ -95,7 +96,7 @@ class BlockManager:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else b""
+            parent = seq.block_hashes[-1] if i else seq.cache_salt
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(h)
             block = seq.block_table[i]

@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="tensor parallel over N processes (launched through torchrun): rank 0 serves HTTP and "
                         "drives, the others run their shard of every forward")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a fivefold LoRA run or a PEFT directory) beside the base; clients "
+                        "ask for it as model 'BASE:NAME' (repeatable; one batch mixes adapters)")
     p.add_argument("--config", help="TOML config file; only its [serve] table is read")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
                    help="engine option, e.g. --set serve.kv_memory=0.3 --set serve.max_num_seqs=32 (repeatable)")
@@ -54,7 +57,13 @@ def run_serve(args) -> int:
         return _fail(e)
     if loaded.tokenizer is None:
         return _fail(f"{args.model} has no tokenizer.json; pass --tokenizer tokenizer.json")
-    engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed, tp=loaded.tp)
+    adapters = {}
+    for text in args.lora:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora {text!r} must look like NAME=PATH (e.g. --lora sql=runs/sql-lora)")
+        adapters[name] = path
+    engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed, tp=loaded.tp, adapters=adapters)
     if loaded.tp and not loaded.tp.is_driver:
         # Ctrl-C reaches every rank; the driver's server stops first and then releases us.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -67,6 +76,8 @@ def run_serve(args) -> int:
     print(f"model: {args.model} ({n:,} parameters{shard}, {cfg.dtype}, {device})")
     print(engine.plan.describe(engine.max_model_len))
     print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.serve.chat)"))
+    for adapter in adapters:
+        print(f"LoRA adapter {adapter!r} from {adapters[adapter]}: ask for model {name + ':' + adapter!r}")
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         serve(engine, name, args.host, args.port, loaded.chat_template, bos_token=bos_token, eos_token=eos_token or None)

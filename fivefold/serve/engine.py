@@ -62,8 +62,19 @@ class Engine:
     rank 0 then drives (schedules, samples, broadcasts each batch) and the others `follow()`."""
 
     def __init__(self, model: Transformer, tokenizer=None, serve: ServeConfig | None = None, seed: int = 0,
-                 tp=None):
+                 tp=None, adapters: Mapping[str, str | Path] | None = None):
+        """`adapters`: {name: a LoRA run, checkpoint or PEFT directory} served beside the base
+        (fivefold.serve.adapters); a request names one with add_request(..., adapter=name)."""
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.adapters = None
+        if adapters:
+            if tp:
+                raise ConfigError("LoRA adapters are served with tp=1 (each rank would need its slices of them)")
+            from fivefold.serve.adapters import AdapterSet, load_adapter
+
+            self.adapters = AdapterSet(model)
+            for name, source in adapters.items():
+                self.adapters.add(load_adapter(name, source, model.cfg))
         for module in model.modules():
             if isinstance(module, MoE):  # dropping tokens would make an output depend on its batch companions
                 module.capacity_factor = 0.0
@@ -115,9 +126,13 @@ class Engine:
         return ids, None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises RequestError at once when it could never be served."""
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """Queue a request (with LoRA adapter `adapter`, or the base); raises RequestError at once when it
+        could never be served."""
         params = params or SamplingParams()
+        if adapter is not None and (self.adapters is None or adapter not in self.adapters.adapters):
+            known = ", ".join(self.adapters.adapters) if self.adapters else "none"
+            raise RequestError(f"no LoRA adapter named {adapter!r} is loaded (loaded: {known})")
         ids, text = self.encode(prompt)
         if not ids:
             raise RequestError("the prompt is empty: it needs at least one token")
@@ -135,7 +150,8 @@ class Engine:
             request_id = request_id or f"req-{next(self.ids)}"
             if request_id in self.requests:
                 raise RequestError(f"request id {request_id!r} is already in use")
-            seq = Sequence(request_id, ids, params, torch.Generator().manual_seed(seed), next(self.arrivals), text)
+            seq = Sequence(request_id, ids, params, torch.Generator().manual_seed(seed), next(self.arrivals), text,
+                           adapter=adapter, cache_salt=self.adapters.adapters[adapter].salt if adapter else b"")
             self.requests[request_id] = seq
             self.inbox.append(seq)
         return request_id
@@ -182,6 +198,8 @@ class Engine:
             sampled = [i for i, (s, n) in enumerate(work) if s.num_computed + n == len(s.token_ids)]
             if self.tp:
                 self.tp.broadcast(("forward", ids, entries, sampled))
+            if self.adapters is not None:
+                self.adapters.select([s.adapter for s, n in work for _ in range(n)])
             logits = self._forward(ids, entries, sampled)
             for s, n in work:
                 s.num_computed += n
@@ -304,7 +322,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | Transformer, tokenizer=None, device: str = "auto", seed: int = 0,
-                 tp: int = 1, **engine_options):
+                 tp: int = 1, adapters: Mapping[str, str | Path] | None = None, **engine_options):
         from fivefold.parallel.mesh import launched_world_size, local_device
         from fivefold.train.trainer import resolve_device
 
@@ -321,39 +339,42 @@ class LLM:
         else:
             loaded = load_model_for_serving(model, tokenizer, serve.dtype, local_device(resolve_device(device)), tp)
             model, tokenizer, self.chat_template, group = loaded.model, loaded.tokenizer, loaded.chat_template, loaded.tp
-        self.engine = Engine(model, tokenizer, serve, seed, tp=group)
+        self.engine = Engine(model, tokenizer, serve, seed, tp=group, adapters=adapters)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a text, a token-id list, or a list of either). Under tensor
-        parallelism every rank calls it; rank 0's prompts are the ones served, and every rank gets the outputs."""
+                 progress: bool = False, adapter: str | None | list[str | None] = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a text, a token-id list, or a list of either), each with LoRA
+        adapter `adapter` (one name for all, or one per prompt; None: the base). Under tensor parallelism
+        every rank calls it; rank 0's prompts are the ones served, and every rank gets the outputs."""
         engine = self.engine
         if engine.tp and not engine.tp.is_driver:
             return engine.follow()
         try:
-            outputs = self._generate(prompts, params, progress)
+            outputs = self._generate(prompts, params, progress, adapter)
         except Exception as e:
             engine.release_followers(error=e)
             raise
         engine.release_followers(outputs)
         return outputs
 
-    def _generate(self, prompts, params, progress: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, params, progress: bool, adapter) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        if len(params) != len(prompts) or len(adapters) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams and {len(adapters)} adapters for {len(prompts)} prompts; "
+                             f"give one, or one per prompt")
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
+            for prompt, p, a in zip(prompts, params, adapters):
+                ids.append(engine.add_request(prompt, p, adapter=a))
         except RequestError as e:
             for request_id in ids:
                 engine.abort(request_id)

@@ -42,6 +42,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    adapter: str | None = None  # the LoRA adapter this request runs with (fivefold.serve.adapters); None: the base
+    cache_salt: bytes = b""  # roots its prefix-cache chain: an adapter's keys and values are its own
 
     @property
     def token_ids(self) -> list[int]:

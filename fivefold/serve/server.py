@@ -68,7 +68,7 @@ class EngineLoop:
             self.thread.join()
             self.thread = None
 
-    def submit(self, request_id: str, prompt, params, subscriber: Subscriber) -> None:
+    def submit(self, request_id: str, prompt, params, subscriber: Subscriber, adapter: str | None = None) -> None:
         """Queue a request (into the engine's inbox: this does not wait for a running step)."""
         engine = self.engine
         with self.submitting:  # the queue check and the add, as one
@@ -77,16 +77,17 @@ class EngineLoop:
                                     f"serve.max_waiting={self.max_waiting}); retry later")
             self.subscribers[request_id] = subscriber  # first: the next step may already produce its output
             try:
-                engine.add_request(prompt, params, request_id)
+                engine.add_request(prompt, params, request_id, adapter=adapter)
             except ValueError as e:  # RequestError: a request that could never be served
                 self.subscribers.pop(request_id, None)
                 raise APIError(400, str(e)) from None
         self.wake.set()
 
-    async def start_request(self, request_id: str, prompt, params, stream: bool) -> asyncio.Queue:
+    async def start_request(self, request_id: str, prompt, params, stream: bool,
+                            adapter: str | None = None) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         subscriber = Subscriber(loop, asyncio.Queue(), stream)
-        done = loop.run_in_executor(None, self.submit, request_id, prompt, params, subscriber)
+        done = loop.run_in_executor(None, self.submit, request_id, prompt, params, subscriber, adapter)
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -247,9 +248,15 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
     async def http_error(request: Request, exc: HTTPException):
         return error_response(APIError(exc.status_code, str(exc.detail)))
 
-    def check_model(name: str | None) -> None:
-        if name and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model")
+    adapters = list(engine.adapters.adapters) if engine.adapters is not None else []
+    served = [model_name, *(f"{model_name}:{a}" for a in adapters)]
+
+    def check_model(name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names ("base:adapter"; None: the base)."""
+        if name and name not in served:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, served))}", "model")
+        return name.split(":", 1)[1] if name and name != model_name else None
 
     def header(kind: str, request_id: str) -> dict:
         return {"id": request_id, "object": kind, "created": int(time.time()), "model": model_name}
@@ -283,11 +290,11 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model)
         prompt = body.single_prompt()
         params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        queue = await runner.start_request(request_id, prompt, params, body.stream)
+        queue = await runner.start_request(request_id, prompt, params, body.stream, adapter)
         # text_offset counts from the start of the prompt's text, as OpenAI's does.
         base = len(prompt) if isinstance(prompt, str) else len(tokenizer.decode(prompt))
 
@@ -317,7 +324,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model)
         try:
             text = template.render(body.message_dicts())
         except ValueError as e:
@@ -328,7 +335,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                           max(1, capacity - len(prompt)))
         params = sampling_params(body, max_tokens, body.logprobs_asked())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        queue = await runner.start_request(request_id, prompt, params, body.stream)
+        queue = await runner.start_request(request_id, prompt, params, body.stream, adapter)
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -361,8 +368,10 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "fivefold", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "fivefold", "max_model_len": engine.max_model_len,
+                                            **({"parent": model_name} if name != model_name else {})}
+                                           for name in served]}
 
     @app.get("/health")
     async def health():

@@ -1,0 +1,109 @@
+"""Several LoRA adapters served at once over one base model (the idea of S-LoRA and Punica, simply).
+
+The base's weights stay as they are: each adapter's A and B sit beside them, and a forward hook on every
+adapted linear adds (alpha / r) B A x to the rows of the flattened batch whose request named that adapter.
+One step's batch can mix requests of the base and of any adapters; a request computes exactly what the
+adapter's merged model (W + (alpha / r) B A) computes, up to float rounding, at the cost of two thin matmuls
+per adapter present in the batch. The prefix cache keeps each adapter's keys and values apart: an adapted
+k / v projection gives other keys for the same tokens (fivefold.serve.blocks, the chain's salt).
+
+An adapter comes from a fivefold LoRA run or checkpoint, or from a PEFT adapter directory
+(fivefold.finetune.peft), and must have been trained on a base of this model's shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fivefold.config import Config, ConfigError, ModelConfig
+
+
+@dataclass
+class Adapter:
+    name: str
+    scaling: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # linear's module name -> (A (r, in), B (out, r))
+
+    @property
+    def salt(self) -> bytes:
+        return hashlib.sha256(f"fivefold-adapter:{self.name}".encode()).digest()
+
+
+def load_adapter(name: str, source: str | Path, model_cfg: ModelConfig) -> Adapter:
+    """Adapter `name` from a fivefold LoRA run / checkpoint or a PEFT adapter directory."""
+    from fivefold.interop.hf import check_same_shapes
+
+    source = Path(source)
+    if (source / "adapter_config.json").is_file():
+        from fivefold.finetune.peft import read_adapter, read_adapter_config
+
+        cfg = Config(model=model_cfg, lora=read_adapter_config(source))
+        tensors = read_adapter(source, cfg)
+    else:
+        from fivefold.finetune.lora import read_adapters
+        from fivefold.train.checkpoint import read_config, resolve_checkpoint
+
+        ckpt = resolve_checkpoint(source)
+        cfg = read_config(ckpt)
+        if not cfg.lora.r:
+            raise ConfigError(f"adapter {name!r}: {source} is not a LoRA run (lora.r=0); give a LoRA run, its "
+                              f"checkpoint, or a PEFT adapter directory")
+        check_same_shapes(model_cfg, cfg.model, f"adapter {name!r} ({source})")
+        tensors = read_adapters(ckpt, cfg)
+    modules = sorted({key.split(".lora_")[0] for key in tensors})
+    weights = {m: (tensors[f"{m}.lora_A.weight"], tensors[f"{m}.lora_B.weight"]) for m in modules}
+    return Adapter(name, cfg.lora.scaling, weights)
+
+
+class AdapterSet:
+    """The adapters an engine serves, and which rows of the current forward use which of them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.adapters: dict[str, Adapter] = {}
+        self.hooked: set[str] = set()
+        self.rows: list[tuple[Adapter, torch.Tensor]] = []  # this forward's (adapter, row indices)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    def add(self, adapter: Adapter) -> None:
+        if adapter.name in self.adapters:
+            raise ConfigError(f"an adapter named {adapter.name!r} is already loaded")
+        if not adapter.name or ":" in adapter.name:
+            raise ConfigError(f"adapter name {adapter.name!r}: give a non-empty name without ':'")
+        modules = dict(self.model.named_modules())
+        missing = sorted(set(adapter.weights) - set(modules))
+        if missing:
+            raise ConfigError(f"adapter {adapter.name!r} adapts {missing[0]}, which this model does not have")
+        adapter.weights = {m: (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+                           for m, (a, b) in adapter.weights.items()}
+        for m in adapter.weights:
+            if m not in self.hooked:
+                modules[m].register_forward_hook(self._hook(m))
+                self.hooked.add(m)
+        self.adapters[adapter.name] = adapter
+
+    def select(self, names: list[str | None]) -> None:
+        """The adapter of each row of the next forward's flattened batch (None: the base)."""
+        self.rows = []
+        for name in sorted({n for n in names if n is not None}):
+            index = torch.tensor([i for i, n in enumerate(names) if n == name], device=self.device)
+            self.rows.append((self.adapters[name], index))
+
+    def _hook(self, module_name: str):
+        def hook(module, args, output):
+            x = args[0]
+            for adapter, index in self.rows:
+                weights = adapter.weights.get(module_name)
+                if weights is None:
+                    continue
+                a, b = weights
+                rows = x.flatten(0, -2).index_select(0, index)
+                output.view(-1, output.shape[-1]).index_add_(0, index, (rows @ a.T) @ b.T * adapter.scaling)
+            return output
+        return hook
