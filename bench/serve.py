@@ -83,6 +83,10 @@ def parse_args(argv=None):
                    help="--server: most requests in flight at once; 0: all")
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="--server: Poisson arrivals at this many requests/s; 0: all at t=0")
+    p.add_argument("--quant", default="", metavar="METHODS",
+                   help="also serve the model with its block linears quantized (fivefold.quant; comma-separated "
+                        "int8,int4; GPTQ stores int4's format and runs at its speed) and compare batch-1 decode "
+                        "and the whole request set against the --dtype model")
     p.add_argument("--json", default="", help="write all numbers here")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
@@ -331,6 +335,48 @@ def decode_batch1(llm: LLM, hf, prompt: list[int], output: int, reps: int, pad: 
             for side, xs in out.items() if xs}
 
 
+def run_quantized(model, args, requests: list[Request], decode_prompt: list[int]) -> dict:
+    """Each --quant method: the same weights with the blocks' linears as QuantLinear (round-to-nearest codes;
+    int4 in groups of 128, or the largest of 64, 32 that divides the widths), served by the same engine:
+    batch-1 decode and the whole request set."""
+    import copy
+
+    from fivefold.quant.gptq import quantize_model
+    from fivefold.quant.linear import swap_linears
+
+    out = {}
+    for method in filter(None, args.quant.split(",")):
+        quantized = copy.deepcopy(model).float()
+        group = next(g for g in (128, 64, 32, -1) if all(w % g == 0 for w in (model.cfg.hidden_size, model.cfg.q_size,
+                                                                            model.cfg.ffn_hidden_size)) or g == -1)
+        qweights = quantize_model(quantized, method, group_size=group)
+        swap_linears(quantized, qweights)
+        quantized = quantized.to(DTYPES[args.dtype]).eval()
+        weight_bytes = sum(b.numel() * b.element_size() for b in quantized.buffers()) + \
+            sum(p.numel() * p.element_size() for p in quantized.parameters())
+        llm = make_llm(quantized, args, requests)
+        warm = make_requests(4, model.cfg.vocab_size, (16, 64), (4, 8), args.seed + 2)
+        llm.generate([r.prompt for r in warm], [greedy(r) for r in warm])
+        print(f"fivefold engine, {method} weights ...", flush=True)
+        run = run_fivefold(llm, requests)
+        decode = decode_batch1(llm, None, decode_prompt, args.decode_output, args.decode_reps, 0)["fivefold"]
+        out[method] = {"weight_bytes": weight_bytes, "output_tokens_per_s": run["output_tokens_per_s"],
+                       "decode_batch1": decode, "token_ids": run["token_ids"]}
+    return out
+
+
+def print_quantized(quant: dict, ours: dict, decode: dict, model, dtype: str) -> None:
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"\nquantized weights against {dtype} (same engine, same requests):")
+    print(f"  {'weights':<10}{'bytes':>14}{'batch-1 decode tok/s':>22}{'ratio':>7}{'all requests tok/s':>20}{'ratio':>7}")
+    print(f"  {dtype:<10}{base_bytes:>14,}{decode['fivefold']['best']:>22.1f}{1:>7.2f}"
+          f"{ours['output_tokens_per_s']:>20.1f}{1:>7.2f}")
+    for method, q in quant.items():
+        print(f"  {method:<10}{q['weight_bytes']:>14,}{q['decode_batch1']['best']:>22.1f}"
+              f"{q['decode_batch1']['best'] / decode['fivefold']['best']:>7.2f}{q['output_tokens_per_s']:>20.1f}"
+              f"{q['output_tokens_per_s'] / ours['output_tokens_per_s']:>7.2f}")
+
+
 # --------------------------------------------------------------------------------------------
 # Where a full-batch decode step goes
 
@@ -509,6 +555,10 @@ def main(argv=None) -> dict:
         ratio = decode["fivefold"]["best"] / decode["transformers"]["best"]
         print(f"  fivefold / transformers batch-1 decode: {ratio:.2f}x")
 
+    quant = run_quantized(model, args, requests, decode_prompt) if args.quant else None
+    if quant:
+        print_quantized(quant, ours, decode, model, args.dtype)
+
     profile = profile_decode(model, args, requests) if args.profile else None
     if profile:
         print(f"\nfivefold decode step at batch {profile['batch']} (context mean {profile['context_mean']:.0f}, "
@@ -517,7 +567,7 @@ def main(argv=None) -> dict:
               f"{1e3 * profile['step_s_under_cprofile']:.0f} ms under cProfile\n" + profile["torch_ops"])
         print(profile["python"])
 
-    for r in [ours] + hf_runs + ([server] if server else []):
+    for r in [ours] + hf_runs + ([server] if server else []) + list((quant or {}).values()):
         r.pop("token_ids")
     out = {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "json"},
            "model": {"name": args.model, "params": count_params(cfg)},
@@ -530,7 +580,7 @@ def main(argv=None) -> dict:
            "server_ratio_vs_transformers_best":
                server["output_tokens_per_s"] / best["output_tokens_per_s"] if best and server else None,
            "decode_batch1": {**decode, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline_tps},
-           "profile": profile}
+           "quantized": quant, "profile": profile}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

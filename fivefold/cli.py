@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "fivefold.parallel.commands",   # pipeline
     "fivefold.serve.commands",      # serve
     "fivefold.planner.commands",    # calibrate, hardware
+    "fivefold.quant.commands",      # quantize
 ]
 
 

@@ -190,25 +190,34 @@ def _decode(path: Path, data: bytes, offset: int = 0, where: str = "") -> str:
     return text
 
 
-def _read_jsonl(path: Path):
+def jsonl_objects(path: Path):
+    """(line number, JSON value) of each non-blank line of a JSONL file (a leading BOM ignored); bytes that
+    are not UTF-8 and lines that are not JSON are DataErrors naming the line."""
     offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode(path, raw, offset, f":{lineno}")
             offset += len(raw)
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DataError(f'{path}:{lineno}: expected a JSON object with a string "text" field')
-            try:
-                obj["text"].encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800"
-                raise DataError(f"{path}:{lineno}: the text is not valid Unicode (lone surrogate)") from None
-            yield obj["text"]
+            yield lineno, obj
+
+
+def _read_jsonl(path: Path):
+    for lineno, obj in jsonl_objects(path):
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DataError(f'{path}:{lineno}: expected a JSON object with a string "text" field')
+        try:
+            obj["text"].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800"
+            raise DataError(f"{path}:{lineno}: the text is not valid Unicode (lone surrogate)") from None
+        yield obj["text"]
 
 
 def _read_parquet(path: Path):

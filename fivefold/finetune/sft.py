@@ -50,8 +50,8 @@ import torch
 from tokenizers import Tokenizer
 
 from fivefold.config import Config, ConfigError
-from fivefold.data.corpus import DataError, _decode, _split_score, cache_dir, embedded_documents, \
-    is_validation, split_documents
+from fivefold.data.corpus import DataError, _split_score, cache_dir, embedded_documents, is_validation, \
+    jsonl_objects, split_documents
 from fivefold.data.dataset import Datasets, _check_fits_model, _key
 from fivefold.data.tokenizer import eos_id, get_tokenizer, tokenizer_sha
 from fivefold.data.tokenizer import vocab_size as tokenizer_vocab_size
@@ -136,20 +136,7 @@ def _parse(obj, where: str) -> Example:
 def read_examples(path: str | Path) -> list[Example]:
     """The examples of a JSONL file, in file order."""
     path = Path(path)
-    examples, offset = [], 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line = _decode(path, raw, offset, f":{lineno}")
-            offset += len(raw)
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            examples.append(_parse(obj, f"{path}:{lineno}"))
+    examples = [_parse(obj, f"{path}:{lineno}") for lineno, obj in jsonl_objects(path)]
     if not examples:
         raise DataError(f"{path}: no examples; {FORMATS}, one per line")
     return examples

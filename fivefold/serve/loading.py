@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ModelConfig, ParallelConfig
+from fivefold.config import Config, ConfigError, ModelConfig, ParallelConfig
 from fivefold.model import Transformer, meta_model
 from fivefold.model.init import materialize_parameters
 from fivefold.serve.tensor_parallel import TensorParallelGroup
@@ -31,14 +31,19 @@ class LoadedModel:
 
 
 def is_hf_directory(src: Path) -> bool:
-    """A Hugging Face model directory; a fivefold checkpoint has a config.json too, beside its state/."""
-    return (src / "config.json").is_file() and not (src / "state").is_dir()
+    """A Hugging Face model directory; a fivefold checkpoint has a config.json too, beside its state/, and a
+    quantized model (fivefold quantize) beside its quantization.json."""
+    from fivefold.quant.checkpoint import is_quantized_dir
+
+    return (src / "config.json").is_file() and not (src / "state").is_dir() and not is_quantized_dir(src)
 
 
 def model_directory(source: str | Path) -> Path:
     """The directory holding the weights: an HF directory itself, or a run's latest checkpoint."""
+    from fivefold.quant.checkpoint import is_quantized_dir
+
     src = Path(source)
-    if is_hf_directory(src):
+    if is_hf_directory(src) or is_quantized_dir(src):
         return src
     from fivefold.train.checkpoint import resolve_checkpoint
     return resolve_checkpoint(src)
@@ -60,8 +65,17 @@ def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = No
     from fivefold.parallel.placement import record
     from fivefold.train.checkpoint import Piece, read_config, read_state
 
+    from fivefold.quant.checkpoint import is_quantized_dir, load_quantized
+
     directory = model_directory(source)
     device = torch.device(device)
+    if is_quantized_dir(directory):  # int8 / int4 / GPTQ codes, computed by QuantLinear (fivefold.quant)
+        if tp > 1:
+            raise ConfigError(f"{directory} is a quantized model: serve it with tp=1 (its codes are not split "
+                              f"into tensor-parallel shards)")
+        _, model = load_quantized(directory, device, DTYPES[dtype])
+        tok, template = tokenizer_and_template(directory, tokenizer)
+        return LoadedModel(model, tok, directory, template, None)
     cfg = Config(model=model_config_of(directory), parallel=ParallelConfig(tp=tp))
     model = meta_model(cfg.model, torch.float32)
     axes, group = {}, None

@@ -1,0 +1,71 @@
+"""Exact-match accuracy of fine-tuned runs on the held-out SFT examples, next to their base.
+
+Each run answers every held-out example of the SFT set greedily (the prompt as training encoded it: the
+prompt text, or the chat rendered with the default template up to the assistant's turn), and an answer counts
+when its text equals the reference completion. Also printed: the run's final validation loss (on the
+completion tokens only), so loss and accuracy can be read side by side.
+
+    python bench/sft_accuracy.py runs/default runs/sft-full runs/sft-lora runs/sft-qlora
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from fivefold.finetune.sft import DEMO_PATH, read_examples, split_examples
+from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.chat import ChatTemplate
+
+
+def prompts(examples):
+    template = ChatTemplate()
+    for ex in examples:
+        if ex.messages:
+            turns = [{"role": r, "content": c} for r, c in ex.messages]
+            last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+            yield template.render(turns[:last]), turns[last]["content"]
+        else:
+            yield ex.prompt, ex.completion
+
+
+def final_val_loss(run: Path):
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    losses = [r["val_loss"] for r in map(json.loads, path.read_text().splitlines()) if "val_loss" in r]
+    return losses[-1] if losses else None
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run directories (a base and its fine-tuned runs)")
+    p.add_argument("--data", default=str(DEMO_PATH), help="the SFT JSONL (default: the demo set)")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    held_out = split_examples(read_examples(args.data), args.val_fraction)["val"]
+    pairs = list(prompts(held_out))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    rows = []
+    print(f"{len(pairs)} held-out examples of {args.data}")
+    print(f"{'run':28s} {'exact match':>12s} {'val loss':>9s} {'seconds':>8s}")
+    for run in map(Path, args.runs):
+        start = time.perf_counter()
+        outputs = LLM(run, max_num_seqs=32).generate([q for q, _ in pairs], greedy)
+        correct = sum(o.text.strip() == answer.strip() for o, (_, answer) in zip(outputs, pairs))
+        loss = final_val_loss(run)
+        rows.append({"run": str(run), "exact_match": correct / len(pairs), "correct": correct, "examples": len(pairs),
+                     "val_loss": loss, "seconds": time.perf_counter() - start,
+                     "samples": [{"prompt": q, "answer": a, "output": o.text} for o, (q, a) in
+                                 list(zip(outputs, pairs))[:4]]})
+        shown = f"{loss:.4f}" if loss is not None else "-"
+        print(f"{run.name:28s} {100 * correct / len(pairs):>11.1f}% {shown:>9s} {rows[-1]['seconds']:>8.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
