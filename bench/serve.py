@@ -87,6 +87,9 @@ def parse_args(argv=None):
                    help="also serve the model with its block linears quantized (fivefold.quant; comma-separated "
                         "int8,int4; GPTQ stores int4's format and runs at its speed) and compare batch-1 decode "
                         "and the whole request set against the --dtype model")
+    p.add_argument("--skip-roofline", action="store_true",
+                   help="do not measure the matmul peak and memory bandwidth (minutes for bf16 on a CPU without "
+                        "native bf16 matmuls); the roofline fractions are then not printed")
     p.add_argument("--json", default="", help="write all numbers here")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
@@ -464,8 +467,10 @@ def main(argv=None) -> dict:
     if args.server and args.server != "local":
         print(f"--server {args.server} serves {served_model(args.server)!r}; its prompts are token ids of "
               f"--model {args.model}, so it should serve that preset's vocabulary")
-    peaks = [measure_peak_flops(torch.device("cpu"), dtype) for _ in range(3)]
-    bandwidth = measure_bandwidth()
+    nan = float("nan")
+    roofline = not args.skip_roofline
+    peaks = [measure_peak_flops(torch.device("cpu"), dtype) for _ in range(3)] if roofline else [nan]
+    bandwidth = measure_bandwidth() if roofline else {"read_gb_per_s": nan, "copy_gb_per_s": nan, "tensor_gb": nan}
 
     cfg, model, hf = build_models(args.model, args.seed, dtype, args.skip_hf)
     pad = pad_id(cfg)
@@ -509,10 +514,11 @@ def main(argv=None) -> dict:
     decode_prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.decode_prompt)]
     print(f"batch-1 decode ({args.decode_prompt}-token prompt, {args.decode_output} tokens) ...", flush=True)
     decode = decode_batch1(llm, hf, decode_prompt, args.decode_output, args.decode_reps, pad)
-    peaks.append(measure_peak_flops(torch.device("cpu"), dtype))
+    if roofline:
+        peaks.append(measure_peak_flops(torch.device("cpu"), dtype))
+        # Like the peak, outside load only lowers a bandwidth sample: keep the better of start and end.
+        bandwidth = max(bandwidth, measure_bandwidth(), key=lambda b: b["read_gb_per_s"])
     peak = max(peaks)
-    # Like the peak, outside load only lowers a bandwidth sample: keep the better of start and end.
-    bandwidth = max(bandwidth, measure_bandwidth(), key=lambda b: b["read_gb_per_s"])
 
     flops = forward_flops(cfg, requests)
     ours["compute_roofline_fraction"] = flops / ours["wall_s"] / peak

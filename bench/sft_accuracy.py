@@ -2,8 +2,8 @@
 
 Each run answers every held-out example of the SFT set greedily (the prompt as training encoded it: the
 prompt text, or the chat rendered with the default template up to the assistant's turn), and an answer counts
-when its text equals the reference completion. Also printed: the run's final validation loss (on the
-completion tokens only), so loss and accuracy can be read side by side.
+when its text equals the reference completion. Also printed: each model's loss on the held-out rows of the
+SFT set (completion tokens only, as the fine-tuned runs' validation loss), the base's included.
 
     python bench/sft_accuracy.py runs/default runs/sft-full runs/sft-lora runs/sft-qlora
 """
@@ -31,21 +31,42 @@ def prompts(examples):
             yield ex.prompt, ex.completion
 
 
-def final_val_loss(run: Path):
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    losses = [r["val_loss"] for r in map(json.loads, path.read_text().splitlines()) if "val_loss" in r]
-    return losses[-1] if losses else None
+def sft_config(runs: list[Path]):
+    """The config of the first run that fine-tuned on SFT data: its held-out rows are every run's yardstick."""
+    from fivefold.train.checkpoint import read_config, resolve_checkpoint
+
+    for run in runs:
+        cfg = read_config(resolve_checkpoint(run))
+        if cfg.data.sft:
+            return cfg
+    raise SystemExit("none of the runs fine-tuned on SFT data (data.sft): nothing to measure the loss on")
+
+
+def held_out_loss(run: Path, cfg) -> float:
+    """Mean loss over the completion tokens of the held-out rows (as training's validation loss counts it), of
+    the run's model (a LoRA run merged)."""
+    import torch
+
+    from fivefold.data.dataset import load_datasets
+    from fivefold.train.checkpoint import load_model
+    from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
+
+    _, model = load_model(run)
+    val = load_datasets(cfg).val
+    inputs, labels = val.pairs(range(len(val)))
+    with torch.no_grad():
+        total = token_loss_sum(model.eval(), inputs, labels, cfg).item()
+    return total / int((labels != IGNORE_INDEX).sum())
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directories (a base and its fine-tuned runs)")
-    p.add_argument("--data", default=str(DEMO_PATH), help="the SFT JSONL (default: the demo set)")
+    p.add_argument("--data", default=str(DEMO_PATH), help="the SFT JSONL the runs used (default: the demo set)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    cfg = sft_config([Path(r) for r in args.runs])
     held_out = split_examples(read_examples(args.data), args.val_fraction)["val"]
     pairs = list(prompts(held_out))
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
@@ -56,7 +77,7 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         outputs = LLM(run, max_num_seqs=32).generate([q for q, _ in pairs], greedy)
         correct = sum(o.text.strip() == answer.strip() for o, (_, answer) in zip(outputs, pairs))
-        loss = final_val_loss(run)
+        loss = held_out_loss(run, cfg)
         rows.append({"run": str(run), "exact_match": correct / len(pairs), "correct": correct, "examples": len(pairs),
                      "val_loss": loss, "seconds": time.perf_counter() - start,
                      "samples": [{"prompt": q, "answer": a, "output": o.text} for o, (q, a) in
