@@ -15,6 +15,7 @@ linear keeps for backward is its codes, which are there anyway.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,10 @@ def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return qw.dequantize(dtype)
 
 
-def _matmul(module: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
+def _matmul(ref: weakref.ref, x: torch.Tensor, bias: bool) -> torch.Tensor:
+    # The module holds this function: a weak reference back keeps the two out of a cycle, so dropping the
+    # model frees its codes at once (the module is alive whenever it is called).
+    module = ref()
     y = _QuantizedMatmul.apply(x, module)
     return y + module.bias if bias and module.bias is not None else y
 
@@ -69,10 +73,11 @@ def quantize_base(model: nn.Module, lora: LoraConfig, value_of, device: torch.de
         module.quantized_shape, module.group_size = qw.shape, lora.group_size
         for key in QUANTIZED:
             module.register_buffer(key, getattr(qw, key))
+        ref = weakref.ref(module)
         if isinstance(module, nn.Linear):
-            module.forward = functools.partial(_matmul, module, bias=True)
+            module.forward = functools.partial(_matmul, ref, bias=True)
         else:  # tensor-parallel: the layer's own communication around the local product
-            module.matmul = functools.partial(_matmul, module, bias=not isinstance(module, RowParallelLinear))
+            module.matmul = functools.partial(_matmul, ref, bias=not isinstance(module, RowParallelLinear))
         names.append(name)
     return names
 

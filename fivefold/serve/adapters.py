@@ -14,6 +14,7 @@ An adapter comes from a fivefold LoRA run or checkpoint, or from a PEFT adapter 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +97,14 @@ class AdapterSet:
             self.rows.append((self.adapters[name], index))
 
     def _hook(self, module_name: str):
+        owner = weakref.ref(self)  # the model holds the hook: no cycle back through us to the model
+
         def hook(module, args, output):
+            adapters = owner()
+            if adapters is None:
+                return output
             x = args[0]
-            for adapter, index in self.rows:
+            for adapter, index in adapters.rows:
                 weights = adapter.weights.get(module_name)
                 if weights is None:
                     continue
