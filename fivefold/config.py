@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import tomllib
 import typing
@@ -86,6 +87,12 @@ class TrainConfig:
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     fp32_grad_accum: bool = False  # bf16-mixed only: accumulate gradients in fp32 buffers
     recompute: Literal["none", "selective", "full"] = "none"
+    # Which layers train.recompute applies to: "" = all; "every:k" = layers 0, k, 2k, ...; or a list
+    # "0,3,5" (global layer indices). The others keep their activations (fivefold.train.recompute).
+    recompute_layers: str = ""
+    # Tokens per chunk of the fused LM head + cross-entropy (fivefold.train.chunked_loss): the full
+    # (tokens x vocabulary) logits are never made; 0 = the plain head and loss.
+    loss_chunk: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
@@ -110,6 +117,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     optimizer_impl: Literal["foreach", "fused"] = "fused"  # fused: one kernel, no per-group temporaries
     compile: bool = False
+    # "triton": RMSNorm, the SwiGLU product and RoPE as fused Triton kernels (fivefold.kernels: a CUDA GPU, or
+    # TRITON_INTERPRET=1 for tests); "torch": the model's plain PyTorch ops. bench/kernels.py says where it pays.
+    kernels: Literal["torch", "triton"] = "torch"
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
@@ -363,6 +373,28 @@ def validate_serve(cfg: Config) -> None:
         raise ConfigError(f"serve.max_model_len={s.max_model_len} must be >= 0 (0 = model.max_seq_len)")
 
 
+def recompute_layer_set(spec: str, num_layers: int, mode: str = "full") -> frozenset[int]:
+    """The layers train.recompute applies to, from train.recompute_layers ("" all, "every:k", "0,3,5")."""
+    key = f"train.recompute_layers={spec!r}"
+    if not spec.strip():
+        return frozenset(range(num_layers))
+    if mode == "none":
+        raise ConfigError(f"{key} needs train.recompute=selective or full")
+    text = spec.replace(" ", "")
+    try:
+        if text.startswith("every:"):
+            k = int(text[len("every:"):])
+            if k < 1:
+                raise ValueError
+            return frozenset(range(0, num_layers, k))
+        layers = frozenset(int(i) for i in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{key} is not valid: give \"every:k\" (k >= 1) or layer indices like \"0,2,5\"") from None
+    if not all(0 <= i < num_layers for i in layers):
+        raise ConfigError(f"{key} names layers outside 0..{num_layers - 1} (model.num_layers={num_layers})")
+    return layers
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = {
@@ -397,6 +429,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.eos_token_id={m.eos_token_id} must be in [0, model.vocab_size={m.vocab_size})")
     if t.fp32_grad_accum and t.precision != "bf16-mixed":
         raise ConfigError("train.fp32_grad_accum=true only applies to train.precision=bf16-mixed")
+    if t.kernels == "triton" and t.device.startswith("cpu") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("train.kernels=triton runs Triton kernels on a CUDA GPU, not train.device=cpu; use "
+                          "train.kernels=torch (or set TRITON_INTERPRET=1 to interpret them on the CPU, for tests)")
+    if t.loss_chunk < 0:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per chunk; 0 = the plain loss)")
+    recompute_layer_set(t.recompute_layers, m.num_layers, t.recompute)
     parse_batch_schedule(t.batch_schedule)
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={p.zero} is not valid; choose one of 0, 1, 2, 3")
@@ -528,7 +566,7 @@ def _check_finetune(cfg: Config) -> None:
         if lora.quantize_base != "none":
             tp = cfg.parallel.tp
             widths = {"model.hidden_size": m.hidden_size, "model.q_size (heads x head size) / tp": m.q_size // tp,
-                      f"model.ffn_hidden_size / tp": m.ffn_hidden_size // tp}
+                      "model.ffn_hidden_size / tp": m.ffn_hidden_size // tp}
             bad = [f"{k}={v}" for k, v in widths.items() if lora.group_size < 1 or v % lora.group_size]
             if bad:
                 raise ConfigError(f"lora.group_size={lora.group_size} must divide every quantized linear's input "

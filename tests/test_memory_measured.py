@@ -119,3 +119,23 @@ def test_lora_matches_plan(overrides):
 
 def test_lora_in_gpt2_layout_matches_plan():
     assert_matches_plan(measure("tiny-gpt2", "lora.r=8", "lora.targets=q,k,v,o,up,down"))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("train.loss_chunk=64",),
+    ("train.loss_chunk=48", "train.precision=bf16-mixed", "train.recompute=full"),
+    ("train.loss_chunk=100", "train.precision=bf16-mixed", "model.attention=eager", "train.recompute=selective"),
+    ("train.loss_chunk=1000", "train.grad_accum=2"),  # one chunk holds every token
+    ("train.loss_chunk=64", "lora.r=8"),  # a frozen head: no weight gradient, its input still saved
+])
+def test_chunked_loss_matches_plan(overrides):
+    """The fused chunked head + loss (fivefold.train.chunked_loss): the normed input and 4 bytes of
+    log-sum-exp per token are saved, one chunk's logits live at a time in forward and in backward."""
+    assert_matches_plan(measure("tiny", *overrides))
+
+
+def test_chunked_loss_needs_a_fraction_of_the_logits_memory():
+    plain, chunked = (measure("tiny", "train.seq_len=256", f"train.loss_chunk={c}", steps=1).peaks for c in (0, 32))
+    logits = 256 * 2 * 512 * 4  # one fp32 copy of the (tokens x vocabulary) logits
+    assert plain["activations"] - chunked["activations"] > 1.9 * logits  # the fp32 logits and log-probabilities
+    assert plain["total"] - chunked["total"] > 2 * logits  # at the step's peak, with the logits' gradients

@@ -66,6 +66,13 @@ class Shapes:
     adapters: tuple[str, ...] = ()
     rank: int = 0
     adapter_dropout: bool = False  # each adapter then saves its own dropped input and mask
+    loss_chunk: int = 0  # tokens per chunk of the fused head + loss (fivefold.train.chunked_loss); 0: plain
+    vocab_parallel: bool = False  # the vocabulary is split over tensor-parallel ranks
+
+    @property
+    def chunk(self) -> int:
+        """Tokens of the fused loss's largest chunk (all of this rank's b s tokens at most)."""
+        return min(self.loss_chunk, self.b * self.s)
 
     @property
     def bsh(self) -> float:
@@ -344,7 +351,7 @@ def _block(r: Replay, x: _Buf, d: Shapes, selective: bool, grad_in: bool = True)
 
 @functools.lru_cache(maxsize=4096)
 def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool = True,
-                   head: bool = True) -> Replay:
+                   head: bool = True, chosen: tuple[bool, ...] | None = None) -> Replay:
     """Replay one micro-batch through `layers` blocks (plus the embedding and the LM head + loss when
     this rank holds them) and return the Replay: forward peak, saved bytes, recompute regions.
 
@@ -352,9 +359,14 @@ def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool 
     figures grow linearly with the block count: a deep stack is replayed with 2, 3 and 4 blocks and
     extrapolated when those three agree on a constant step (the layout search plans thousands of
     126-layer stacks), else replayed in full. tests/test_memory_plan.py checks the two agree. Cached:
-    the search asks again for every ZeRO stage and schedule; callers only read the result."""
-    if layers <= 4:
-        return _replay(d, layers, recompute, embed, head)
+    the search asks again for every ZeRO stage and schedule; callers only read the result.
+
+    `chosen`: which of the blocks `recompute` applies to (train.recompute_layers); None: all of them. A
+    mixed stack is replayed in full."""
+    if chosen is not None and len(set(chosen)) == 1:
+        recompute, chosen = (recompute if chosen[0] else "none"), None
+    if layers <= 4 or chosen is not None:
+        return _replay(d, layers, recompute, embed, head, chosen)
     few = [_replay(d, n, recompute, embed, head) for n in (2, 3, 4)]
     steps = {key: [getattr(b, key) - getattr(a, key) for a, b in zip(few, few[1:])]
              for key in ("peak", "saved_bytes", "live", "backward_peak")}
@@ -381,7 +393,8 @@ def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool 
     return out
 
 
-def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool) -> Replay:
+def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
+            chosen: tuple[bool, ...] | None = None) -> Replay:
     r = Replay()
     positions = r.alloc(8 * d.s)  # arange(s).expand(b, s): int64, one row
     if embed:
@@ -419,11 +432,16 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool) -> 
         r.free(causal, same_doc)
     for i in range(layers):
         grad_in = not (i == 0 and embed and d.adapters)  # a frozen embedding's output needs no gradient
-        if recompute == "full":
+        mode = recompute if chosen is None or chosen[i] else "none"
+        if mode == "full":
             x = r.checkpoint(_block, [x], d, False, grad_in)
         else:
-            x = _block(r, x, d, recompute == "selective", grad_in)
-    if head:
+            x = _block(r, x, d, mode == "selective", grad_in)
+    if head and d.loss_chunk:  # the loss runs after the model's forward has returned its last states
+        n = _norm(r, x, d)
+        r.free(x, positions, *rope, *r.shared_mask)
+        _chunked_head(r, n, d)
+    elif head:
         n = _norm(r, x, d)
         logits = r.alloc(d.p * d.b * d.s * d.vocab)
         if not d.adapters:  # the LM head's input, for its weight's gradient
@@ -438,10 +456,38 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool) -> 
     return r
 
 
-def loss_backward_bytes(d: Shapes) -> float:
+def _chunked_head(r: Replay, n: _Buf, d: Shapes) -> None:
+    """fivefold.train.chunked_loss forward: the normed input (this rank's part under SP) and each token's
+    log-sum-exp are saved; one chunk's logits live at a time, in the compute dtype and then in fp32 (a
+    vocabulary-parallel log-sum-exp makes one more fp32 chunk: the shifted exponentials)."""
+    r.save(n)  # the logits are made again from it in backward, even when the head is frozen
+    lse = r.alloc(4 * d.b * d.s)
+    r.save(lse)
+    whole = r.alloc(d.p * d.b * d.s * d.h) if d.rep != 1 else None  # all-gathered along the sequence
+    cv = d.chunk * d.vocab
+    logits = r.alloc(d.p * cv)
+    if d.p != 4:
+        as_float = r.alloc(4 * cv)
+        r.free(logits)
+        logits = as_float
+    if d.vocab_parallel:
+        r.free(r.alloc(4 * cv))
+    r.free(logits, n)
+    if whole is not None:
+        r.free(whole)
+
+
+def loss_backward_bytes(d: Shapes, head_grad: float = 0.0) -> float:
     """Temporaries at the start of backward, beside the saved log-probabilities: the gradient of the
-    log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each."""
-    return 2 * 4 * d.b * d.s * d.vocab
+    log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each.
+    The fused chunked loss instead makes the input gradient (p b s h, on the gathered sequence under
+    SP, which is gathered again too) and the head's weight gradient (`head_grad` bytes) chunk by chunk:
+    one chunk's fp32 softmax and its gradient in the compute dtype beside them."""
+    if not d.loss_chunk:
+        return 2 * 4 * d.b * d.s * d.vocab
+    whole = d.p * d.b * d.s * d.h
+    cv = d.chunk * d.vocab
+    return whole * (2 if d.rep != 1 else 1) + head_grad + 4 * cv + (d.p * cv if d.p != 4 else 0)
 
 
 def layer_backward_parts(d: Shapes) -> dict[str, float]:

@@ -22,9 +22,11 @@ def register(sub) -> None:
     plan.add_argument("--device", choices=("cuda", "cpu"), default=None,
                       help="which kernels to assume (SDPA backend, LayerNorm statistics dtype); default cuda")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    plan.add_argument("--sweep", choices=("seq", "batch"),
-                      help="activation memory over train.seq_len or train.micro_batch_size, eager vs SDPA")
-    plan.add_argument("--values", help="comma-separated sweep values (default: powers of two around the config's)")
+    plan.add_argument("--sweep", choices=("seq", "batch", "recompute"),
+                      help="activation memory over train.seq_len or train.micro_batch_size, eager vs SDPA; or "
+                           "against recomputation (none, every k-th layer, full, selective) with its extra compute")
+    plan.add_argument("--values", help="comma-separated sweep values (default: powers of two around the config's; "
+                                       "for recompute, the k of every:k)")
     plan.add_argument("--png", help="with --sweep or --search: write the plot here")
     plan.add_argument("--serve", action="store_true",
                       help="serving instead of training: weights, the KV pool (serve.*), and how many "
@@ -106,9 +108,35 @@ def _sweep_values(cfg, key: str) -> list[int]:
     return [2 ** i for i in range(0, max(5, int(math.log2(cfg.train.micro_batch_size)) + 2))]
 
 
+def _run_recompute_sweep(args, cfg) -> int:
+    from fivefold.memory.planner import model_name, recompute_sweep
+    from fivefold.memory.plots import human_bytes, plot_recompute_sweep
+
+    every = [int(v) for v in args.values.split(",")] if args.values else None
+    rows = recompute_sweep(cfg, device=args.device, every=every)
+    if args.json:
+        print(json.dumps({"key": "recompute", "rows": rows}, indent=2))
+    else:
+        print(f"{'recompute':>12s} {'layers':>7s} {'activations':>12s} {'total':>12s} {'extra compute':>14s}")
+        for r in rows:
+            print(f"{r['recompute']:>12s} {r['recomputed_layers']:>7d} {human_bytes(r['activations']):>12s} "
+                  f"{human_bytes(r['total']):>12s} {100 * r['extra_compute']:>13.1f}%")
+    if args.png:
+        title = (f"{model_name(cfg)}: activation memory per rank vs recomputation\n{cfg.train.precision}, "
+                 f"seq {cfg.train.seq_len}, micro-batch {cfg.train.micro_batch_size}, tp={cfg.parallel.tp}, "
+                 f"pp={cfg.parallel.pp}")
+        path = plot_recompute_sweep(rows, cfg.model.num_layers, args.png, title)
+        if not args.json:
+            print(f"wrote {path}")
+    return 0
+
+
 def _run_sweep(args, cfg, sweep) -> int:
     from fivefold.memory.planner import model_name, scores_materialised
     from fivefold.memory.plots import human_bytes, plot_sweep
+
+    if args.sweep == "recompute":
+        return _run_recompute_sweep(args, cfg)
 
     values = [int(v) for v in args.values.split(",")] if args.values else _sweep_values(cfg, args.sweep)
     result = sweep(cfg, args.sweep, values, device=args.device)

@@ -30,7 +30,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from fivefold.config import Config, ConfigError, ModelConfig, validate
+from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig, validate
 from fivefold.memory import formulas
 from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
                                          replay_forward)
@@ -90,7 +90,8 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   doc_mask=m.document_mask and par.cp == 1,  # ring attention masks block by block
                   stats_bytes=4 if device == "cuda" else p,
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
-                  adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0)
+                  adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
+                  loss_chunk=t.loss_chunk, vocab_parallel=tp > 1)
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         return None  # the model states alone do not fit: no need to replay the activations
 
     d = activation_shapes(cfg, device)
-    replay = replay_forward(d, len(layers), t.recompute, embed=first, head=last)
+    recomputed = recompute_layer_set(t.recompute_layers, m.num_layers, t.recompute)
+    chosen = tuple(i in recomputed for i in layers) if t.recompute != "none" else None
+    replay = replay_forward(d, len(layers), t.recompute, embed=first, head=last, chosen=chosen)
     micro_batches = t.grad_accum
     in_flight = formulas.micro_batches_in_flight(par.pp_schedule, par.pp, stage, micro_batches,
                                                  par.pp_virtual_stages)
@@ -279,19 +282,26 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # Temporaries. At the start of backward the loss gradients sit beside every saved activation (last
     # stage); inside a block's backward its activation gradients do, and the LM head's weight gradient
     # (in .grad, or for tied embeddings in autograd's input buffer until the embedding's arrives).
-    loss_t = loss_backward_bytes(d) if last else 0.0
     layer_t = layer_backward_bytes(d) if len(layers) else 0.0
     head_grad = d.p * d.vocab * m.hidden_size if last and not adapters else 0.0
+    loss_t = loss_backward_bytes(d, head_grad) if last else 0.0
     tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
     # The optimizer steps one unit (a block, the embedding, the head) at a time; within a unit, foreach
     # AdamW makes sqrt(exp_avg_sq) per param group, and bf16-mixed an fp32 copy of the unit's gradients.
+    # Without a gradient reducer or fp32 buffers the step takes the .grad tensors over (then they are
+    # temporaries), and releases each bf16 gradient once its fp32 copy is made: a unit then adds 2 bytes
+    # per parameter, and 2 more for the one being copied (at most the largest).
+    handed = memory["gradients"] if par.dp * par.cp == 1 and not accum32 else 0.0
     step = 0.0
     for decay, rest in inv.units:
-        unit = 0.0
-        if t.optimizer_impl == "foreach":
-            unit += 4 * max(shard(decay, 1), shard(rest, 1))
-        if mixed and not accum32:
-            unit += 4 * shard(decay + rest, 1)
+        foreach = 4 * max(shard(decay, 1), shard(rest, 1)) if t.optimizer_impl == "foreach" else 0
+        size = shard(decay + rest, 1)
+        if not mixed or accum32:
+            unit = foreach
+        elif handed:  # the copies made, then either the last copy's bf16 source or foreach's temporaries
+            unit = 2 * size + max(2 * min(size, inv.largest), foreach)
+        else:
+            unit = 4 * size + foreach
         step = max(step, unit)
     gather = 0.0
     if zero == 3 and dp > 1 and len(layers):
@@ -300,7 +310,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         gather = d.p * inv.root + 3 * d.p * formulas.layer_params(m) // par.tp
     reduce_t = _reductions_in_flight(cfg, trained, inv, device)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
-    memory["temporary"] = max(loss_t, layer_t + tied_pending, step, gather, reduce_t) + batch
+    memory["temporary"] = max(loss_t, layer_t + tied_pending, handed + step, gather, reduce_t) + batch
 
     held_grads = 0.0  # gradients alive while activations are: fp32 buffers, or accumulation
     if accum32:
@@ -313,7 +323,8 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         if adapters:  # only the adapters' gradients are made
             mlp_adapters = sum(k for name, k in adapters if ".mlp." in name)
             grads = (0.0, d.p * mlp_adapters / len(layers), d.p * n / len(layers))
-        in_block = held + _block_backward(replay, d, t.recompute, *(grads if not held_grads else (0, 0, 0)))
+        modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
+        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)))
         in_block += tied_pending
     forward_backward = max(act_peak, held + saved_end + loss_t, in_block) + held_grads + gather
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
@@ -421,25 +432,31 @@ def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
     return 4 * shard + bpp.gradients * filling
 
 
-def _block_backward(replay, d: Shapes, recompute: str, head_grad: float, mlp_grad: float,
+def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_grad: float,
                     layer_grad: float) -> float:
     """Activations + temporaries + gradients made so far at the largest point of a block's backward:
     its MLP backward with the whole block saved; its attention backward once the MLP's tensors are
     gone and the MLP's gradients made (eager: the output projection's input, v and the bf16
     probabilities are released by then); under recomputation, with the recomputed tensors back.
     Saved activations shrink and gradients grow linearly as backward moves down the layers, so the
-    largest point is in the last block or in the first: both are evaluated."""
+    largest point is in the last block or in the first of each recompute mode (`modes`, block by block):
+    those are evaluated."""
     parts = layer_backward_parts(d)
-    last = len(replay.blocks) - 1 if recompute != "full" else len(replay.regions) - 1
+    region = {}  # block -> its recomputed region in replay.regions
+    for i, mode in enumerate(modes):
+        if mode != "none":
+            region[i] = len(region)
+    last = len(modes) - 1
+    ends = {i for mode in set(modes) for i in (modes.index(mode), last - modes[::-1].index(mode))}
     worst = 0.0
-    for i in {0, last}:
-        if recompute == "full":
-            before, peak, alone = replay.regions[i]
+    for i in ends:
+        if modes[i] == "full":
+            before, peak, alone = replay.regions[region[i]]
             attn_end, mlp_end, recomputed = before + alone["attention"], before + alone["mlp"], before + peak
         else:
             attn_end, mlp_end, recomputed = replay.blocks[i]["attention"], replay.blocks[i]["mlp"], 0.0
-            if recompute == "selective":  # the attention core's tensors are recomputed before its backward
-                before, peak, alone = replay.regions[i]
+            if modes[i] == "selective":  # the attention core's tensors are recomputed before its backward
+                before, peak, alone = replay.regions[region[i]]
                 attn_end, recomputed = attn_end + alone["saved"], before + peak
         if not d.sdpa:
             attn_end -= 2 * d.p * d.b * d.s * d.q + (d.p * d.b * d.heads * d.s * d.sk if d.p != 4 else 0)
@@ -596,3 +613,33 @@ def sweep(cfg: Config, key: str, values: list[int], device: str = "cuda") -> dic
             series.append(plan_memory(new, device=device, suggest=False).memory["activations"])
         out[attention] = series
     return out
+
+
+def recompute_sweep(cfg: Config, device: str = "cuda", every: list[int] | None = None) -> list[dict]:
+    """Activation memory against the compute recomputation adds: no recomputation, full recomputation of
+    every k-th layer (train.recompute_layers="every:k") for k from the layer count down to 1, and selective.
+    `extra_compute`: the recomputed forward FLOPs as a fraction of the step's (formulas.flops_per_token).
+    Each recomputed layer gives back its saved activations but its input for one more forward, so memory
+    falls and compute grows linearly in the recomputed layers."""
+    m, seq = cfg.model, cfg.train.seq_len
+    n = m.num_layers
+    step = formulas.flops_per_token(m, seq)
+    layer_forward = (step / 3 - 2 * m.vocab_size * m.hidden_size) / n
+    core_forward = 4 * seq * m.q_size  # the attention scores and weighted sum, per layer and token
+    ks = every or sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k <= n}
+                         | {n, max(1, round(math.sqrt(n)))}, reverse=True)
+
+    def row(label: str, mode: str, layers: str, recomputed: int, flops: float) -> dict:
+        plan = plan_memory(_with(cfg, {"train.recompute": mode, "train.recompute_layers": layers}), device=device,
+                           suggest=False)
+        return {"recompute": label, "recomputed_layers": recomputed, "activations": plan.memory["activations"],
+                "total": plan.memory["total"], "extra_compute": recomputed * flops / step}
+
+    rows = [row("none", "none", "", 0, 0.0)]
+    for k in ks:
+        count = len(recompute_layer_set(f"every:{k}", n))
+        if count != rows[-1]["recomputed_layers"]:  # e.g. every:24 and every:16 of 32 layers both take two
+            rows.append(row("full" if k == 1 else f"every:{k}", "full", "" if k == 1 else f"every:{k}", count,
+                            layer_forward))
+    rows.append(row("selective", "selective", "", n, core_forward))
+    return rows

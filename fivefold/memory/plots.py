@@ -72,6 +72,33 @@ def plot_sweep(result: dict, key: str, path: str | Path, title: str) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_recompute_sweep(rows: list[dict], num_layers: int, path: str | Path, title: str) -> Path:
+    """Activation bytes against the extra compute of recomputation: a line from none to full through
+    every k-th layer, Chen et al.'s k = sqrt(n) marked, selective apart."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    scale, unit = _unit(max(r["activations"] for r in rows))
+    line = [r for r in rows if r["recompute"] != "selective"]
+    ax.plot([100 * r["extra_compute"] for r in line], [r["activations"] / scale for r in line], "o-",
+            label="full recompute of every k-th layer")
+    for r in rows:
+        ax.annotate(r["recompute"], (100 * r["extra_compute"], r["activations"] / scale), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))
+    root = min(line, key=lambda r: abs(r["recomputed_layers"] - num_layers ** 0.5))
+    ax.plot([100 * root["extra_compute"]], [root["activations"] / scale], "*", markersize=14,
+            label=f"k = sqrt(n): {root['recomputed_layers']} of {num_layers} layers")
+    selective = [r for r in rows if r["recompute"] == "selective"]
+    if selective:
+        ax.plot([100 * selective[0]["extra_compute"]], [selective[0]["activations"] / scale], "s",
+                label="selective (attention core only)")
+    ax.set_xlabel("extra compute (recomputed forward FLOPs, % of the step)")
+    ax.set_ylabel(f"activation memory per rank ({unit})")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
 def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)

@@ -83,6 +83,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def mark(self, label: str) -> None:
         self.marks.append((len(self.samples), label))
+        if label in ("optimizer step", "zero_grad"):
+            self.phase = "step" if label == "optimizer step" else "idle"
 
     def _on_forward(self, module, args):
         if self.phase != "forward" and torch._C._current_graph_task_id() == -1:
@@ -176,6 +178,10 @@ class MemoryTracker(TorchDispatchMode):
             self.phase = "idle"
         if in_backward:  # checkpoint recomputation runs forward ops with grad mode on
             tag = "activations" if torch.is_grad_enabled() else "temporary"
+        elif self.phase == "step" and func is torch.ops.aten.zeros_like.default:
+            # Adam creates its states in its first step, each an op before it enters the state dict (where
+            # identity would classify it): count it as what it is from the start.
+            tag = "optimizer_states"
         else:
             tag = "activations" if self.phase == "forward" else "temporary"
         for t in tree_leaves(out):

@@ -5,6 +5,7 @@ any parameter has memory.
       -> tensor / sequence parallel   linears and embedding swapped for their shards (tensor_parallel)
       -> expert parallel              other ranks' experts dropped, all-to-all dispatch (expert_parallel)
       -> context parallel             ring attention, routing counts summed over the ring (context_parallel)
+      -> LoRA, kernels                adapters (fivefold.finetune.lora); fused Triton ops (fivefold.kernels)
       -> pipeline split               other stages' blocks dropped (pipeline)
       -> placement record             global shape and shard axes of every local parameter (placement)
     materialise(values)
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
+from fivefold.kernels import apply_kernels
 from fivefold.finetune.lora import adapter_value, apply_lora, is_adapter
 from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_value, materialize_parameters,
                             meta_model)
@@ -41,6 +43,7 @@ from fivefold.parallel.placement import Placement, Placements, record
 from fivefold.parallel.small_batch import SmallBatchGradient
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
+from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
 from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute
@@ -108,6 +111,8 @@ class ParallelModel:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.dtype = compute_dtype(cfg)
         model = meta_model(cfg.model, self.dtype)
+        if cfg.train.loss_chunk:  # the head hands on its input; the loss applies the weight chunk by chunk
+            use_feature_head(model)
         tp_axes, experts = {}, set()
         self.tp_group = mesh.tp_group if mesh.tp_size > 1 else None
         if self.tp_group is not None:
@@ -118,6 +123,7 @@ class ParallelModel:
             apply_context_parallel(model, mesh.cp_group)
         if cfg.lora.r:  # the base freezes; adapters follow their layer's tensor-parallel split
             tp_axes.update(apply_lora(model, cfg.lora, self.tp_group, cfg.parallel.sequence_parallel))
+        apply_kernels(model, cfg.train.kernels)  # fused norm / SwiGLU / RoPE: same modules, parameters and names
         self.model = model
         self.pipeline = None
         self.router_loss: Callable | None = None  # set by the trainer for models with experts
@@ -160,7 +166,7 @@ class ParallelModel:
         every = [n for n, _ in model.named_parameters()]
         engine = None
         if zero == 3:  # the parameters stay on meta: the engine keeps only this rank's rows of each value
-            apply_recompute(model, cfg.train.recompute)
+            apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
             engine = self._zero(zero, placements, None, lambda i: values(names[i], placements[i]).to(self.device),
                                 mixed)
             model.reset_buffers(self.device)
@@ -172,7 +178,7 @@ class ParallelModel:
 
             materialize_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
                                    self.dtype, keep if mixed else None)
-            apply_recompute(model, cfg.train.recompute)
+            apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
             if cfg.train.compile:
                 for block in model.layers:
                     block.compile()  # per block: one compiled graph reused by every layer of the same shape
@@ -212,6 +218,7 @@ class ParallelModel:
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
         if engine is not None:
             engine.grad_of = optimizer.grad_of
+            engine.root_used_after_forward = engine.stage == 3 and bool(self.cfg.train.loss_chunk)
             engine.register_hooks()  # after the optimizer's: fp32 accumulation folds each gradient first
             return engine
         if mesh.grad_size == 1:
@@ -268,6 +275,10 @@ class ParallelModel:
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of (B, S, V) logits, or of this rank's (B, S, V / tp) vocabulary shard
         (never gathered), over the labels that are not IGNORE_INDEX; fp32."""
+        if self.cfg.train.loss_chunk:  # `logits` are the final hidden states: fivefold.train.chunked_loss
+            return chunked_cross_entropy(logits, self.model.lm_head.weight, labels, self.cfg.train.loss_chunk,
+                                         IGNORE_INDEX, self.tp_group, self.vocab_start,
+                                         self.cfg.parallel.sequence_parallel)
         if self.tp_group is not None:
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_start,
                                                 self.tp_group, IGNORE_INDEX).sum()
@@ -284,7 +295,10 @@ class ParallelModel:
         returns the same value)."""
         with torch.no_grad():
             if self.pipeline is None:
-                return self.token_loss_sum(inputs, labels, docs)
+                loss = self.token_loss_sum(inputs, labels, docs)
+                if isinstance(self.reducer, ZeroDataParallel) and self.reducer.root_used_after_forward:
+                    self.reducer.release_root()
+                return loss
             loss = self.pipeline.forward_only(inputs, labels, self.loss_sum)
             dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
             return loss

@@ -63,7 +63,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(B, s, ...) per rank -> (B, tp * s, ...), ranks in order along the sequence."""
     tp = dist.get_world_size(group)
     out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -71,7 +71,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(tp, *x.shape).movedim(0, 1).flatten(1, 2)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(B, S, ...) partial sums on every rank -> this rank's (B, S / tp, ...) of the sum."""
     tp = dist.get_world_size(group)
     b, s = x.shape[:2]
@@ -92,11 +92,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -105,11 +105,11 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return gather_sequence(grad, ctx.group), None
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -122,7 +122,7 @@ class _SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return gather_sequence(grad, ctx.group), None
 
 
 class _GatherToReplicated(torch.autograd.Function):
@@ -133,7 +133,7 @@ class _GatherToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -294,7 +294,7 @@ class SequenceGatheredInput:
         def regather(grad):
             x_full.untyped_storage().resize_(x_full.numel() * x_full.element_size())
             with torch.no_grad():
-                x_full.data.copy_(_gather_seq(x_local, group))  # via .data: autograd's saved reference stays valid
+                x_full.data.copy_(gather_sequence(x_local, group))  # via .data: autograd's saved reference stays valid
         output.register_hook(regather)
         return output
 
@@ -320,10 +320,16 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> d
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel)
     tied = model.lm_head.weight is model.embed_tokens.weight
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, group)
-    head = ColumnParallelLinear(model.lm_head, group, column_input)
+    # A head that only hands its input on (train.loss_chunk: fivefold.train.chunked_loss) keeps its own
+    # input handling; its weight is split by vocabulary rows all the same.
+    feature_head = not isinstance(model.lm_head, nn.Linear)
+    if feature_head:
+        model.lm_head.weight = _shard(model.lm_head.weight, 0, dist.get_rank(group), dist.get_world_size(group))
+    else:
+        model.lm_head = ColumnParallelLinear(model.lm_head, group, column_input)
     if tied:
-        head.weight = model.embed_tokens.weight
-    model.lm_head = head
+        model.lm_head.weight = model.embed_tokens.weight
+    heads = [] if feature_head else [model.lm_head]
     if sequence_parallel:
         # The residual stream enters the SP region at the first block and leaves it at the LM head's
         # all-gather; replicated parameters inside it (norms, row-parallel biases) see only this rank's
@@ -331,8 +337,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> d
         model.layers[0].register_forward_pre_hook(
             lambda module, args: (_SplitSequence.apply(args[0], group), *args[1:]))
         moe = [block.mlp for block in model.layers if hasattr(block.mlp, "router")]
-        for module in [*(m for block in model.layers for m in (block.attn, block.mlp) if m not in moe),
-                       model.lm_head]:
+        for module in [*(m for block in model.layers for m in (block.attn, block.mlp) if m not in moe), *heads]:
             SequenceGatheredInput(module, group)
         # A mixture of experts routes the whole sequence on every rank, as without SP (its experts
         # bring their own f and g), between a gather and a split of the residual stream.
@@ -345,7 +350,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> d
     else:
         # A mixture of experts gets its f per expert instead (its router also reads the input, whole).
         entrances = [m for block in model.layers for m in (block.attn, block.mlp) if not hasattr(m, "router")]
-        for module in [*entrances, model.lm_head]:
+        for module in [*entrances, *heads]:
             module.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
     return sharded_axes(model)
 
@@ -360,6 +365,8 @@ def sharded_axes(model: nn.Module) -> dict[str, int]:
                 axes[f"{prefix}.bias"] = 0
         elif isinstance(module, RowParallelLinear):
             axes[f"{prefix}.weight"] = 1
+    if not isinstance(model.lm_head, (nn.Linear, ColumnParallelLinear)):  # a feature head, split all the same
+        axes["lm_head.weight"] = 0
     return axes
 
 

@@ -143,6 +143,7 @@ class ZeroDataParallel(TimedWaits):
         self.grad_of = grad_of or (lambda p: p.grad)
         self.reduces_every_micro_batch = stage >= 2
         self.sync = True
+        self.root_used_after_forward = False  # the loss reads the LM head's weight (train.loss_chunk)
         self._index = {p: i for i, p in enumerate(self.params)}
         if stage == 3:
             self.units = _units(model, self.params)
@@ -354,9 +355,13 @@ class ZeroDataParallel(TimedWaits):
         self._gather(0, wait=True)
 
     def _after_model_forward(self, module, args, output):
-        if not (torch.is_grad_enabled() and output.requires_grad):
+        if not (torch.is_grad_enabled() and output.requires_grad) and not self.root_used_after_forward:
             self._free(0)  # evaluation: no backward will need the root
         return output
+
+    def release_root(self) -> None:
+        """Free the root after an evaluation whose loss read it past the model's forward."""
+        self._free(0)
 
 
 def _units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

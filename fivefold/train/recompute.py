@@ -6,6 +6,11 @@ selective  recompute only the attention core softmax(q k^T) v of each block: wit
            (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", 4.2).
 full       keep only each block's input and recompute the whole block during backward (Chen et al. 2016).
 
+train.recompute_layers limits either mode to some layers ("every:k", or a list): the others keep their
+activations. Each fully recomputed block gives back its activations but its input, for one more forward
+of it, so memory and compute move along a line between none and full (`fivefold plan --sweep recompute`
+draws it, with the sqrt(n) point of Chen et al.'s analysis marked).
+
 Wrapping replaces the module instance's `forward` rather than inserting a wrapper module, so parameter
 names (and therefore checkpoints and the name-seeded init) are unchanged.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fivefold.config import recompute_layer_set
 from fivefold.model import Transformer
 
 
@@ -28,9 +34,11 @@ def recompute_module(module: nn.Module) -> None:
     module.forward = forward
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
+def apply_recompute(model: Transformer, mode: str, layers: str = "") -> None:
+    """Recompute `mode` in the blocks that train.recompute_layers `layers` names (default: all)."""
     if mode == "none":
         return
-    for block in model.layers:
-        if hasattr(block, "attn"):  # a pipeline stage holds placeholders for other stages' blocks
+    chosen = recompute_layer_set(layers, len(model.layers), mode)
+    for i, block in enumerate(model.layers):
+        if hasattr(block, "attn") and i in chosen:  # a pipeline stage holds placeholders for other stages' blocks
             recompute_module(block if mode == "full" else block.attn.core)

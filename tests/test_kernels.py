@@ -1,0 +1,212 @@
+"""Triton kernels (fivefold.kernels) against the PyTorch path they replace: RMSNorm, the SwiGLU product
+and RoPE, forward and every gradient, then a whole model with them applied. On the CPU through Triton's
+interpreter (TRITON_INTERPRET=1), so sizes are small but odd: hidden sizes that are not powers of two,
+a tail block, strided inputs."""
+
+import dataclasses
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# triton.jit chooses compiler or interpreter when a function is decorated, triton's own library included,
+# and importing torch._dynamo (as fivefold.model does) imports triton. So the flag must be set before
+# triton's first import: here when this file is the first to import it; otherwise (after other test files,
+# as in the whole suite) test_in_a_fresh_process reruns this file in a child process started with it.
+with pytest.MonkeyPatch.context() as mp:
+    if "triton" not in sys.modules:
+        mp.setenv("TRITON_INTERPRET", "1")
+    triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fivefold.kernels as kernels  # noqa: E402
+from fivefold.config import ConfigError  # noqa: E402
+from fivefold.model import build_model, materialize, meta_model  # noqa: E402
+from fivefold.model.layers import RMSNorm  # noqa: E402
+from fivefold.model.rope import apply_rope, rope_cos_sin  # noqa: E402
+from fivefold.presets import PRESETS  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.sum, InterpretedFunction)
+KERNEL_MODULES = ("fivefold.kernels.rmsnorm", "fivefold.kernels.swiglu", "fivefold.kernels.rope")
+
+
+@pytest.fixture(autouse=True)
+def interpreter(request, monkeypatch):
+    """Every test but test_in_a_fresh_process runs the kernels in Triton's interpreter, or skips when
+    this process imported triton without it. A kernel module imported earlier without the flag is
+    imported again (its kernels, too, chose compiler or interpreter when defined)."""
+    if request.function is test_in_a_fresh_process:
+        return
+    if not INTERPRETED:
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; test_in_a_fresh_process runs this test")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(name)
+        if any(isinstance(value, JITFunction) for value in vars(module).values()):
+            importlib.reload(module)
+
+
+def run(fn, inputs, grad_out):
+    """fn(*inputs) and the gradient of <fn(*inputs), grad_out> w.r.t. each input."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return out, [t.grad for t in leaves]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:  # the same arithmetic up to summation order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # two bf16 ulps (2**-8 each, 2**-7 where the interpreter truncates), of the element or of the
+        # tensor's largest: a gradient summed from rounded terms may cancel far below its terms
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * want.abs().max().item())
+
+
+def check(kernel, reference, inputs, grad_out):
+    """The kernel's output and input gradients against the PyTorch path's, in the same dtype."""
+    out, grads = run(kernel, inputs, grad_out)
+    ref_out, ref_grads = run(reference, inputs, grad_out)
+    assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        assert_close(grad, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [96, 100])
+def test_rmsnorm_matches_torch(dtype, hidden):
+    from fivefold.kernels.rmsnorm import rms_norm
+
+    torch.manual_seed(hidden)
+    norm = RMSNorm(hidden, eps=1e-5)
+    x = torch.randn(3, 5, hidden).to(dtype)  # 15 rows: the backward's 4 programs take 3 or 4 rows each
+    weight = (1 + 0.5 * torch.randn(hidden)).to(dtype)
+    grad = torch.randn(3, 5, hidden).to(dtype)
+
+    def reference(x, weight):  # the module's own forward, with this weight
+        return torch.func.functional_call(norm, {"weight": weight}, (x,))
+
+    check(lambda x, w: rms_norm(x, w, 1e-5), reference, (x, weight), grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_torch(dtype):
+    from fivefold.kernels.swiglu import swiglu
+
+    torch.manual_seed(0)
+    gate, up, grad = (torch.randn(3, 5, 100).to(dtype) for _ in range(3))  # 1500 values: a partial last block
+    check(swiglu, lambda g, u: F.silu(g) * u, (gate, up), grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, batch_positions", [(12, False), (10, True)])
+def test_rope_matches_torch(dtype, head_dim, batch_positions):
+    from fivefold.kernels.rope import apply_rope as rope_triton
+
+    torch.manual_seed(head_dim)
+    b, s, h = 2, 5, 3
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    # One set of positions broadcast over the batch (cos/sin (1, 1, S, d)), or each row its own.
+    positions = torch.arange(s)[None] + (torch.tensor([[0], [7]]) if batch_positions else 0)
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    # As Attention makes q: (B, S, H, d) transposed to (B, H, S, d), not contiguous.
+    x = torch.randn(b, s, h, head_dim).to(dtype).transpose(1, 2)
+    grad = torch.randn(b, h, s, head_dim).to(dtype)
+    check(lambda x: rope_triton(x, cos, sin), lambda x: apply_rope(x, cos, sin), (x,), grad)
+
+
+# The mixture of experts trimmed to one layer of 4 experts: the interpreter takes ~3 ms per program.
+MODELS = {"tiny": PRESETS["tiny"],
+          "tiny-moe": dataclasses.replace(PRESETS["tiny-moe"], num_layers=1, num_experts=4)}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_with_kernels_matches_plain_model(name):
+    from fivefold.kernels.rmsnorm import TritonRMSNorm
+    from fivefold.kernels.rope import apply_rope as rope_triton
+    from fivefold.kernels.swiglu import TritonMLP
+
+    cfg = MODELS[name]
+    plain = build_model(cfg, seed=3)
+    fused = meta_model(cfg)  # as fivefold.parallel.apply does: kernels applied before there is memory
+    kernels.apply_kernels(fused, "triton")
+    materialize(fused, "cpu", seed=3)
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    assert isinstance(fused.norm, TritonRMSNorm) and fused.layers[0].attn.rope_fn is rope_triton
+    assert sum(isinstance(m, TritonMLP) for m in fused.modules()) == cfg.num_layers * max(cfg.num_experts, 1)
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in (plain, fused):
+        logits.append(model(ids))
+        F.cross_entropy(logits[-1].flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for (param, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{param}: {m}")
+
+
+def test_training_with_train_kernels_triton_matches_torch(tiny_config, tmp_path):
+    """The config key end to end: parallelize applies the kernels; two steps give the plain run's losses."""
+    from fivefold.kernels.rmsnorm import TritonRMSNorm
+    from fivefold.train.trainer import Trainer
+
+    runs = {}
+    for name in ("torch", "triton"):
+        trainer = Trainer(tiny_config(**{"train.kernels": name, "train.micro_batch_size": 2, "train.seq_len": 16,
+                                         "train.out_dir": str(tmp_path / name)}), quiet=True)
+        assert isinstance(trainer.model.norm, TritonRMSNorm) == (name == "triton")
+        runs[name] = trainer.fit(until=2)
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in runs["triton"]] == pytest.approx([r[key] for r in runs["torch"]], rel=1e-5)
+
+
+def test_apply_kernels_torch_is_a_no_op_and_other_models_are_untouched():
+    plain = build_model(PRESETS["tiny"])
+    kernels.apply_kernels(plain, "torch")
+    assert type(plain.norm) is RMSNorm and plain.layers[0].attn.rope_fn is apply_rope
+    gpt2 = build_model(PRESETS["tiny-gpt2"])  # LayerNorm, GELU, learned positions: nothing to swap
+    classes = [type(m) for m in gpt2.modules()]
+    kernels.apply_kernels(gpt2, "triton")
+    assert [type(m) for m in gpt2.modules()] == classes
+    with pytest.raises(ConfigError, match="choose one of torch, triton"):
+        kernels.apply_kernels(plain, "cuda")
+
+
+def test_apply_kernels_names_the_fix_when_triton_is_unusable(monkeypatch):
+    model = build_model(PRESETS["tiny"])
+    with monkeypatch.context() as mp:
+        mp.setattr(kernels, "triton_available", lambda: False)
+        with pytest.raises(ConfigError, match="train.kernels=torch") as err:
+            kernels.apply_kernels(model, "triton")
+        assert "install triton" in str(err.value) and "TRITON_INTERPRET=1" in str(err.value)
+    # Without a GPU or the interpreter, the message says which is missing.
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        kernels.apply_kernels(model, "triton")
+    assert type(model.norm) is RMSNorm  # nothing was swapped
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the kernels in the interpreter itself")
+def test_in_a_fresh_process():
+    """This file's tests in a child process that imports triton with TRITON_INTERPRET=1 (see the top)."""
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent,
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+def test_config_refuses_triton_kernels_on_the_cpu_without_the_interpreter(monkeypatch):
+    from fivefold.config import load_config
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="train.kernels=triton runs Triton kernels on a CUDA GPU"):
+        load_config(preset="tiny", overrides=["train.kernels=triton", "train.device=cpu"])
