@@ -116,7 +116,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     optimizer_impl: Literal["foreach", "fused"] = "fused"  # fused: one kernel, no per-group temporaries
-    compile: bool = False
+    # torch.compile each block: "auto" = on CUDA (compiled graphs, fused kernels), off elsewhere (a CPU
+    # gains little and pays the compile time). Every layout compiles.
+    compile: Literal["auto", "true", "false"] = "auto"
     # "triton": RMSNorm, the SwiGLU product and RoPE as fused Triton kernels (fivefold.kernels: a CUDA GPU, or
     # TRITON_INTERPRET=1 for tests); "torch": the model's plain PyTorch ops. bench/kernels.py says where it pays.
     kernels: Literal["torch", "triton"] = "torch"
@@ -136,6 +138,10 @@ class TrainConfig:
     device: str = "auto"
     tensorboard: bool = True
     progress: bool = True
+
+    def compiled(self, device: str) -> bool:
+        """Whether blocks are compiled on `device` ("cuda", "cpu") under train.compile."""
+        return self.compile == "true" or (self.compile == "auto" and device == "cuda")
 
 
 @dataclass
@@ -250,6 +256,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Convert `value` (from TOML or a --set string) to `typ`, or raise a ConfigError naming `key`."""
     if get_origin(typ) is Literal:
         allowed = get_args(typ)
+        if "true" in allowed and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+            value = str(value).lower()  # a switch with a third setting ("auto") still takes booleans
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(map(str, allowed))}")
         return value

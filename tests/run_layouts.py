@@ -16,6 +16,7 @@ import sys
 import weakref
 
 import torch
+from torch._dynamo.utils import counters
 
 from fivefold.config import config_from_dict
 from fivefold.memory.planner import plan_memory
@@ -30,6 +31,14 @@ def check_planned_parameters(trainer: Trainer) -> None:
         raise AssertionError(f"rank {trainer.mesh.rank}: built {built:,} parameters, the plan says {planned:,}")
 
 
+def write_compile_stats(trainer: Trainer) -> None:
+    """What torch.compile made of this rank's blocks: graphs compiled, graph breaks and their reasons."""
+    stats = {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+             "break_reasons": sorted(counters["graph_break"])}
+    with open(f"{trainer.out_dir}/compile_stats_rank{trainer.mesh.rank}.json", "w") as f:
+        json.dump(stats, f)
+
+
 def model_state_refs(trainer: Trainer) -> list[weakref.ref]:
     opt = trainer.optimizer
     tensors = [*trainer.model.parameters(), *opt.masters]
@@ -40,11 +49,20 @@ def model_state_refs(trainer: Trainer) -> list[weakref.ref]:
 if __name__ == "__main__":
     gc.disable()
     for run in json.loads(open(sys.argv[1]).read()):
+        compiled = run["config"]["train"]["compile"] == "true"
+        counters.clear()
         trainer = Trainer(config_from_dict(run["config"]), resume=run.get("resume", False), quiet=True)
         check_planned_parameters(trainer)
         trainer.fit(until=run.get("until"))
+        if compiled:
+            write_compile_stats(trainer)
         refs = model_state_refs(trainer)
         del trainer
+        if compiled:
+            # torch.compile's process-wide caches hold compiled blocks' tensors, some through reference cycles
+            # of their own (fivefold's compile_module adds none): drop them, then collect.
+            torch._dynamo.reset()
+            gc.collect()
         alive = sum(r() is not None for r in refs)
         if alive:
             raise AssertionError(f"{alive} of {len(refs)} model-state tensors outlive their trainer")

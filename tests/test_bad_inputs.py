@@ -46,7 +46,7 @@ TRAIN_CASES = [
     ("device-tpu", ["--set", "train.device=tpu:0"], "train.device='tpu:0' is not valid"),
     ("precision", ["--set", "train.precision=fp16"], "choose one of fp32, bf16-mixed"),
     ("recompute", ["--set", "train.recompute=partial"], "choose one of none, selective, full"),
-    ("bool", ["--set", "train.compile=maybe"], "expected true or false"),
+    ("bool", ["--set", "train.tensorboard=maybe"], "expected true or false"),
     ("batch-schedule", ["--set", "train.batch_schedule=soon"], "each entry must be tokens:grad_accum"),
     ("batch-schedule-order", ["--set", "train.batch_schedule=500:2,100:4"], "thresholds must increase"),
     ("fp32-grad-accum", ["--set", "train.fp32_grad_accum=true"], "only applies to train.precision=bf16-mixed"),

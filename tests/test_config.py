@@ -10,7 +10,7 @@ def test_defaults_presets_toml_and_overrides_layer(tmp_path):
     path.write_text('preset = "tiny"\n[train]\nlr = 1e-3\nsteps = 7\n[model]\nattention = "eager"\n')
     cfg = load_config(path, overrides=["train.steps=9", "model.num_layers=3", "train.compile=true"])
     assert cfg.model.hidden_size == 64 and cfg.model.attention == "eager"  # preset, then file
-    assert cfg.train.lr == 1e-3 and cfg.train.steps == 9 and cfg.train.compile is True  # --set wins
+    assert cfg.train.lr == 1e-3 and cfg.train.steps == 9 and cfg.train.compile == "true"  # --set wins
     assert cfg.model.num_layers == 3
     assert cfg.global_batch_tokens == cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.seq_len
 
@@ -22,7 +22,8 @@ def test_defaults_presets_toml_and_overrides_layer(tmp_path):
     (["train.recompute=some"], "choose one of none, selective, full"),
     (["model.attention=flash"], "choose one of sdpa, eager"),
     (["train.steps=ten"], "train.steps='ten' is not valid; expected an integer"),
-    (["train.compile=maybe"], "expected true or false"),
+    (["train.tensorboard=maybe"], "expected true or false"),
+    (["train.compile=maybe"], "choose one of auto, true, false"),
     (["model.num_kv_heads=3"], "must divide model.num_heads=8; choose one of [1, 2, 4, 8]"),
     (["model.num_heads=12", "model.num_kv_heads=4"], "model.hidden_size=256 is not divisible by model.num_heads=12"),
     (["parallel.tp=3"], "parallel.tp=3 does not divide model.num_heads=8; choose tp in [1, 2, 4]"),

@@ -491,8 +491,8 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     if cfg.model.attention == "sdpa" and scores_materialised(cfg, device):
         notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
                      "its s^2 scores are counted as under eager attention")
-    if cfg.train.compile:
-        notes.append("train.compile=true: torch.compile chooses what to save (min-cut partitioning), usually "
+    if cfg.train.compiled(device):
+        notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; the activations here replay the eager model")
     if par.pp > 1 and cfg.train.grad_accum < par.pp:
         notes.append(f"train.grad_accum={cfg.train.grad_accum} micro-batches < pp={par.pp}: the pipeline "

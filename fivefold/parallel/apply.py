@@ -46,7 +46,7 @@ from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
 from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
-from fivefold.train.recompute import apply_recompute
+from fivefold.train.recompute import apply_recompute, compile_module
 
 # A source of parameter values: (name, placement) -> this rank's part of the parameter, in fp32.
 ValueSource = Callable[[str, Placement], torch.Tensor]
@@ -179,11 +179,12 @@ class ParallelModel:
             materialize_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
                                    self.dtype, keep if mixed else None)
             apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
-            if cfg.train.compile:
-                for block in model.layers:
-                    block.compile()  # per block: one compiled graph reused by every layer of the same shape
             if zero:
                 engine = self._zero(zero, placements, masters, None, mixed)
+        if cfg.train.compiled(self.device.type):
+            for block in model.layers:
+                if hasattr(block, "attn"):  # a pipeline stage holds placeholders for other stages' blocks
+                    compile_module(block)  # per block: one compiled graph reused by every layer of the same shape
         optimizer = MasterWeightAdamW(model, cfg.train, masters, sharding=engine, tp_group=self.tp_group,
                                       pp_group=mesh.pp_group if self.pipeline else None, ep_group=mesh.ep_group,
                                       placements=self.placements)

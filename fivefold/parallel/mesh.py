@@ -87,30 +87,15 @@ def check_supported(cfg: Config) -> None:
         if p.zero > 0 and p.dp > 1:
             raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
                               f"expert may get no tokens on a rank; use parallel.zero=0")
-        if cfg.train.compile:
-            raise ConfigError("train.compile=true with a mixture-of-experts model is not supported yet: routing "
-                              "makes data-dependent shapes; use train.compile=false")
     if p.cp > 1:
         if cfg.model.document_mask and p.pp > 1:
             raise ConfigError("model.document_mask with parallel.cp>1 and parallel.pp>1 is not supported yet: "
                               "pipeline stages find documents from their own tokens only; use one of cp and pp, "
                               "or model.document_mask=false")
-        if cfg.train.compile:
-            raise ConfigError("train.compile=true with parallel.cp>1 is not supported yet; use train.compile=false")
     if p.pp > 1 and p.zero >= 2 and p.dp > 1:
         raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp} is not supported: a pipeline runs each "
                           f"micro-batch's backward at a different time on each stage; use parallel.zero=1 "
                           f"(optimizer states sharded) or 0")
-    if p.pp > 1 and cfg.train.compile:
-        raise ConfigError("train.compile=true with parallel.pp>1 is not supported yet; use train.compile=false")
-    if p.tp > 1 and cfg.train.compile:
-        raise ConfigError("train.compile=true with parallel.tp>1 is not supported yet: the tensor-parallel "
-                          "collectives are autograd functions torch.compile would have to trace; use "
-                          "train.compile=false")
-    if p.zero == 3 and p.dp > 1 and cfg.train.compile:
-        raise ConfigError("train.compile=true with parallel.zero=3 is not supported: ZeRO-3 gathers and frees "
-                          "parameters in module hooks around every block; use train.compile=false or "
-                          "parallel.zero=2")
 
 
 def init_mesh(cfg: Config, device: torch.device) -> Mesh:

@@ -279,7 +279,9 @@ class SequenceGatheredInput:
         from fivefold.parallel.zero import _in_backward
 
         # Inside backward (a recomputed forward) the gathered input is used at once: nothing to release.
-        keep = torch.is_grad_enabled() and x_full.requires_grad and not _in_backward()
+        # In a compiled graph the partitioner decides what backward keeps: nothing to release either.
+        keep = (not torch.compiler.is_compiling() and torch.is_grad_enabled() and x_full.requires_grad
+                and not _in_backward())
         self._pending = (x_local.detach(), x_full) if keep else None
         return (x_full, *args[1:])
 

@@ -276,12 +276,13 @@ def _last_bucket(cfg: Config, c: Collective) -> float:
 def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = None,
                  at_least: float = 0.0) -> SpeedPlan | None:
     """Step time, throughput, MFU and the breakdown of training `cfg` on `profile` devices. `fused`:
-    assume fused elementwise kernels (default: train.compile). `at_least` (tokens/s per device): None
-    when even a pipeline without bubble would not reach it (the search skips the simulation)."""
+    assume fused elementwise kernels (default: whether train.compile compiles on the profile's device).
+    `at_least` (tokens/s per device): None when even a pipeline without bubble would not reach it (the
+    search skips the simulation)."""
     from fivefold.parallel.pipeline_schedules import build_schedule, simulate
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    fused = t.compile if fused is None else fused
+    fused = t.compiled(profile.device) if fused is None else fused
     costs = _Costs(cfg, profile, fused)
     v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
     parts = formulas.partition(m.num_layers, p.pp * v, p.pp_layers)

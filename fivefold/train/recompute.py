@@ -17,6 +17,9 @@ names (and therefore checkpoints and the name-seeded init) are unchanged.
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,13 +28,29 @@ from fivefold.model import Transformer
 
 
 def recompute_module(module: nn.Module) -> None:
-    inner = module.forward
+    # The class's forward and a weak reference: a closure holding the bound method, stored on the module,
+    # would be a reference cycle keeping a dropped model's tensors until the cycle collector runs.
+    inner, ref = type(module).forward, weakref.ref(module)
 
     def forward(*args, **kwargs):
         # Non-reentrant checkpointing: works with kwargs, tensors that need no grad and torch.compile.
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, ref(), *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
+
+
+def compile_module(module: nn.Module) -> None:
+    """torch.compile `module`'s forward (its recomputing wrapper, if any), holding the module weakly:
+    nn.Module.compile() stores the compiled bound method on the module, a reference cycle. The module's
+    hooks stay outside the graph and run eagerly around it: ZeRO-3's gather / free and sequence
+    parallelism's release / re-gather change parameter and input storage in place, which a compiled
+    graph must see as fresh inputs. Modules of one class and shape share the compiled graph: their
+    parameters are its inputs."""
+    if "forward" in vars(module):  # recompute_module's wrapper, which holds the module weakly already
+        module.forward = torch.compile(module.forward)
+        return
+    compiled, ref = torch.compile(type(module).forward), weakref.ref(module)
+    module.forward = lambda *args, **kwargs: compiled(ref(), *args, **kwargs)
 
 
 def apply_recompute(model: Transformer, mode: str, layers: str = "") -> None:
