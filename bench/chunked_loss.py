@@ -8,9 +8,9 @@ are measured op by op with fivefold's memory tracker (fivefold.memory.tracker, t
              above it is their head + loss (the "logits memory").
 Activations and temporaries are what a step holds beside the model states; the logits memory of a run is
 its peak of (activations + temporaries) minus the base run's. The planner's prediction is printed beside
-each measurement. Then both sides train a few steps in turn and their median step times give the price of
-the recomputed head matmul. fp32 by default (bf16 matmuls are emulated on most CPUs); on a GPU pass
---precision bf16-mixed.
+each measurement. Then both sides train a few steps in turn (random tokens, as for the memory) and their
+median step times give the price of the recomputed head matmul. fp32 by default (bf16 matmuls are
+emulated on most CPUs); on a GPU pass --precision bf16-mixed.
 
     OMP_NUM_THREADS=2 python bench/chunked_loss.py [--chunk 256] [--steps 4] [--json bench/results/chunked_loss.json]
 """
@@ -69,7 +69,7 @@ def step_times(cfgs: dict, steps: int) -> dict:
     """Median seconds per step, the sides taking turns one step at a time."""
     from fivefold.train.trainer import Trainer
 
-    trainers = {name: Trainer(cfg, quiet=True) for name, cfg in cfgs.items()}
+    trainers = {name: Trainer(cfg, quiet=True, datasets=random_datasets(cfg)) for name, cfg in cfgs.items()}
     times = {name: [] for name in cfgs}
     for i in range(steps + 1):
         for name, trainer in trainers.items():
