@@ -7,6 +7,10 @@ fivefold.memory.formulas over the matmul peak measured on this machine) are prin
     python bench/train_throughput.py                       # bench-30m, seq 512, batch 4, fp32 and bf16
     python bench/train_throughput.py --compile both        # eager and torch.compile side by side
     python bench/train_throughput.py --profile             # + top ops of one bf16 step of ours
+    python bench/train_throughput.py --device cuda --precision bf16,fp8   # fp8: GPUs with fp8 tensor cores
+
+fp8 is ours under train.precision=fp8 (float8 linears, fivefold.train.fp8) against HF's bf16 autocast, its
+MFU over the measured bf16 matmul peak; on a CPU torchao only emulates it, so it is refused there.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from fivefold.memory.formulas import is_no_decay
 from fivefold.train.optim import lr_at
 from fivefold.train.trainer import Trainer
 
-PRECISIONS = {"fp32": ("fp32", torch.float32), "bf16": ("bf16-mixed", torch.bfloat16)}
+# name -> (train.precision, dtype of the matmul peak MFU is measured against; HF's autocast dtype)
+PRECISIONS = {"fp32": ("fp32", torch.float32), "bf16": ("bf16-mixed", torch.bfloat16),
+              "fp8": ("fp8", torch.bfloat16)}
 # fp32, same weights and batch: only op order and rope's fp64-vs-fp32 table differ (observed ~1e-7).
 START_RTOL = {"loss": 1e-4, "grad_norm": 1e-5}
 
@@ -44,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile happens here)")
     p.add_argument("--rounds", type=int, default=0, help="alternating timed windows per implementation "
                    "(0: one per step, the fairest under bursty outside load)")
-    p.add_argument("--precision", default="fp32,bf16", help="comma list of fp32, bf16")
+    p.add_argument("--precision", default="fp32,bf16", help="comma list of fp32, bf16, fp8 (fp8: --device cuda)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="on: ours compiles each block, HF model.compile(); both: time eager and compiled")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -54,7 +61,9 @@ def parse_args(argv=None):
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     bad = [x for x in args.precision if x not in PRECISIONS]
     if bad:
-        p.error(f"--precision {','.join(bad)} is not valid; choose from fp32, bf16")
+        p.error(f"--precision {','.join(bad)} is not valid; choose from fp32, bf16, fp8")
+    if "fp8" in args.precision and args.device != "cuda":
+        p.error("--precision fp8 times float8 tensor-core matmuls: use --device cuda (a CPU only emulates them)")
     args.rounds = min(args.rounds or args.steps, args.steps)
     if args.warmup < 1 and args.compile != "off":
         p.error("--compile needs --warmup >= 1: the first step compiles")
@@ -72,7 +81,7 @@ def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str)
     overrides = {"train.seq_len": args.seq_len, "train.micro_batch_size": args.batch, "train.grad_accum": 1,
                  "train.precision": PRECISIONS[precision][0], "train.compile": compiled, "train.peak_flops": peak,
                  "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
-                 "train.steps": 10_000, "train.device": "cpu", "train.out_dir": out_dir}
+                 "train.steps": 10_000, "train.device": args.device, "train.out_dir": out_dir}
     return load_config(preset=args.preset, overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -103,6 +112,8 @@ class HF:
                              attn_implementation="sdpa")
         self.model = LlamaForCausalLM(hf_cfg).train()
         self.model.load_state_dict(weights_to_hf(initial, cfg.model), strict=True)
+        self.device = torch.device(cfg.train.device)
+        self.model.to(self.device)
         if compiled:
             self.model.compile()
         t = cfg.train
@@ -118,9 +129,10 @@ class HF:
     def step(self) -> float:
         t = self.cfg.train
         batch = self.data.batch(self.sampler.take(t.micro_batch_size))  # (B, S + 1)
+        batch = batch.to(self.device)
         inputs, labels = batch[:, :-1], batch[:, 1:].contiguous()  # HF's loss .view()s the labels
         # shift_labels: HF's own loss on exactly our next-token labels (all S positions, not S - 1).
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.model(input_ids=inputs, labels=labels, shift_labels=labels).loss
         loss.backward()
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True).item()
@@ -178,11 +190,11 @@ def profile_ours(cfg, datasets, rows: int = 25) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def sample_peaks(peaks: dict[str, list[float]]) -> None:
+def sample_peaks(peaks: dict[str, list[float]], device: str) -> None:
     # Outside load can only slow a matmul down, so the fastest of several samples spread over the run
     # is the best estimate of what this machine's kernels can do.
     for p, (_, dtype) in PRECISIONS.items():
-        peaks[p].append(measure_peak_flops(torch.device("cpu"), dtype))
+        peaks[p].append(measure_peak_flops(torch.device(device), dtype))
 
 
 def summarize(times: dict, utils: dict, precision: str, tokens: int) -> list[dict]:
@@ -221,7 +233,7 @@ def main(argv=None) -> dict:
           f"transformers {info['transformers']}")
     peak_samples = {p: [] for p in PRECISIONS}
     for _ in range(3):
-        sample_peaks(peak_samples)
+        sample_peaks(peak_samples, args.device)
 
     tmp = tempfile.TemporaryDirectory(prefix="fivefold-bench-")
     base = make_config(args, "fp32", False, max(peak_samples["fp32"]), tmp.name)
@@ -249,12 +261,12 @@ def main(argv=None) -> dict:
                 checked = {}
                 continue
             runners[("ours", compiled)] = Ours(cfg, datasets)
-            runners[("hf", compiled)] = HF(cfg, datasets, initial, bf16=precision == "bf16", compiled=compiled)
+            runners[("hf", compiled)] = HF(cfg, datasets, initial, bf16=precision != "fp32", compiled=compiled)
         print(f"timing {precision}: {', '.join(i + ('+compile' if c else '') for i, c in runners)}; warmup "
               f"{args.warmup}, {args.steps} steps each in {args.rounds} alternating windows ...", flush=True)
         results += summarize(*time_alternating(runners, args.warmup, args.steps, args.rounds), precision, tokens)
         del runners
-        sample_peaks(peak_samples)
+        sample_peaks(peak_samples, args.device)
 
     peaks = {p: max(v) for p, v in peak_samples.items()}
     print("measured matmul peak (best of %d): " % len(peak_samples["fp32"])

@@ -84,8 +84,13 @@ class TrainConfig:
     grad_accum: int = 1
     steps: int = 600
     seed: int = 1234
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
-    fp32_grad_accum: bool = False  # bf16-mixed only: accumulate gradients in fp32 buffers
+    # "bf16-mixed": bf16 parameters and compute, fp32 master weights and Adam moments. "fp8": the same, plus
+    # float8 matmuls in the blocks' linear layers (torchao.float8, dynamic tensorwise scales; the embedding,
+    # router and LM head stay bf16): on CUDA it needs fp8 tensor cores (compute capability >= 8.9: Ada,
+    # Hopper and later); on a CPU torchao emulates the float8 matmuls (same rounding, no speed), which is
+    # what the tests run. fivefold.train.fp8 says what it applies to and what it refuses.
+    precision: Literal["fp32", "bf16-mixed", "fp8"] = "fp32"
+    fp32_grad_accum: bool = False  # bf16-mixed / fp8 only: accumulate gradients in fp32 buffers
     recompute: Literal["none", "selective", "full"] = "none"
     # Which layers train.recompute applies to: "" = all; "every:k" = layers 0, k, 2k, ...; or a list
     # "0,3,5" (global layer indices). The others keep their activations (fivefold.train.recompute).
@@ -138,6 +143,11 @@ class TrainConfig:
     device: str = "auto"
     tensorboard: bool = True
     progress: bool = True
+
+    @property
+    def mixed(self) -> bool:
+        """bf16 parameters with fp32 masters: bf16-mixed, and fp8 (which adds float8 linears to it)."""
+        return self.precision in ("bf16-mixed", "fp8")
 
     def compiled(self, device: str) -> bool:
         """Whether blocks are compiled on `device` ("cuda", "cpu") under train.compile."""
@@ -435,8 +445,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"lower train.seq_len or raise model.max_seq_len")
     if not 0 <= m.eos_token_id < m.vocab_size:
         raise ConfigError(f"model.eos_token_id={m.eos_token_id} must be in [0, model.vocab_size={m.vocab_size})")
-    if t.fp32_grad_accum and t.precision != "bf16-mixed":
-        raise ConfigError("train.fp32_grad_accum=true only applies to train.precision=bf16-mixed")
+    if t.fp32_grad_accum and not t.mixed:
+        raise ConfigError("train.fp32_grad_accum=true only applies to train.precision=bf16-mixed or fp8")
     if t.kernels == "triton" and t.device.startswith("cpu") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("train.kernels=triton runs Triton kernels on a CUDA GPU, not train.device=cpu; use "
                           "train.kernels=torch (or set TRITON_INTERPRET=1 to interpret them on the CPU, for tests)")
@@ -497,6 +507,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               f"summing to model.num_layers={m.num_layers}")
     _check_batch_ramp(cfg)
     _check_finetune(cfg)
+    if t.precision == "fp8":
+        from fivefold.train.fp8 import check_fp8_config
+
+        check_fp8_config(cfg)
     if world_size is not None and world_size != p.world_size:
         others = p.tp * p.pp * p.cp
         fix = (f"set parallel.dp={world_size // others} or launch {p.world_size} processes"

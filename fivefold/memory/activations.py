@@ -19,6 +19,11 @@ dtype; q, kv = query and key/value widths, a = heads, f = FFN width):
   attention, eager    q, k, v repeated to all heads (3 p bsq), the causal mask (s^2 bytes), softmax
                       output in fp32 (4bas^2) and, under bf16, its bf16 copy (2bas^2), o_proj input (p bsq)
   SwiGLU MLP          input (p bsh), gate, silu(gate), up, product (4 p bsf); GELU: input, fc out, gelu out
+  fp8 linears         nothing more: torchao's Float8Linear saves the bf16 input and the weight, as F.linear
+                      does, and casts them to float8 again in backward. Transient while a linear runs: the
+                      float8 copies of its input and weight (1 byte per element), each made through two
+                      fp32 intermediates (x.float() * scale, clamped); emulated on a CPU, the matmul also
+                      dequantizes both operands to fp32 and multiplies in fp32 before the cast to bf16.
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1) count
 34sbh + 5as^2b bytes for a 16-bit GPT layer (LayerNorm, GELU, f = 4h, eager attention, dropout). The
@@ -68,6 +73,11 @@ class Shapes:
     adapter_dropout: bool = False  # each adapter then saves its own dropped input and mask
     loss_chunk: int = 0  # tokens per chunk of the fused head + loss (fivefold.train.chunked_loss); 0: plain
     vocab_parallel: bool = False  # the vocabulary is split over tensor-parallel ranks
+    # train.precision=fp8 (fivefold.train.fp8): the blocks' linears cast their operands to float8 as they run;
+    # `fp8_emulated`: torchao's CPU emulation (the product in fp32) instead of the GPU's scaled matmul.
+    fp8: bool = False
+    fp8_emulated: bool = False
+    biased: tuple[str, ...] = ()  # linears with a bias (q, k, v, o, gate, up, down): fp8 adds it as its own op
 
     @property
     def chunk(self) -> int:
@@ -258,6 +268,56 @@ def _core(r: Replay, q: _Buf, k: _Buf, v: _Buf, d: Shapes) -> _Buf:
     return out
 
 
+def _to_fp8(r: Replay, numel: float, d: Shapes) -> _Buf:
+    """torchao's dynamic tensorwise cast (float8_scaling_utils): abs() for the amax, then x.float() * scale,
+    clamped to the float8 range, then the float8 copy (1 byte per element; its 0-dim scale is not counted)."""
+    r.free(r.alloc(d.p * numel))  # abs(x), reduced to its max at once
+    as_float = r.alloc(4 * numel) if d.p != 4 else None
+    scaled = r.alloc(4 * numel)
+    if as_float is not None:
+        r.free(as_float)
+    clamped = r.alloc(4 * numel)
+    r.free(scaled)
+    out = r.alloc(numel)
+    r.free(clamped)
+    return out
+
+
+def _fp8_product(r: Replay, a: float, b: float, out: float, d: Shapes) -> _Buf:
+    """The product of two float8 operands of `a` and `b` elements, `out` elements in the compute dtype.
+    Emulated: each operand dequantized to fp32 (float(), then / scale), the product in fp32, then cast."""
+    if not d.fp8_emulated:
+        return r.alloc(d.p * out)
+    operands = []
+    for numel in (a, b):
+        as_float = r.alloc(4 * numel)
+        operands.append(r.alloc(4 * numel))
+        r.free(as_float)
+    out32 = r.alloc(4 * out)
+    r.free(*operands)
+    result = r.alloc(d.p * out)
+    r.free(out32)
+    return result
+
+
+def _linear(r: Replay, out_bytes: float, k: int, n: int, d: Shapes, target: str) -> _Buf:
+    """A block's linear (k inputs, n outputs) on this rank's b s tokens: its output, `out_bytes`. Under fp8
+    (torchao's Float8Linear) the input and then the weight are cast to float8, multiplied, and the casts
+    dropped when the product is made; a bias is added after, as its own op."""
+    if not d.fp8:
+        return r.alloc(out_bytes)
+    rows = d.b * d.s
+    x8 = _to_fp8(r, rows * k, d)
+    w8 = _to_fp8(r, k * n, d)
+    out = _fp8_product(r, rows * k, k * n, rows * n, d)  # the cast weight (W^T) is column-major already
+    r.free(x8, w8)
+    if target in d.biased:
+        biased = r.alloc(out.nbytes)
+        r.free(out)
+        out = biased
+    return out
+
+
 def _weight_input(d: Shapes, *targets: str) -> bool:
     """Whether a linear input is saved: for the weights' gradients, or by an adapter on one of `targets`
     (with dropout, each adapter saves its own dropped copy instead)."""
@@ -287,11 +347,11 @@ def _adapt(r: Replay, x: _Buf, y: _Buf, d: Shapes, target: str, grad_in: bool = 
 
 
 def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
-    q = _adapt(r, n, r.alloc(d.p * d.b * d.s * d.q), d, "q", grad_in)
+    q = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.q, d.h, d.q, d, "q"), d, "q", grad_in)
     if _weight_input(d, "q", "k", "v"):
         r.save(n)  # shared input of q/k/v projections
-    k = _adapt(r, n, r.alloc(d.p * d.b * d.s * d.kv), d, "k", grad_in)
-    v = _adapt(r, n, r.alloc(d.p * d.b * d.s * d.kv), d, "v", grad_in)
+    k = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "k"), d, "k", grad_in)
+    v = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "v"), d, "v", grad_in)
     if d.rope:
         q_lin, k_lin = q, k
         q, k = _rope(r, q_lin, d.q, d), _rope(r, k_lin, d.kv, d)
@@ -303,7 +363,7 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = T
         o_in = r.alloc(d.p * d.b * d.s * d.q)
     if _weight_input(d, "o"):
         r.save(o_in)
-    o = _adapt(r, o_in, r.alloc(d.p * d.bsh), d, "o")
+    o = _adapt(r, o_in, _linear(r, d.p * d.bsh, d.q, d.h, d, "o"), d, "o")
     r.free(o_in, out, q, k, v)
     return o
 
@@ -314,20 +374,24 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         r.save(n)
     down_input = _weight_input(d, "down")
     if d.swiglu:
-        gate = _adapt(r, n, r.alloc(bsf), d, "gate")
+        gate = _adapt(r, n, _linear(r, bsf, d.h, d.f, d, "gate"), d, "gate")
         act = r.alloc(bsf)  # silu saves its input
         r.save(gate)
         r.free(gate)
-        up = _adapt(r, n, r.alloc(bsf), d, "up")
+        up = _adapt(r, n, _linear(r, bsf, d.h, d.f, d, "up"), d, "up")
         prod = r.alloc(bsf)  # the mul saves both factors
-        r.save(act, up, *([prod] if down_input else []))
+        r.save(act, up, *([prod] if down_input and not d.fp8 else []))
         r.free(act, up)
     else:
-        up = _adapt(r, n, r.alloc(bsf), d, "up")
+        up = _adapt(r, n, _linear(r, bsf, d.h, d.f, d, "up"), d, "up")
         prod = r.alloc(bsf)  # gelu saves its input
-        r.save(up, *([prod] if down_input else []))
+        r.save(up, *([prod] if down_input and not d.fp8 else []))
         r.free(up)
-    out = _adapt(r, prod, r.alloc(d.p * d.bsh), d, "down")
+    out = _adapt(r, prod, _linear(r, d.p * d.bsh, d.f, d.h, d, "down"), d, "down")
+    if d.fp8:
+        # A float8 linear is an autograd.Function: its saved input is packed once its forward has returned
+        # (an aten op saves before it runs), which is where a recomputed block stops.
+        r.save(prod)
     r.free(prod)
     return out
 
@@ -496,16 +560,51 @@ def layer_backward_parts(d: Shapes) -> dict[str, float]:
     each. eager attention: the probability gradient and the softmax gradient, both fp32 (8 bytes per
     score); SDPA: the q/k/v and output gradients and RoPE's backward (about p bs (4q + 2kv));
     MLP: the product's gradient and both factors' (SwiGLU: 3 p bsf; GELU: 2 p bsf);
-    RMSNorm: five fp32 intermediates of its composite backward (20 bsh) and the cast back."""
+    RMSNorm: five fp32 intermediates of its composite backward (20 bsh) and the cast back;
+    fp8: each float8 linear's casts and products (fp8_linear_backward), for attention, down_proj, up/gate."""
     bs = d.b * d.s
     if d.sdpa:
         attention = d.p * bs * (4 * d.q + 2 * d.kv)
     else:
         attention = 8 * d.b * d.heads * d.s * d.sk + d.p * bs * d.q
-    return {"residual": d.p * d.bsh, "attention": attention, "mlp": (3 if d.swiglu else 2) * d.p * bs * d.f,
-            "norm": 20 * d.bsh if d.rms else 2 * d.p * d.bsh}
+    parts = {"residual": d.p * d.bsh, "attention": attention, "mlp": (3 if d.swiglu else 2) * d.p * bs * d.f,
+             "norm": 20 * d.bsh if d.rms else 2 * d.p * d.bsh, "fp8_attention": 0.0, "fp8_down": 0.0, "fp8_up": 0.0}
+    if d.fp8:
+        # Float8 linears (fp8_linear_backward), each beside the gradients alive when it runs: o_proj and
+        # down_proj take the residual's; v, k, q the attention's (the q/k/v gradients, and the input
+        # gradient summed so far); up and gate the product's factors', as large as the factors the
+        # product's backward released (GELU: fc's, as large as the GELU input it released).
+        qkv = d.p * bs * (d.q + 2 * d.kv) + d.p * d.bsh
+        parts["fp8_attention"] = max(fp8_linear_backward(d, d.q, d.h),
+                                     qkv + max(fp8_linear_backward(d, d.h, d.q), fp8_linear_backward(d, d.h, d.kv)))
+        parts["fp8_down"] = fp8_linear_backward(d, d.f, d.h)
+        parts["fp8_up"] = fp8_linear_backward(d, d.h, d.f)
+    return parts
+
+
+def fp8_linear_backward(d: Shapes, k: int, n: int) -> float:
+    """Peak bytes of one float8 linear's backward (torchao's matmul_with_hp_or_float8_args), beside its
+    output gradient: b s tokens, k inputs, n outputs. The output gradient and the weight are cast to float8,
+    then the input gradient's product; the output gradient is cast again and the saved input cast, then
+    the weight gradient's product. Every float8 copy lives until the backward returns, and each product
+    first copies an operand whose layout the matmul cannot take (float8_ops.preprocess_addmm: W^T and
+    the input are made column-major, the output gradient's transpose row-major)."""
+    r = Replay()
+    rows = d.b * d.s
+    for numel in (rows * n, k * n):  # the output gradient's and the weight's float8 copies, kept
+        _to_fp8(r, numel, d)
+    layout = r.alloc(k * n)
+    _fp8_product(r, rows * n, n * k, rows * k, d)  # the input gradient, kept
+    r.free(layout)
+    for numel in (rows * n, rows * k):  # the output gradient's again, the saved input's
+        _to_fp8(r, numel, d)
+    layouts = [r.alloc(rows * n), r.alloc(rows * k)]
+    _fp8_product(r, n * rows, rows * k, n * k, d)  # the weight gradient
+    r.free(*layouts)
+    return r.peak
 
 
 def layer_backward_bytes(d: Shapes) -> float:
     parts = layer_backward_parts(d)
-    return parts["residual"] + max(parts["attention"], parts["mlp"], parts["norm"])
+    return parts["residual"] + max(parts["attention"], parts["mlp"], parts["norm"], parts["fp8_attention"],
+                                   parts["fp8_down"], parts["fp8_up"])

@@ -60,7 +60,7 @@ class Collective:
 def step_collectives(cfg: Config, stage: int = 0) -> list[Collective]:
     """Every collective pipeline stage `stage` runs in one optimizer step."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    act = 2 if t.precision == "bf16-mixed" else 4
+    act = 2 if t.mixed else 4
     micro = t.grad_accum
     tokens = t.micro_batch_size * t.seq_len // p.cp  # per micro-batch on this rank
     bsh = tokens * m.hidden_size * act

@@ -216,12 +216,12 @@ def bytes_per_param(precision: str, fp32_grad_accum: bool = False) -> BytesPerPa
     gradient, not a bf16 copy of every gradient (planner.model_states)."""
     if precision == "fp32":
         if fp32_grad_accum:
-            raise ValueError("fp32_grad_accum applies to bf16-mixed only")
+            raise ValueError("fp32_grad_accum applies to bf16-mixed and fp8 only")
         return BytesPerParam(parameters=4, gradients=4, main_gradients=0, optimizer_states=8)
-    if precision == "bf16-mixed":
+    if precision in ("bf16-mixed", "fp8"):  # fp8 keeps bf16 weights: its float8 copies are transient
         return BytesPerParam(parameters=2, gradients=2, main_gradients=4 if fp32_grad_accum else 0,
                              optimizer_states=12)
-    raise ValueError(f"unknown precision {precision!r}; choose fp32 or bf16-mixed")
+    raise ValueError(f"unknown precision {precision!r}; choose fp32, bf16-mixed or fp8")
 
 
 def model_state_bytes(num_params: int, precision: str, fp32_grad_accum: bool = False) -> int:

@@ -64,7 +64,7 @@ def scores_materialised(cfg: Config, device: str) -> bool:
         return True
     if device != "cuda":
         return False
-    flash = cfg.train.precision == "bf16-mixed" and not m.document_mask
+    flash = cfg.train.mixed and not m.document_mask
     return not flash and m.num_kv_heads != m.num_heads
 
 
@@ -78,7 +78,7 @@ def _weight_pass_bytes(d) -> int:
 
 def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    p = 2 if t.precision == "bf16-mixed" else 4
+    p = 2 if t.mixed else 4
     tp = par.tp
     return Shapes(b=t.micro_batch_size, s=math.ceil(t.seq_len / par.cp), sk=t.seq_len, h=m.hidden_size,
                   q=m.q_size // tp, kv=m.kv_size // tp, heads=m.num_heads // tp,
@@ -91,7 +91,10 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   stats_bytes=4 if device == "cuda" else p,
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
                   adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
-                  loss_chunk=t.loss_chunk, vocab_parallel=tp > 1)
+                  loss_chunk=t.loss_chunk, vocab_parallel=tp > 1,
+                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda",
+                  biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
+                  ("q", "k", "v") if m.qkv_bias else ())
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,7 @@ class MemoryPlan:
 
 def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None) -> StagePlan | None:
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    mixed, accum32 = t.precision == "bf16-mixed", t.fp32_grad_accum
+    mixed, accum32 = t.mixed, t.fp32_grad_accum
     bpp = formulas.bytes_per_param(t.precision, accum32)
     dp, zero = par.dp, par.zero
     layers = formulas.rank_layers(m.num_layers, par.pp, stage, par.pp_virtual_stages, par.pp_layers)
@@ -372,7 +375,7 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     gradient shards). On top, the one parameter being made: its full fp32 value, and under tensor
     parallelism this rank's fp32 slice of it. `n`: the parameters that train (all, or LoRA's adapters)."""
     t, par = cfg.train, cfg.parallel
-    masters = 4 * shard(n, 1) if t.precision == "bf16-mixed" else 0.0
+    masters = 4 * shard(n, 1) if t.mixed else 0.0
     grad_buffers = 0.0
     if par.dp > 1 and par.zero >= 2:
         grad_buffers = 4 * shard(n, 2)
@@ -465,9 +468,10 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
         down = d.p * d.b * d.s * d.f
         down_grad = mlp_grad / (3 if d.swiglu else 2)
         grads = head_grad + (last - i) * layer_grad
+        # fp8: a float8 linear's backward casts and products; down_proj's with every MLP tensor still saved.
         worst = max(worst, parts["residual"] + grads + max(
-            mlp_end - down + down_grad + parts["mlp"], attn_end + max(parts["attention"], parts["norm"]) + mlp_grad,
-            recomputed))
+            mlp_end - down + down_grad + max(parts["mlp"], parts["fp8_up"]), mlp_end + parts["fp8_down"],
+            attn_end + max(parts["attention"], parts["norm"], parts["fp8_attention"]) + mlp_grad, recomputed))
     return worst
 
 
@@ -494,6 +498,10 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     if cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; the activations here replay the eager model")
+    if cfg.train.precision == "fp8":
+        notes.append("fp8: model states and saved activations as bf16-mixed; each linear's float8 casts are "
+                     "transient" + ("" if device != "cuda" else " (modelled for eager torch._scaled_mm, measured "
+                                    "only in CPU emulation)"))
     if par.pp > 1 and cfg.train.grad_accum < par.pp:
         notes.append(f"train.grad_accum={cfg.train.grad_accum} micro-batches < pp={par.pp}: the pipeline "
                      f"bubble dominates; use grad_accum >= {par.pp}")
@@ -561,7 +569,16 @@ def _candidates(cfg: Config) -> list[tuple[str, dict[str, object]]]:
         if pp > par.pp and pp <= m.num_layers:
             out.append((f"parallel.pp={pp} train.grad_accum={max(t.grad_accum, pp)}",
                         {"parallel.pp": pp, "train.grad_accum": max(t.grad_accum, pp)}))
-    return out
+    return [(text, changes) for text, changes in out if _valid(_with(cfg, changes))]
+
+
+def _valid(cfg: Config) -> bool:
+    """Whether a suggested change is a config that runs (e.g. fp8 refuses tensor parallelism)."""
+    try:
+        validate(cfg)
+    except ConfigError:
+        return False
+    return True
 
 
 def _with(cfg: Config, changes: dict[str, object]) -> Config:

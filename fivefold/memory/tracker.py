@@ -8,8 +8,9 @@ category:
   parameters        the model's parameters (under fp32 they are also the optimizer's masters)
   gradients         the parameters' .grad and the fp32 main-gradient buffers
   optimizer_states  Adam's exp_avg / exp_avg_sq / step, and the fp32 master weights under bf16-mixed
-  activations       tensors allocated during forward (model and loss), or during backward with grad
-                    mode on, which is when torch.utils.checkpoint recomputes a region
+  activations       tensors allocated during forward (model and loss), or during backward while
+                    torch.utils.checkpoint recomputes a region (grad mode on, or inside its saved-tensor
+                    hooks: an autograd.Function's forward runs with grad mode off)
   temporary         everything else: gradients of activations, optimizer-step intermediates, the
                     fp32 copies of bf16 gradients made for the optimizer step, the batch
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -169,15 +170,32 @@ class MemoryTracker(TorchDispatchMode):
         self.samples.append(tuple(totals[c] for c in CATEGORIES) + (device,))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        wrapper = next((type(t) for t in tree_leaves((args, kwargs)) if is_traceable_wrapper_subclass(t)), None)
+        if wrapper is not None:
+            # A wrapper tensor subclass (torchao's float8 tensors under train.precision=fp8) runs the op as
+            # plain ops on its inner tensors: run its __torch_dispatch__ with this mode active, so that
+            # those ops, where the memory is, are tracked. Its own outputs own no memory of their own (their
+            # "storage" is a placeholder sized as if they were plain): not counted.
+            TorchDispatchMode.__enter__(self)  # the mode only, not this tracker's hooks and samples
+            try:
+                return wrapper.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
+        out = func(*args, **kwargs)
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward and self.phase == "forward":
             self.phase = "backward"
             self.mark("backward")
         elif not in_backward and self.phase == "backward":
             self.phase = "idle"
-        if in_backward:  # checkpoint recomputation runs forward ops with grad mode on
-            tag = "activations" if torch.is_grad_enabled() else "temporary"
+        if in_backward:
+            # Checkpoint recomputation runs forward ops with grad mode on, and an autograd.Function's forward
+            # in it (a float8 linear's casts and product) with grad mode off but still inside the
+            # recomputation's saved-tensor hooks, which nothing else in backward sets.
+            recomputing = (torch.is_grad_enabled()
+                           or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+            tag = "activations" if recomputing else "temporary"
         elif self.phase == "step" and func is torch.ops.aten.zeros_like.default:
             # Adam creates its states in its first step, each an op before it enters the state dict (where
             # identity would classify it): count it as what it is from the start.
@@ -185,7 +203,7 @@ class MemoryTracker(TorchDispatchMode):
         else:
             tag = "activations" if self.phase == "forward" else "temporary"
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
                 self._track(t, tag)
         self.sample()
         return out

@@ -44,6 +44,7 @@ from fivefold.parallel.small_batch import SmallBatchGradient
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
+from fivefold.train.fp8 import apply_fp8
 from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute, compile_module
@@ -53,7 +54,7 @@ ValueSource = Callable[[str, Placement], torch.Tensor]
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else torch.float32
+    return torch.bfloat16 if cfg.train.mixed else torch.float32  # fp8: bf16 besides the float8 matmuls
 
 
 def with_adapters(values: ValueSource, cfg: Config) -> ValueSource:
@@ -124,6 +125,7 @@ class ParallelModel:
         if cfg.lora.r:  # the base freezes; adapters follow their layer's tensor-parallel split
             tp_axes.update(apply_lora(model, cfg.lora, self.tp_group, cfg.parallel.sequence_parallel))
         apply_kernels(model, cfg.train.kernels)  # fused norm / SwiGLU / RoPE: same modules, parameters and names
+        apply_fp8(model, cfg, device)  # train.precision=fp8: the blocks' linears as float8 (same parameters)
         self.model = model
         self.pipeline = None
         self.router_loss: Callable | None = None  # set by the trainer for models with experts

@@ -110,15 +110,22 @@ class _Costs:
     def __init__(self, cfg: Config, hw: HardwareProfile, fused: bool):
         t, p = cfg.train, cfg.parallel
         self.cfg, self.hw, self.fused = cfg, hw, fused
-        self.p = 2 if t.precision == "bf16-mixed" else 4
-        self.peak = hw.peak_flops("bf16" if t.precision == "bf16-mixed" else "fp32")
+        self.p = 2 if t.mixed else 4
+        self.peak = hw.peak_flops("bf16" if t.mixed else "fp32")
+        # fp8 (fivefold.train.fp8): the blocks' linears on the fp8 peak where the profile has one, else as
+        # bf16; attention, the router and the LM head stay bf16, and MFU stays against the bf16 peak.
+        self.linear_peak = (hw.flops.get("fp8") or self.peak) if t.precision == "fp8" else self.peak
         self.tokens = t.micro_batch_size * t.seq_len // p.cp  # per rank and micro-batch
         self.bandwidth = hw.memory_bandwidth * hw.memory_efficiency
 
-    def matmul(self, m: float, k: float, n: float) -> float:
+    def matmul(self, m: float, k: float, n: float, peak: float | None = None) -> float:
         knee = self.hw.matmul_knee
         shape = (m / (m + knee)) * (k / (k + knee)) * (n / (n + knee))
-        return 2 * m * k * n / (self.peak * self.hw.matmul_efficiency * shape)
+        return 2 * m * k * n / ((peak or self.peak) * self.hw.matmul_efficiency * shape)
+
+    def linear(self, m: float, k: float, n: float) -> float:
+        """A block's linear layer: float8 under train.precision=fp8."""
+        return self.matmul(m, k, n, self.linear_peak)
 
     def bytes(self, kind: str, elements: float) -> float:
         act, fp32 = (FUSED if self.fused else UNFUSED)[kind]
@@ -128,19 +135,19 @@ class _Costs:
         """Forward seconds of one layer's linears."""
         m, tp, T = self.cfg.model, self.cfg.parallel.tp, self.tokens
         h = m.hidden_size
-        out = self.matmul(T, h, (m.q_size + 2 * m.kv_size) / tp) + self.matmul(T, m.q_size / tp, h)
+        out = self.linear(T, h, (m.q_size + 2 * m.kv_size) / tp) + self.linear(T, m.q_size / tp, h)
         if m.num_experts:
             ep = self.cfg.parallel.ep
             per_expert = T * m.experts_per_token * ep / m.num_experts  # tokens each local expert gets
             experts = m.num_experts / ep
             out += self.matmul(T, h, m.num_experts)
-            out += experts * (self.matmul(per_expert, h, 2 * m.expert_size / tp)
-                              + self.matmul(per_expert, m.expert_size / tp, h))
+            out += experts * (self.linear(per_expert, h, 2 * m.expert_size / tp)
+                              + self.linear(per_expert, m.expert_size / tp, h))
             if m.shared_expert_size:
-                out += self.matmul(T, h, 2 * m.shared_expert_size / tp) + self.matmul(T, m.shared_expert_size / tp, h)
+                out += self.linear(T, h, 2 * m.shared_expert_size / tp) + self.linear(T, m.shared_expert_size / tp, h)
             return out
         up = 2 if m.activation == "swiglu" else 1
-        return out + self.matmul(T, h, up * m.ffn_hidden_size / tp) + self.matmul(T, m.ffn_hidden_size / tp, h)
+        return out + self.linear(T, h, up * m.ffn_hidden_size / tp) + self.linear(T, m.ffn_hidden_size / tp, h)
 
     def attention(self) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
@@ -174,6 +181,8 @@ class _Costs:
         T = self.tokens
         matmul = self.matmul(T, m.hidden_size, m.vocab_size / p.tp)
         loss = self.bytes("loss", T * m.vocab_size / p.tp) + self.bytes("norm", T * m.hidden_size)
+        if self.cfg.train.loss_chunk:  # fused chunks: backward makes the logits again
+            return matmul + loss / 3, 3 * matmul + 2 * loss / 3
         return matmul + loss / 3, 2 * matmul + 2 * loss / 3
 
     def ops(self, layers: int) -> float:
@@ -340,6 +349,11 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
                      f"inter-node link")
     if not profile.intra_node_bandwidth and p.world_size > 1:
         notes.append(f"profile {profile.name!r} has no link figures: communication is not timed")
+    if t.precision == "fp8":
+        notes.append("fp8: the blocks' linears at the fp8 peak, their float8 casts not timed; MFU against the "
+                     "bf16 peak" if profile.flops.get("fp8") else
+                     f"fp8: profile {profile.name!r} has no fp8 matmul figure (no fp8 tensor cores): the linears "
+                     f"are timed as bf16")
     return SpeedPlan(step_time_s=step, tokens_per_step=tokens, world=p.world_size,
                      flops_per_token=formulas.flops_per_token(m, t.seq_len), peak_flops=costs.peak,
                      breakdown=breakdown, profile=profile.name, micro_batches=micro,

@@ -31,7 +31,7 @@ class MasterWeightAdamW:
         different parameters, all of which count."""
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self.placements = [placements[n] for n in self.names] if placements else None
-        self.mixed = cfg.precision == "bf16-mixed"
+        self.mixed = cfg.mixed  # bf16 parameters (bf16-mixed, fp8): fp32 masters here
         self.sharding, self.tp_group, self.pp_group, self.ep_group = sharding, tp_group, pp_group, ep_group
         self.syncs: list[tuple[int, object]] = []  # (parameter index, group summing its gradient)
         self.uncounted: set[int] = set()  # copies of a parameter counted elsewhere in the norm

@@ -1,0 +1,165 @@
+"""FP8 training (train.precision=fp8): bf16-mixed plus float8 matmuls in the transformer blocks' linears.
+
+Everything else is bf16-mixed: bf16 parameters, activations and gradients, fp32 master weights and Adam
+moments in the optimizer (fivefold.train.optim), the loss in fp32. On top of it every nn.Linear inside
+`model.layers` (q/k/v/o, the MLP's gate/up/down, each expert's and the shared expert's) becomes torchao's
+Float8Linear (`torchao.float8.convert_to_float8_training`), with torchao's default recipe: dynamic
+tensorwise scaling. Each of the three matmuls of a linear (forward, input gradient, weight gradient)
+casts its two operands to float8 with a scale from the operand's current absolute maximum (amax):
+inputs and weights to e4m3, output gradients to e5m2 (Micikevicius et al. 2022, "FP8 Formats for Deep
+Learning"), and multiplies them with higher-precision accumulation (`torch._scaled_mm` on the GPU).
+
+As torchtitan does, the embedding, the LM head and the MoE router stay bf16: the head's logits and the
+routing decisions are where low precision costs the most, and they are a small part of the FLOPs.
+
+What it costs in memory (fivefold.memory.activations, `Shapes.fp8`): torchao (0.18) saves the bf16 input
+and the weight for backward, exactly what F.linear saves, and casts them again there, so the saved
+activations are bf16-mixed's. What fp8 adds is temporary: while a linear runs, its float8 copies of the
+input and the weight (1 byte per element, plus a 4-byte scale), and the fp32 intermediates of the cast
+(x.float() * scale, clamped). Parameter names and objects are unchanged, so checkpoints are bf16-mixed's
+(fp32 masters) and load into a plain model.
+
+Layouts: a scale comes from the tensor a rank multiplies, so a layout reproduces one process exactly when
+it multiplies the same tensors: data parallelism and pipeline stages over the same micro-batches do
+(tests/test_fp8.py), while a different micro-batch split, or context parallelism (each rank scaling its
+part of the sequences), trains as well but rounds differently. Experts run on the tokens routed to them,
+each expert's linears with their own scales.
+
+Where it runs: on CUDA, GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell;
+checked when the device is known, at trainer start). On a CPU torchao emulates the float8 matmuls
+(`Float8LinearConfig(emulate=True)`: the same float8 rounding of both operands, the product in fp32),
+which is slow and only for tests. Refused in validate(), each with the reason in its message: tensor
+parallelism, LoRA / QLoRA, the zero-bubble pipeline schedule, and linear widths that are not multiples
+of 16 (check_fp8_config).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from fivefold.config import Config, ConfigError, ModelConfig
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores; Ampere (8.0, 8.6) has none
+
+
+def torchao_missing() -> str | None:
+    """Why torchao.float8 cannot be imported here, or None when it can."""
+    try:
+        _import_float8()
+    except ImportError as e:
+        return f"torchao is not installed or not usable ({e}); pip install torchao"
+    return None
+
+
+def _import_float8():
+    # On import torchao warns about each optional CUDA extension it cannot load (every CPU-only install),
+    # and torch about an enum torchao registers with pytree: noise for fp8 training, which needs neither.
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+    return float8
+
+
+def fp8_widths(m: ModelConfig) -> dict[str, int]:
+    """Every in / out width of the linears train.precision=fp8 converts, by the model key that sets it."""
+    widths = {"model.hidden_size": m.hidden_size,
+              f"model.num_heads x head size ({m.num_heads} x {m.head_size})": m.q_size,
+              f"model.num_kv_heads x head size ({m.num_kv_heads} x {m.head_size})": m.kv_size}
+    if m.num_experts:
+        widths["model.moe_ffn_hidden_size (each expert's width)"] = m.expert_size
+        if m.shared_expert_size:
+            widths["model.shared_expert_size"] = m.shared_expert_size
+    else:
+        widths["model.ffn_hidden_size"] = m.ffn_hidden_size
+    return widths
+
+
+def check_fp8_config(cfg: Config) -> None:
+    """What train.precision=fp8 cannot run with (called by fivefold.config.validate). The device's fp8
+    support is checked at trainer start (apply_fp8), where the device is known."""
+    missing = torchao_missing()
+    if missing:
+        raise ConfigError(f"train.precision=fp8 runs torchao's float8 linears: {missing}; or use "
+                          f"train.precision=bf16-mixed")
+    p, lora = cfg.parallel, cfg.lora
+    if p.tp > 1:
+        raise ConfigError(
+            f"train.precision=fp8 with parallel.tp={p.tp} is not supported: tensor parallelism replaces the "
+            f"blocks' linears by fivefold's column / row-parallel shards, torchao has no public float8 matmul "
+            f"for them, and each shard's own tensorwise scale would differ from the whole layer's (torchao "
+            f"all-reduces the amax only through DTensor); use parallel.tp=1 (split the model with pp or "
+            f"ZeRO-3 instead), or train.precision=bf16-mixed")
+    if lora.r or lora.quantize_base != "none":
+        raise ConfigError(
+            "train.precision=fp8 with LoRA (lora.r>0) is not supported: the adapters are child modules of the "
+            "base linears that torchao's conversion would drop, and QLoRA's int4 base has no bf16 weight to "
+            "cast; fine-tune adapters with train.precision=bf16-mixed")
+    if p.pp > 1 and p.pp_schedule == "zero-bubble":
+        raise ConfigError(
+            "train.precision=fp8 with parallel.pp_schedule=zero-bubble is not supported: zero-bubble defers "
+            "each plain linear's weight gradient to a later W pass, which a float8 linear computes in its own "
+            "backward; use parallel.pp_schedule=1f1b or interleaved")
+    bad = {key: n for key, n in fp8_widths(cfg.model).items() if n % 16}
+    if bad:
+        fixes = ", ".join(f"{key}={n} (e.g. {16 * max(1, round(n / 16))})" for key, n in bad.items())
+        raise ConfigError(f"train.precision=fp8 needs every width of the blocks' linears to be a multiple of 16 "
+                          f"(float8 tensor-core matmuls); not so: {fixes}; change those model keys, or use "
+                          f"train.precision=bf16-mixed")
+
+
+def fp8_supported(device: torch.device) -> str | None:
+    """Why `device` cannot run float8 matmuls natively, or None (CPU: emulation is always possible)."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"{name} has compute capability {capability[0]}.{capability[1]}, and float8 tensor cores need "
+                f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)")
+    return None
+
+
+def is_fp8_linear(name: str, module: nn.Module) -> bool:
+    """The linears train.precision=fp8 converts: every nn.Linear in a block but the MoE router (`name` is
+    the module's path below model.layers)."""
+    return type(module) is nn.Linear and name.rsplit(".", 1)[-1] != "router"
+
+
+def apply_fp8(model: nn.Module, cfg: Config, device: torch.device) -> list[str]:
+    """Under train.precision=fp8, make the blocks' linears torchao Float8Linears (on the meta model, before
+    materialisation: same Parameter objects and names, so placements, init, masters and checkpoints see no
+    difference); emulated on a CPU. Returns the converted modules' names ([] for other precisions)."""
+    if cfg.train.precision != "fp8":
+        return []
+    reason = fp8_supported(device)
+    if reason:
+        raise ConfigError(f"train.precision=fp8 on {device}: {reason}; use train.precision=bf16-mixed")
+    float8 = _import_float8()
+    config = float8.Float8LinearConfig(emulate=device.type != "cuda")  # the default recipe: tensorwise, dynamic
+    converted = []
+    for i, block in enumerate(model.layers):
+        before = {name: (module.weight, module.bias) for name, module in block.named_modules()
+                  if is_fp8_linear(name, module)}
+        # The filter sees names only: torchao's recursive traversal is a reference cycle that keeps the
+        # filter (and what it holds) until the cycle collector runs.
+        chosen = frozenset(before)
+        float8.convert_to_float8_training(block, config=config, module_filter_fn=lambda m, n: n in chosen)
+        for name, (weight, bias) in before.items():
+            module = block.get_submodule(name)
+            # torchao 0.18 re-attaches the linear's own Parameters (Float8Linear.from_float); should a version
+            # make new ones, put ours back: the placement record, gradient hooks and tied names refer to them.
+            if module.weight is not weight:
+                module.weight = weight
+            if module.bias is not bias:
+                module.bias = bias
+            converted.append(f"layers.{i}.{name}")
+    return converted
