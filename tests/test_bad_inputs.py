@@ -97,6 +97,8 @@ TRAIN_CASES = [
     ("dataset-vocab", ["--set", "data.dataset={foreign_dataset}"], "holds token id 9999, but model.vocab_size=512"),
     ("dataset-damaged-shard", ["--set", "data.dataset={damaged_dataset}"], "token id 65535 at token"),
     ("init-from-missing", ["--set", "train.init_from={tmp}/none"], "does not exist"),
+    ("kernels-triton-no-gpu", ["--set", "train.kernels=triton"], "train.kernels=triton cannot run here"),
+    ("kernels-triton-nproc", ["--nproc", "2", "--set", "train.kernels=triton"], "train.kernels=triton cannot run here"),
     ("nproc-zero", ["--nproc", "0"], "argument --nproc: 0 must be at least 1"),
     ("nproc-negative", ["--nproc", "-2"], "argument --nproc: -2 must be at least 1"),
     ("nproc-text", ["--nproc", "two"], "'two' is not an integer"),

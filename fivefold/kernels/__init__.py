@@ -42,6 +42,15 @@ def triton_available() -> bool:
     return _unavailable() is None
 
 
+def check_usable() -> None:
+    """Raise a ConfigError saying what to do unless the Triton kernels can run in this process (checked
+    again before any process group starts: fivefold.parallel.mesh.check_supported)."""
+    if not triton_available():
+        raise ConfigError(f"train.kernels=triton cannot run here: {_unavailable() or 'Triton is not usable'}; "
+                          f"install triton and run on a CUDA GPU, use train.kernels=torch, or (for tests only) "
+                          f"set TRITON_INTERPRET=1 to run the kernels in Triton's slow CPU interpreter")
+
+
 def apply_kernels(model: nn.Module, kernels: str) -> None:
     """Run `model`'s RMSNorms, SwiGLU MLPs (dense and experts) and RoPE with the Triton kernels
     (kernels="triton"), or leave it as it is ("torch"). Norms and MLPs change class to a subclass whose
@@ -51,10 +60,7 @@ def apply_kernels(model: nn.Module, kernels: str) -> None:
         raise ConfigError(f"train.kernels={kernels!r} is not valid; choose one of {', '.join(KERNELS)}")
     if kernels == "torch":
         return
-    if not triton_available():
-        raise ConfigError(f"train.kernels=triton cannot run here: {_unavailable() or 'Triton is not usable'}; "
-                          f"install triton and run on a CUDA GPU, use train.kernels=torch, or (for tests only) "
-                          f"set TRITON_INTERPRET=1 to run the kernels in Triton's slow CPU interpreter")
+    check_usable()
     from fivefold.kernels.rmsnorm import TritonRMSNorm  # imports triton: only once it is known to work
     from fivefold.kernels.rope import apply_rope
     from fivefold.kernels.swiglu import TritonMLP

@@ -79,6 +79,10 @@ def launched_world_size() -> int:
 def check_supported(cfg: Config) -> None:
     """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
     p = cfg.parallel
+    if cfg.train.kernels == "triton":  # a device question validate() cannot answer without torch
+        from fivefold.kernels import check_usable
+
+        check_usable()
     if cfg.model.num_experts:
         if p.cp > 1 and cfg.model.capacity_factor > 0:
             raise ConfigError(f"parallel.cp={p.cp} with model.capacity_factor={cfg.model.capacity_factor} is not "
