@@ -59,6 +59,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01  # Switch-style load balancing: E * sum_e f_e P_e
     router_z_loss_coef: float = 0.001  # ST-MoE router z-loss: mean logsumexp(logits)^2
     capacity_factor: float = 0.0  # tokens per expert <= factor * tokens * k / E (the rest dropped); 0: dropless
+    moe_grouped_mm: bool = True  # experts as one grouped matmul where the device has one; false: a loop over experts
 
     @property
     def expert_size(self) -> int:

@@ -12,6 +12,7 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 from fivefold.config import ConfigError, load_config  # noqa: E402
 from fivefold.memory.planner import plan_memory  # noqa: E402
 from fivefold.model import meta_model  # noqa: E402
+from fivefold.model.moe import GroupedExperts  # noqa: E402
 from fivefold.planner.hardware import load_profile  # noqa: E402
 from fivefold.planner.speed import _Costs, predict_step  # noqa: E402
 from fivefold.train import fp8  # noqa: E402
@@ -116,13 +117,16 @@ def test_fp8_resumes_exactly(tiny_config, tmp_path):
     assert [r["loss"] for r in resumed.fit()] == losses[2:]
 
 
-def test_moe_experts_are_float8_and_the_router_is_not(tiny_config, tmp_path):
-    """Experts are plain SwiGLU MLPs, each run on the tokens routed to it (never none): converted. The router
-    keeps its logits and routing decisions out of float8, as torchtitan does."""
-    trainer, losses = run(tiny_config, tmp_path, "moe", "fp8", preset="tiny-moe", **{"train.steps": 3})
+def test_moe_shared_expert_is_float8_and_the_router_and_routed_experts_are_not(tiny_config, tmp_path):
+    """The shared expert is a plain SwiGLU MLP: converted. The router keeps its logits and routing decisions
+    out of float8, as torchtitan does; the routed experts are one bf16 grouped matmul."""
+    trainer, losses = run(tiny_config, tmp_path, "moe", "fp8", preset="tiny-moe",
+                          **{"train.steps": 3, "model.shared_expert_size": 32})
     moe = trainer.model.layers[0].mlp
-    assert type(moe.router) is nn.Linear
-    assert all(isinstance(m, Float8Linear) for e in moe.experts for m in (e.gate_proj, e.up_proj, e.down_proj))
+    assert type(moe.router) is nn.Linear and type(moe.experts) is GroupedExperts
+    assert moe.experts.gate_proj.dtype == torch.bfloat16
+    shared = moe.shared_expert
+    assert all(isinstance(m, Float8Linear) for m in (shared.gate_proj, shared.up_proj, shared.down_proj))
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
@@ -236,7 +240,7 @@ def test_speed_model_runs_the_block_linears_at_the_fp8_peak():
     (("model.ffn_hidden_size=100",), r"multiple of 16.*model.ffn_hidden_size=100 \(e.g. 96\)"),
     (("model.hidden_size=72",), r"model.hidden_size=72 \(e.g. 64\)"),
     (("model.num_kv_heads=1", "model.head_dim=8"), r"model.num_kv_heads x head size \(1 x 8\)=8"),
-    (("model.num_experts=4", "model.moe_ffn_hidden_size=40"), r"model.moe_ffn_hidden_size \(each expert's width\)=40"),
+    (("model.num_experts=4", "model.shared_expert_size=40"), r"model.shared_expert_size=40 \(e.g. 32\)"),
 ])
 def test_bad_fp8_configs_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

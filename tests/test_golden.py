@@ -37,3 +37,23 @@ def test_compare_runs_cli(tmp_path):
     assert main(["compare-runs", str(a), str(b)]) == 1
     assert main(["compare-runs", str(a), str(b), "--rtol", "1e-3"]) == 0
     assert compare_metrics(read_metric(a), read_metric(b)).first_mismatch == 4
+
+
+GOLDEN_MOE = Path(__file__).parent / "golden" / "tiny_moe_fp32_losses.json"
+
+
+def test_grouped_experts_reproduce_the_per_expert_losses(tiny_config):
+    """The stacked experts, as one grouped matmul and as the loop fallback, against losses and gradient
+    norms recorded with each expert its own nn.Linear module (commit 2fa0306, before the stacking):
+    same initial values (each expert's matrix seeded from its old name), same routing, capacity drops
+    and shared expert, 10 steps."""
+    for grouped in (True, False):
+        cfg = tiny_config(preset="tiny-moe", **CONFIG, **{"model.capacity_factor": 1.0, "model.shared_expert_size": 32,
+                                                          "model.moe_grouped_mm": grouped})
+        history = Trainer(cfg, quiet=True, datasets=random_datasets(cfg)).fit()
+        if os.environ.get("FIVEFOLD_UPDATE_GOLDEN") == "1" and grouped:
+            GOLDEN_MOE.write_text(json.dumps([{k: r[k] for k in ("step", "loss", "grad_norm")} for r in history],
+                                             indent=1) + "\n")
+        for key in ("loss", "grad_norm"):
+            result = compare_metrics({r["step"]: r[key] for r in history}, read_metric(GOLDEN_MOE, key), rtol=1e-5)
+            assert result.ok and len(result.steps) == 10, (grouped, key, result.summary())

@@ -13,7 +13,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, Llama
                           PreTrainedTokenizerFast, Qwen2Config)
 
 from fivefold.cli import main  # noqa: E402
-from fivefold.config import ConfigError  # noqa: E402
+from fivefold.config import ConfigError, load_config  # noqa: E402
 from fivefold.interop.commands import parse_size  # noqa: E402
 from fivefold.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer  # noqa: E402
 from fivefold.interop.hf import (TOKENIZER_FILES, config_from_hf, export_hf, hf_config_from, import_hf,  # noqa: E402
@@ -243,6 +243,8 @@ def test_unsupported_features_name_the_field():
         hf_config_from(cfg, "gpt2")
     with pytest.raises(ConfigError, match="arch='qwen2' needs model.qkv_bias=True"):
         hf_config_from(cfg, "qwen2")
+    with pytest.raises(ConfigError, match="model.num_experts=8: a mixture of experts has no Hugging Face layout"):
+        hf_config_from(load_config(preset="tiny-moe").model)
 
 
 def test_parse_size():

@@ -1,6 +1,8 @@
 """Mixture of experts and expert parallelism.
 
-Layer: top-k routing with weights summing to one, capacity dropping (and dropless), the Switch
+Experts: the stacked weights run as one grouped matmul, or as the loop fallback, and both equal each
+expert run alone (fp32 and bf16, empty experts included); tests/test_golden.py checks both against the
+losses of the per-expert modules they replaced. Layer: top-k routing with weights summing to one, capacity dropping (and dropless), the Switch
 load-balancing loss at its textbook value for a uniform router, a shared expert. Expert parallelism:
 all-to-all dispatch and combine against local experts in float64 (outputs and every gradient;
 tests/moe_dispatch_worker.py). Training under torchrun (gloo, fp32) gives the single process's losses
@@ -15,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fivefold.config import ConfigError, config_from_dict, load_config
-from fivefold.model.moe import MoE
+from fivefold.model.moe import GroupedExperts, MoE, _grouped_mm_supported
 from fivefold.train.trainer import Trainer
 from parity import BASE, assert_parity, launch_layouts, metrics, torchrun
 
@@ -26,6 +29,55 @@ def moe_layer(**overrides) -> MoE:
     cfg = load_config(preset="tiny-moe", overrides=[f"{k}={v}" for k, v in overrides.items()]).model
     torch.manual_seed(0)
     return MoE(cfg)
+
+
+def expert(experts: GroupedExperts, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e alone, as a SwiGLU MLP of its own (the path before the experts were stacked)."""
+    return F.linear(F.silu(F.linear(x, experts.gate_proj[e])) * F.linear(x, experts.up_proj[e]), experts.down_proj[e])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_equals_the_loop_and_each_expert_alone(dtype):
+    """Tokens sorted by expert, some experts empty (the first, a middle one, the last): the grouped matmul,
+    the loop fallback and each expert run on its own rows give the same outputs, input gradients and
+    weight gradients (zero for the empty experts)."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(6, 32, 48).to(dtype)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    counts = torch.tensor([0, 5, 3, 0, 9, 0])
+    x = torch.randn(int(counts.sum()), 32, dtype=dtype)
+    grad = torch.randn(len(x), 32, dtype=dtype)
+    assert _grouped_mm_supported(x, *experts.parameters())
+    results = {}
+    for path in ("grouped", "loop", "alone"):
+        for w in experts.parameters():
+            w.grad = None
+        xin = x.clone().requires_grad_()
+        if path == "alone":
+            y = torch.cat([expert(experts, e, rows) for e, rows in enumerate(xin.split(counts.tolist()))])
+        else:
+            experts.grouped = path == "grouped"
+            y = experts(xin, counts)
+        (y.float() * grad.float()).sum().backward()  # a reduction's broadcast gradient, as training sees
+        results[path] = [y.detach(), xin.grad, *(w.grad for w in experts.parameters())]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for path in ("grouped", "loop"):
+        for ours, ref in zip(results[path], results["alone"]):
+            torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    for w_grad in results["grouped"][2:]:
+        assert w_grad[[0, 3, 5]].abs().max() == 0
+
+
+def test_grouped_matmul_is_used_only_where_it_runs():
+    experts = GroupedExperts(4, 32, 48)
+    assert _grouped_mm_supported(torch.randn(2, 32), *experts.parameters())
+    assert not _grouped_mm_supported(torch.randn(2, 32, dtype=torch.float64), *experts.double().parameters())
+    odd = GroupedExperts(4, 30, 48)  # rows of 30 fp32 values are not a multiple of 16 bytes: the loop runs
+    assert not _grouped_mm_supported(torch.randn(2, 30), *odd.parameters())
+    torch.nn.init.normal_(odd.gate_proj), torch.nn.init.normal_(odd.up_proj), torch.nn.init.normal_(odd.down_proj)
+    x, counts = torch.randn(5, 30), torch.tensor([2, 0, 3, 0])
+    assert torch.allclose(odd(x, counts), torch.cat([expert(odd, 0, x[:2]), expert(odd, 2, x[2:])]), atol=1e-5)
 
 
 def test_capacity_drops_the_overflow_and_dropless_keeps_everything():
@@ -62,7 +114,7 @@ def test_output_is_the_weighted_sum_of_the_chosen_experts_plus_the_shared_one():
     weights, experts = logits.topk(2, dim=-1)
     weights = weights.softmax(-1)
     for t in range(3):
-        expected = sum(w * moe.experts[int(e)](tokens[t]) for w, e in zip(weights[t], experts[t]))
+        expected = sum(w * expert(moe.experts, int(e), tokens[t]) for w, e in zip(weights[t], experts[t]))
         expected = expected + moe.shared_expert(tokens[t])
         assert torch.allclose(y[0, t], expected, atol=1e-6)
 

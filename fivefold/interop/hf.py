@@ -138,6 +138,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def _export_family(cfg: ModelConfig, arch: str | None) -> str:
+    if cfg.num_experts:
+        raise ConfigError(f"model.num_experts={cfg.num_experts}: a mixture of experts has no Hugging Face layout "
+                          f"fivefold writes (Mixtral's is not among {', '.join(ARCHITECTURES)}); keep the fivefold "
+                          f"checkpoint, which generate and serve load")
     gpt2_style = cfg.position == "learned" or cfg.activation == "gelu" or cfg.norm == "layernorm"
     family = arch or ("gpt2" if gpt2_style else "qwen2" if cfg.qkv_bias and not cfg.linear_bias else "llama")
     if family not in ARCHITECTURES:

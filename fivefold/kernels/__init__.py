@@ -22,6 +22,7 @@ from torch import nn
 from fivefold.config import ConfigError
 from fivefold.model.attention import Attention
 from fivefold.model.layers import MLP, RMSNorm
+from fivefold.model.moe import GroupedExperts
 
 KERNELS = ("torch", "triton")
 
@@ -54,7 +55,8 @@ def check_usable() -> None:
 def apply_kernels(model: nn.Module, kernels: str) -> None:
     """Run `model`'s RMSNorms, SwiGLU MLPs (dense and experts) and RoPE with the Triton kernels
     (kernels="triton"), or leave it as it is ("torch"). Norms and MLPs change class to a subclass whose
-    forward calls the kernel; attention's `rope_fn` becomes the Triton RoPE. In place; call it on the
+    forward calls the kernel; attention's `rope_fn` becomes the Triton RoPE, the stacked experts'
+    `swiglu_fn` the fused product. In place; call it on the
     (meta or materialised) model before torch.compile."""
     if kernels not in KERNELS:
         raise ConfigError(f"train.kernels={kernels!r} is not valid; choose one of {', '.join(KERNELS)}")
@@ -63,7 +65,7 @@ def apply_kernels(model: nn.Module, kernels: str) -> None:
     check_usable()
     from fivefold.kernels.rmsnorm import TritonRMSNorm  # imports triton: only once it is known to work
     from fivefold.kernels.rope import apply_rope
-    from fivefold.kernels.swiglu import TritonMLP
+    from fivefold.kernels.swiglu import TritonMLP, swiglu
 
     for module in model.modules():
         # Exact types: a module already swapped, or another subclass (e.g. a future adapter), is left alone.
@@ -73,3 +75,5 @@ def apply_kernels(model: nn.Module, kernels: str) -> None:
             module.__class__ = TritonMLP
         elif isinstance(module, Attention) and module.use_rope:
             module.rope_fn = apply_rope
+        elif isinstance(module, GroupedExperts):
+            module.swiglu_fn = swiglu

@@ -17,8 +17,8 @@ def register(sub) -> None:
     add_config_args(plan)
     plan.add_argument("--device-memory", help="memory of one accelerator, e.g. 80GB (1e9 bytes) or 80GiB")
     plan.add_argument("--cluster", metavar="PROFILE",
-                      help="a hardware profile (h100-sxm, h200, a100-80gb, a100-40gb, or a file from `fivefold "
-                           "calibrate`): its device memory and device kind; see `fivefold hardware`")
+                      help="a hardware profile (h100-sxm, h100-hbm2e-500w, h200, a100-80gb, a100-40gb, or a file "
+                           "from `fivefold calibrate`): its device memory and device kind; see `fivefold hardware`")
     plan.add_argument("--device", choices=("cuda", "cpu"), default=None,
                       help="which kernels to assume (SDPA backend, LayerNorm statistics dtype); default cuda")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

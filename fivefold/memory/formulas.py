@@ -134,10 +134,9 @@ def _parameter_shapes(cfg: ModelConfig, tp: int, layers, first_stage: bool, last
         norm(f"{p}.mlp_norm")
         if cfg.num_experts:  # experts split over ep ranks; the router and the shared expert are whole
             shapes.append((f"{p}.mlp.router.weight", h * cfg.num_experts))
-            # Under tensor parallelism each expert is itself split like a dense MLP.
-            for e in range(cfg.num_experts // ep):
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    shapes.append((f"{p}.mlp.experts.{e}.{name}.weight", h * cfg.expert_size // tp))
+            # Stacked (E, out, in): E/ep experts here, each split like a dense MLP under tensor parallelism.
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                shapes.append((f"{p}.mlp.experts.{name}", cfg.num_experts // ep * h * cfg.expert_size // tp))
             if cfg.shared_expert_size:
                 for name in ("gate_proj", "up_proj", "down_proj"):
                     shapes.append((f"{p}.mlp.shared_expert.{name}.weight", h * cfg.shared_expert_size // tp))

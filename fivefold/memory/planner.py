@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig, validate
 from fivefold.memory import formulas
+from fivefold.model.moe import is_stacked_expert
 from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
                                          replay_forward)
 
@@ -381,24 +382,28 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
         grad_buffers = 4 * shard(n, 2)
     elif t.fp32_grad_accum:
         grad_buffers = 4 * n
-    return parameters + masters + grad_buffers + 4 * _largest_being_made(tuple(shapes), cfg.model)
+    return parameters + masters + grad_buffers + 4 * _largest_being_made(tuple(shapes), cfg.model, par.tp)
 
 
-def _largest_being_made(shapes: tuple, model) -> int:
-    """Elements of the largest full parameter (plus its tensor-parallel slice) this rank materialises."""
-    return _largest_cached(shapes, tuple(vars(model).items()))
+def _largest_being_made(shapes: tuple, model, tp: int) -> int:
+    """Elements of the largest full parameter (plus its tensor-parallel slice) this rank materialises.
+    A stacked expert weight is filled one expert's full matrix (plus its slice) at a time."""
+    return _largest_cached(shapes, tuple(vars(model).items()), tp)
 
 
 @functools.lru_cache(maxsize=1024)
-def _largest_cached(shapes: tuple, model_fields: tuple) -> int:
+def _largest_cached(shapes: tuple, model_fields: tuple, tp: int) -> int:
     model = ModelConfig(**dict(model_fields))
+    matrix = model.hidden_size * model.expert_size
+    stacked = [numel + matrix + (matrix // tp if tp > 1 else 0) for name, numel in shapes if is_stacked_expert(name)]
     layers = sorted({int(name.split(".")[1]) for name, _ in shapes if name.startswith("layers.")})
     names = {name for name, _ in shapes}
     full = dict(formulas.parameter_shapes(model, 1, layers, "embed_tokens.weight" in names,
                                           "norm.weight" in names))  # global sizes of this rank's parameters
     # (a tied model's last pipeline stage holds a copy of the embedding as lm_head.weight)
     full.setdefault("lm_head.weight", model.vocab_size * model.hidden_size)
-    return max(full[name] + (numel if numel != full[name] else 0) for name, numel in shapes if name in full)
+    return max([full[name] + (numel if numel != full[name] else 0) for name, numel in shapes
+                if name in full and not is_stacked_expert(name)] + stacked)
 
 
 def _ffn_width(m) -> int:
@@ -491,7 +496,8 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     if cfg.model.num_experts:
         notes.append("MoE activations are planned as a dense MLP as wide as the k chosen experts (plus the "
                      "shared one); the router's logits, the routed copies of tokens and the all-to-all buffers "
-                     "are not modelled")
+                     "are not modelled" + ("; under fp8 the routed experts' matmuls are bf16, planned as float8"
+                                           if cfg.train.precision == "fp8" else ""))
     if cfg.model.attention == "sdpa" and scores_materialised(cfg, device):
         notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
                      "its s^2 scores are counted as under eager attention")

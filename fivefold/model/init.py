@@ -18,6 +18,7 @@ import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
 
 from fivefold.config import ModelConfig
+from fivefold.model.moe import expert_matrix_name, is_stacked_expert
 from fivefold.model.transformer import Transformer
 
 # Residual-branch output projections, scaled by 1/sqrt(2 * num_layers) (GPT-2, Radford et al. 2019).
@@ -82,6 +83,8 @@ def param_seed(seed: int, name: str) -> int:
 
 def initial_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The full fp32 initial value of parameter `name` (a pure function of seed, name and shape)."""
+    if is_stacked_expert(name):
+        return torch.stack([initial_expert_matrix(name, e, shape, cfg, seed) for e in range(shape[0])])
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):
@@ -91,3 +94,9 @@ def initial_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> 
         std /= math.sqrt(2 * cfg.num_layers)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.randn(shape, generator=gen) * std
+
+
+def initial_expert_matrix(name: str, expert: int, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """Expert `expert`'s full matrix of the stacked expert weight `name` (global shape `shape`), drawn
+    from its own name: a rank holding some experts draws only theirs, one at a time."""
+    return initial_value(expert_matrix_name(name, expert), shape[1:], cfg, seed)

@@ -8,6 +8,13 @@ z-loss, the mean squared log-sum-exp of the logits (Zoph et al. 2022). With capa
 expert takes at most ceil(factor * tokens * k / E) tokens, in token order, and the rest of its
 assignments are dropped (the token keeps its residual); 0 is dropless.
 
+The experts' weights are stacked, (E, out, in) per projection, so that the tokens routed to all of
+them, sorted by expert, go through each projection as one grouped matmul (`F.grouped_mm`: one kernel
+for E jagged problems instead of E small ones, MegaBlocks' and torchtitan's approach); where the
+device or dtype has no grouped matmul (float64, CUDA before sm80, shapes off its 16-byte alignment) or
+`model.moe_grouped_mm=false`, a loop runs the same slices one expert at a time. Each expert's matrix
+is initialised from its own name (`expert_matrix_name`), so the values do not depend on the stacking.
+
 How routed tokens reach their experts is an ExpertDispatch's business: locally by default, or through
 all-to-all when experts are spread over ranks (fivefold.parallel.expert_parallel); `parallelize`
 chooses, through `MoE.distribute`, the one declared place where a runtime changes this module.
@@ -32,6 +39,91 @@ def expert_config(cfg: ModelConfig, hidden: int) -> ModelConfig:
     return replace(cfg, ffn_hidden_size=hidden, linear_bias=False)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: grouped_mm's backward rejects the
+    broadcast (stride 0) gradients a reduction such as .sum() produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether F.grouped_mm runs these operands: bf16 on CUDA from sm80, fp32 / bf16 on the CPU (bf16 only
+    inside torch.compile, whose shape function for it knows no other dtype), every row a multiple of 16
+    bytes."""
+    if not hasattr(F, "grouped_mm") or x.dtype != weights[0].dtype:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return all(d * x.element_size() % 16 == 0 for w in weights for d in w.shape[1:])
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def expert_matrix_name(name: str, expert: int) -> str:
+    """The name expert `expert`'s matrix of the stacked parameter `name` ("...experts.gate_proj") is
+    seeded from: what it would be called were each expert its own nn.Linear ("...experts.3.gate_proj.weight")."""
+    prefix, _, proj = name.rpartition(".")
+    return f"{prefix}.{expert}.{proj}.weight"
+
+
+def is_stacked_expert(name: str) -> bool:
+    return name.rsplit(".", 2)[-2:-1] == ["experts"]
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with their weights stacked: gate_proj, up_proj (E, f, h), down_proj (E, h, f).
+    `forward(x, counts)`: x (A, h) holds the routed tokens sorted by expert, counts[e] of them for
+    expert e; returns each row's expert output, same order."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, grouped: bool = True):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.grouped = grouped
+        # silu(gate) * up; fivefold.kernels swaps in its fused Triton kernel (train.kernels=triton).
+        self.swiglu_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _swiglu
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default for each expert, for a layer built on its own (a model's materialisation
+        gives every weight its seeded value instead)."""
+        for w in (self.gate_proj, self.up_proj, self.down_proj):
+            bound = 1 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        if self.grouped and _grouped_mm_supported(x, *weights):
+            ends = counts.cumsum(0).to(torch.int32)  # no host sync: the kernel reads the group ends on device
+
+            def project(a, w):
+                return _ContiguousGrad.apply(F.grouped_mm(a, w.transpose(-2, -1), offs=ends))
+            return project(self.swiglu_fn(project(x, self.gate_proj), project(x, self.up_proj)), self.down_proj)
+        # Every expert runs, an empty one on zero rows, so each weight takes part in backward.
+        outputs = [F.linear(self.swiglu_fn(F.linear(rows, gate), F.linear(rows, up)), down)
+                   for rows, gate, up, down in zip(x.split(counts.tolist()), *weights)]
+        return torch.cat(outputs)
+
+
+def sorted_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order that groups the assignments by expert, token order kept within each; count per expert)."""
+    return torch.argsort(expert_ids, stable=True), torch.bincount(expert_ids, minlength=num_experts)
+
+
 class ExpertDispatch(Protocol):
     """Sends each routed (token, expert) assignment to its expert and returns the gate-weighted sum of
     the expert outputs per token: `tokens` (T, h); `expert_ids`, `token_ids`, `weights` (A,) for the A
@@ -42,16 +134,13 @@ class ExpertDispatch(Protocol):
 
 
 class LocalDispatch:
-    """Every expert lives here: run each on the tokens routed to it."""
+    """Every expert lives here: gather the routed tokens sorted by expert, run them, add them back."""
 
     def __call__(self, moe: "MoE", tokens, expert_ids, token_ids, weights):
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(moe.experts):
-            mine = expert_ids == e
-            if mine.any():
-                rows = token_ids[mine]
-                out.index_add_(0, rows, expert(tokens[rows]) * weights[mine, None].to(tokens.dtype))
-        return out
+        order, counts = sorted_by_expert(expert_ids, moe.num_experts)
+        rows = token_ids[order]
+        out = moe.experts(tokens[rows], counts) * weights[order, None].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, rows, out)
 
 
 class MoE(nn.Module):
@@ -61,7 +150,7 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(expert_config(cfg, cfg.expert_size)) for _ in range(cfg.num_experts))
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_size, cfg.moe_grouped_mm)
         self.shared_expert = MLP(expert_config(cfg, cfg.shared_expert_size)) if cfg.shared_expert_size else None
         self.dispatch: ExpertDispatch = LocalDispatch()
         # Sums a routing statistic over the ranks holding other tokens of the same sequences (context

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from fivefold.config import Config
 from fivefold.kernels import apply_kernels
 from fivefold.finetune.lora import adapter_value, apply_lora, is_adapter
-from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_value, materialize_parameters,
-                            meta_model)
-from fivefold.model.moe import MoE
+from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_expert_matrix, initial_value,
+                            materialize_parameters, meta_model)
+from fivefold.model.moe import MoE, is_stacked_expert
 from fivefold.parallel.context_parallel import DocumentBlocks, apply_context_parallel, zigzag_positions
 from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
 from fivefold.parallel.expert_parallel import apply_expert_parallel
@@ -75,8 +75,15 @@ def with_adapters(values: ValueSource, cfg: Config) -> ValueSource:
 
 def initial_values(cfg: Config) -> ValueSource:
     """The layout-independent initialisation: each parameter's full value from (seed, name), sliced."""
-    return lambda name, placement: placement.local(
-        initial_value(name, torch.Size(placement.global_shape), cfg.model, cfg.train.seed))
+    def value(name: str, placement: Placement) -> torch.Tensor:
+        shape = torch.Size(placement.global_shape)
+        if not is_stacked_expert(name):
+            return placement.local(initial_value(name, shape, cfg.model, cfg.train.seed))
+        out, one = torch.empty(placement.local_shape), placement.per_expert()
+        for row, e in enumerate(placement.experts):  # this rank's experts, one full matrix at a time
+            out[row] = one.local(initial_expert_matrix(name, e, shape, cfg.model, cfg.train.seed))
+        return out
+    return value
 
 
 def init_from_values(cfg: Config) -> ValueSource | None:
@@ -136,7 +143,9 @@ class ParallelModel:
             self.pipeline = Pipeline(model, cfg, mesh, self.dtype, weak(self._current_reducer),
                                      weak(self.forward_context), weak(self._router_loss))
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]  # this rank's stages'
-        self.placements: Placements = record(model, tp_axes, experts, mesh.tp_rank, mesh.tp_size)
+        ep_rank = dist.get_rank(mesh.ep_group) if mesh.ep_size > 1 else 0
+        self.placements: Placements = record(model, tp_axes, experts, mesh.tp_rank, mesh.tp_size, ep_rank,
+                                             mesh.ep_size)
         self.vocab_start = mesh.tp_rank * (cfg.model.vocab_size // mesh.tp_size)
 
     def _current_reducer(self):

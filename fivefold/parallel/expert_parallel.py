@@ -4,7 +4,7 @@ each token's hidden state travels to the rank of each expert it was routed to an
 the token's own rank, so they are exactly the single-process ones.
 
 Ranks: data-parallel rank d = g * ep + e; the ep ranks of one group g split the experts (rank e holds
-experts e * E/ep ... (e+1) * E/ep - 1), and expert parameters are averaged only across the groups that
+experts e * E/ep ... (e+1) * E/ep - 1: those rows of each stacked expert weight), and expert parameters are averaged only across the groups that
 hold the same experts (the expert-data-parallel group), while every other parameter is reduced over
 all dp ranks as usual.
 """
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single as differentiable_all_to_all
+
+from fivefold.model.moe import sorted_by_expert
 
 
 class AllToAllDispatch:
@@ -35,13 +37,11 @@ class AllToAllDispatch:
         incoming = differentiable_all_to_all(incoming, tokens[token_ids], recv_splits, send_splits, self.group)
         incoming_experts = expert_ids.new_empty(sum(recv_splits))
         dist.all_to_all_single(incoming_experts, expert_ids, recv_splits, send_splits, group=self.group)
-        # Tied to `incoming` even when no local expert got a token: every rank must run the dispatch's
-        # backward all-to-all, or the collectives of the ranks stop matching.
-        processed = incoming * 0
-        for e in range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank):
-            rows = (incoming_experts == e).nonzero().flatten()
-            if len(rows):
-                processed = processed.index_add(0, rows, moe.experts[e](incoming[rows]))
+        # Sorted by local expert for the grouped matmul. Every expert runs, on zero rows if it got none,
+        # which keeps `incoming` in the graph: every rank must run the dispatch's backward all-to-all, or
+        # the collectives of the ranks stop matching.
+        order, counts = sorted_by_expert(incoming_experts - self.rank * self.per_rank, self.per_rank)
+        processed = moe.experts(incoming[order], counts)[torch.argsort(order)]
         returned = differentiable_all_to_all(torch.empty_like(tokens[token_ids]), processed, send_splits,
                                              recv_splits, self.group)
         return torch.zeros_like(tokens).index_add(0, token_ids, returned * weights[:, None].to(tokens.dtype))
@@ -71,18 +71,19 @@ def expert_groups(ranks: torch.Tensor, ep: int):
 
 
 def apply_expert_parallel(model: nn.Module, group) -> set[str]:
-    """Keep this rank's experts (the others become placeholders; names stay global) and route through
-    all-to-all. Returns the names of the expert parameters: each ep rank holds different ones, so the
-    gradient norm sums them over the ep group and they are reduced over the expert-data-parallel group."""
+    """Keep this rank's experts, rows rank * E/ep ... of each stacked expert weight (on the meta device
+    before materialisation; names stay global), and route through all-to-all. Returns the names of the
+    expert parameters: each ep rank holds different rows, so the gradient norm sums them over the ep
+    group and they are reduced over the expert-data-parallel group."""
     from fivefold.model.moe import MoE
 
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     names = set()
     for prefix, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
         per_rank = moe.num_experts // ep
-        for e in range(moe.num_experts):
-            if not rank * per_rank <= e < (rank + 1) * per_rank:
-                moe.experts[e] = nn.Identity()
-        names |= {f"{prefix}.experts.{n}" for n, _ in moe.experts.named_parameters()}
+        for name, param in list(moe.experts.named_parameters()):
+            mine = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+            setattr(moe.experts, name, nn.Parameter(mine, requires_grad=param.requires_grad))
+            names.add(f"{prefix}.experts.{name}")
         moe.distribute(dispatch=AllToAllDispatch(group, moe.num_experts))
     return names

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.model.moe import GroupedExperts
 from fivefold.parallel.zero import _all_gather, _reduce_scatter
 
 
@@ -367,6 +368,8 @@ def sharded_axes(model: nn.Module) -> dict[str, int]:
                 axes[f"{prefix}.bias"] = 0
         elif isinstance(module, RowParallelLinear):
             axes[f"{prefix}.weight"] = 1
+        elif isinstance(module, GroupedExperts):
+            axes.update({f"{prefix}.{name}": axis for name, axis in EXPERT_AXES.items()})
     if not isinstance(model.lm_head, (nn.Linear, ColumnParallelLinear)):  # a feature head, split all the same
         axes["lm_head.weight"] = 0
     return axes
@@ -381,16 +384,26 @@ def _sequence_region_replicas(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _shard_experts(moe: nn.Module, group) -> None:
-    """Each expert (and the shared expert) as a tensor-parallel MLP: gate/up by columns, down by rows.
-    Routing stays whole and identical on every rank; each expert's input enters through its own f, so
-    the router's input gradient is not summed over the group."""
-    experts = [e for e in moe.experts if hasattr(e, "gate_proj")]
-    if moe.shared_expert is not None:
-        experts.append(moe.shared_expert)
-    for mlp in experts:
-        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, "copy")
-        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, "copy")
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel=False)
+    """The stacked experts split like a dense MLP, each expert's gate/up by output columns and down by
+    input rows, so the grouped matmul runs on every rank with its slice of every expert: the routed
+    tokens enter once through f and the partial outputs leave once through g. Routing stays whole and
+    identical on every rank; as the experts' f sits after the router, the router's input gradient is
+    not summed over the group. The shared expert is a tensor-parallel MLP of its own."""
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    experts = moe.experts
+    for name, axis in EXPERT_AXES.items():
+        setattr(experts, name, _shard(getattr(experts, name), axis, rank, tp))
+    experts.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+    experts.register_forward_hook(lambda module, args, output: _ReduceFromTP.apply(output, group))
+    shared = moe.shared_expert
+    if shared is not None:
+        shared.gate_proj = ColumnParallelLinear(shared.gate_proj, group, "copy")
+        shared.up_proj = ColumnParallelLinear(shared.up_proj, group, "copy")
+        shared.down_proj = RowParallelLinear(shared.down_proj, group, sequence_parallel=False)
+
+
+# The axis of each stacked expert weight (E, out, in) that tensor parallelism splits: the expert width f.
+EXPERT_AXES = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
 
 
 def _all_reduce_hook(group):

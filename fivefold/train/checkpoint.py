@@ -425,7 +425,7 @@ class CheckpointWeights:
 
     def __call__(self, name: str, placement) -> torch.Tensor:
         local = torch.empty(placement.local_shape)
-        target = Piece(local, placement.global_shape, placement.offsets) if placement.tp_sharded else local
+        target = Piece(local, placement.global_shape, placement.offsets) if placement.sharded else local
         read_state(self.ckpt, {f"model.{name}": target}, alone=True)
         return local
 

@@ -2,7 +2,7 @@
 
 Everything else is bf16-mixed: bf16 parameters, activations and gradients, fp32 master weights and Adam
 moments in the optimizer (fivefold.train.optim), the loss in fp32. On top of it every nn.Linear inside
-`model.layers` (q/k/v/o, the MLP's gate/up/down, each expert's and the shared expert's) becomes torchao's
+`model.layers` (q/k/v/o, the MLP's gate/up/down, a mixture of experts' shared expert) becomes torchao's
 Float8Linear (`torchao.float8.convert_to_float8_training`), with torchao's default recipe: dynamic
 tensorwise scaling. Each of the three matmuls of a linear (forward, input gradient, weight gradient)
 casts its two operands to float8 with a scale from the operand's current absolute maximum (amax):
@@ -10,7 +10,9 @@ inputs and weights to e4m3, output gradients to e5m2 (Micikevicius et al. 2022, 
 Learning"), and multiplies them with higher-precision accumulation (`torch._scaled_mm` on the GPU).
 
 As torchtitan does, the embedding, the LM head and the MoE router stay bf16: the head's logits and the
-routing decisions are where low precision costs the most, and they are a small part of the FLOPs.
+routing decisions are where low precision costs the most, and they are a small part of the FLOPs. A
+mixture of experts' routed experts (fivefold.model.moe.GroupedExperts: stacked weights, one grouped
+matmul) stay bf16 too: torchao's float8 grouped matmul for them is a prototype.
 
 What it costs in memory (fivefold.memory.activations, `Shapes.fp8`): torchao (0.18) saves the bf16 input
 and the weight for backward, exactly what F.linear saves, and casts them again there, so the saved
@@ -22,8 +24,7 @@ input and the weight (1 byte per element, plus a 4-byte scale), and the fp32 int
 Layouts: a scale comes from the tensor a rank multiplies, so a layout reproduces one process exactly when
 it multiplies the same tensors: data parallelism and pipeline stages over the same micro-batches do
 (tests/test_fp8.py), while a different micro-batch split, or context parallelism (each rank scaling its
-part of the sequences), trains as well but rounds differently. Experts run on the tokens routed to them,
-each expert's linears with their own scales.
+part of the sequences), trains as well but rounds differently.
 
 Where it runs: on CUDA, GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell;
 checked when the device is known, at trainer start). On a CPU torchao emulates the float8 matmuls
@@ -74,8 +75,7 @@ def fp8_widths(m: ModelConfig) -> dict[str, int]:
     widths = {"model.hidden_size": m.hidden_size,
               f"model.num_heads x head size ({m.num_heads} x {m.head_size})": m.q_size,
               f"model.num_kv_heads x head size ({m.num_kv_heads} x {m.head_size})": m.kv_size}
-    if m.num_experts:
-        widths["model.moe_ffn_hidden_size (each expert's width)"] = m.expert_size
+    if m.num_experts:  # the routed experts stay bf16
         if m.shared_expert_size:
             widths["model.shared_expert_size"] = m.shared_expert_size
     else:
@@ -130,7 +130,7 @@ def fp8_supported(device: torch.device) -> str | None:
 
 def is_fp8_linear(name: str, module: nn.Module) -> bool:
     """The linears train.precision=fp8 converts: every nn.Linear in a block but the MoE router (`name` is
-    the module's path below model.layers)."""
+    the module's path below model.layers); the routed experts are no nn.Linear."""
     return type(module) is nn.Linear and name.rsplit(".", 1)[-1] != "router"
 
 

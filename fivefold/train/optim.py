@@ -195,7 +195,7 @@ class MasterWeightAdamW:
         if self.sharding is not None:
             return self.sharding.as_global(i, tensor)
         placement = self.placements[i] if self.placements else None
-        if placement is None or not placement.tp_sharded:
+        if placement is None or not placement.sharded:
             return tensor
         from fivefold.train.checkpoint import Piece
 
