@@ -14,12 +14,13 @@ from fivefold.planner.hardware import load_profile, profile_from_dict, shipped_p
 
 
 def test_shipped_profiles_load_and_round_trip(tmp_path):
-    assert shipped_profiles() == ["a100-40gb", "a100-80gb", "h100-sxm", "h200"]
+    assert shipped_profiles() == ["a100-40gb", "a100-80gb", "h100-hbm2e-500w", "h100-sxm", "h200"]
     for name in shipped_profiles():
         profile = load_profile(name)
         assert profile.device == "cuda" and profile.gpus_per_node == 8
         assert profile.peak_flops("bf16") > 1e14 and profile.memory_bytes >= 40e9
         assert profile.intra_node_bandwidth > profile.inter_node_bandwidth > 0
+        assert 0 < profile.comm_interference < 0.5  # NCCL's resident CTAs: a minority of the SMs
         path = tmp_path / f"{name}.toml"
         path.write_text(profile.to_toml())
         assert load_profile(path) == profile
@@ -44,6 +45,8 @@ GOOD = load_profile("h200").to_toml()
     (GOOD.replace("attention_efficiency = 0.45", "attention_efficiency = 1.5"), "attention_efficiency=1.5 must be a "
                                                                                "fraction in (0, 1]"),
     (GOOD.replace("matmul_efficiency = 0.755", "matmul_efficiency = 0"), "matmul_efficiency=0 must be in (0, 4]"),
+    (GOOD.replace("comm_interference = 0.18", "comm_interference = 1"), "comm_interference=1 must be a fraction "
+                                                                         "in [0, 1)"),
 ])
 def test_a_bad_profile_is_a_clear_error(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -60,7 +63,7 @@ def test_plan_takes_device_memory_and_kind_from_the_cluster(capsys):
     assert cli.main(["plan", "--preset", "llama3-8b", "--cluster", "h200", "--device-memory", "24GB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_memory"] == 24e9  # an explicit figure wins
     assert cli.main(["hardware"]) == 0
-    assert capsys.readouterr().out.count("NVIDIA") == 4
+    assert capsys.readouterr().out.count("NVIDIA") == 5
 
 
 def test_calibrate_measures_this_machine_into_a_profile(tmp_path, data_cache):

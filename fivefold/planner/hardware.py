@@ -25,8 +25,12 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
     op_overhead           seconds of host time per kernel launched, which small models cannot hide (5e-6)
     overlap               fraction of overlappable communication that actually hides behind compute: 1 on
                           GPUs (copy engines, NCCL's own SMs); a CPU host's gloo threads share the cores (1)
+    comm_interference     fraction of the compute rate lost while an overlapped collective is in flight:
+                          NCCL's kernels hold one SM per channel (CTA) for the whole collective, so the
+                          kernels they overlap run on the rest (0: not modelled, as in a calibrated profile)
 
-Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb), from vendor datasheets.
+Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb from vendor datasheets;
+h100-hbm2e-500w, the power-limited H100s torchtitan benchmarked on, from that page).
 A user's own file is given by path. A link figure of 0 means "not measured" (e.g. a calibration run on one
 process cannot see a link).
 """
@@ -44,7 +48,7 @@ from fivefold.config import ConfigError
 PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
-              "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0}
+              "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0, "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
             "inter_node_bandwidth", "inter_node_latency")
@@ -70,6 +74,7 @@ class HardwareProfile:
     memory_efficiency: float = EFFICIENCY["memory_efficiency"]
     op_overhead: float = EFFICIENCY["op_overhead"]
     overlap: float = EFFICIENCY["overlap"]
+    comm_interference: float = EFFICIENCY["comm_interference"]
 
     def peak_flops(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` (bf16, fp16, fp8, fp32); an error if the device has none."""
@@ -131,6 +136,9 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
     for key in _FRACTIONS:
         if key in values and not 0 < values[key] <= 1 and not (key == "overlap" and values[key] == 0):
             raise ConfigError(f"hardware profile {where}: {key}={values[key]!r} must be a fraction in (0, 1]")
+    if "comm_interference" in values and not 0 <= values["comm_interference"] < 1:
+        raise ConfigError(f"hardware profile {where}: comm_interference={values['comm_interference']!r} must be a "
+                          f"fraction in [0, 1)")
     if values["memory_bytes"] <= 0:
         raise ConfigError(f"hardware profile {where}: memory_bytes must be > 0")
     if not isinstance(values["gpus_per_node"], int) or values["gpus_per_node"] < 1:

@@ -19,7 +19,11 @@ Per micro-batch and pipeline stage, a forward (F), a backward (B) and, under zer
   beyond the prefetch window and ZeRO-2's per-micro-batch reduce-scatters beyond their backward.
 Each collective is timed on the link its group crosses (fivefold.memory.communication lists them): ranks
 are laid out (pp, dp, cp, tp), tp innermost, so a group of `size` ranks `stride` apart stays inside a
-node when stride x size <= gpus_per_node; ring algorithms, latency per step.
+node when stride x size <= gpus_per_node; ring algorithms, latency per step; a ring across nodes uses the
+NICs of all the group's ranks in a node. Overlapped communication is not free even when hidden: NCCL's
+kernels hold some of the SMs while it is in flight (the profile's comm_interference), and collectives that
+share a link at the same time (ZeRO-3's gathers and reduce-scatters in backward) hide behind it together.
+Full recomputation replays the forward's in-layer collectives too.
 
 The stages' F / B / W costs drive the pipeline's own action lists (fivefold.parallel.pipeline_schedules:
 AFAB, 1F1B, interleaved, zero-bubble) through the schedule simulator: the bubble is what the simulated
@@ -204,6 +208,13 @@ def collective_seconds(c: Collective, profile: HardwareProfile, cfg: Config) -> 
     bandwidth, latency, inter = _link(profile, stride, c.group)
     if not bandwidth:
         return 0.0
+    if inter and c.op in ("all_reduce", "all_gather", "reduce_scatter"):
+        # NCCL runs a ring collective as several channels, each leaving a node through its own NIC (its
+        # topology search, src/graph/search.cc, gives every channel its own net), so a group with k ranks
+        # in each node crosses nodes on all k of their NICs: a node's share of the data moves at k times
+        # one GPU's link, up to what NVLink carries inside the node. Point-to-point traffic (pipeline sends,
+        # all-to-alls, ring attention) leaves each GPU on its own NIC.
+        bandwidth = min(profile.intra_node_bandwidth or bandwidth, bandwidth * max(1, profile.gpus_per_node // stride))
     steps = {"all_reduce": 2 * (c.group - 1), "send": 1}.get(c.op, c.group - 1)
     if inter:
         steps = min(steps, 2 * math.ceil(math.log2(c.group)))
@@ -239,8 +250,17 @@ def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict
     return _Stage(F, B, {"compute": weight})
 
 
+def _exposed(hw: HardwareProfile, seconds: float, window: float, floor: float = 0.0) -> float:
+    """Seconds an overlapped collective of `seconds` adds to the critical path when it may hide behind
+    `window` seconds of compute, at least `floor` (what must run after the compute, e.g. a last bucket).
+    While it is in flight NCCL's kernels hold comm_interference of the SMs, so the compute it overlaps
+    runs that much slower: the hidden part still costs comm_interference of itself."""
+    return max(floor + hw.comm_interference * max(0.0, seconds - floor), seconds - hw.overlap * window)
+
+
 def _per_micro_batch_comm(cfg: Config, hw: HardwareProfile, costs: _Costs, stage: int, layers: int,
-                          stage_layers: int, compute_f: float, compute_b: float) -> dict[str, dict[str, float]]:
+                          stage_layers: int, compute_f: float, compute_b: float,
+                          recompute: float = 0.0) -> dict[str, dict[str, float]]:
     """Exposed communication seconds per micro-batch of one chunk (`layers` of the rank's `stage_layers`),
     forward and backward, by dimension."""
     p, micro = cfg.parallel, cfg.train.grad_accum
@@ -248,16 +268,26 @@ def _per_micro_batch_comm(cfg: Config, hw: HardwareProfile, costs: _Costs, stage
     fwd: dict[str, float] = {}
     bwd: dict[str, float] = {}
     attn_f, attn_b = costs.attention()
+    # Full recomputation replays each block's forward before its backward, collectives included: the
+    # tensor-parallel all-reduces (Korthikanti et al. 2022, sec. 4) and expert all-to-alls of the forward
+    # run again inside the backward, as do the ring-attention shifts.
+    replay = cfg.train.recompute == "full"
+    gather = gradients = gather_floor = gradients_floor = 0.0  # ZeRO data-parallel traffic, this chunk
     for c in step_collectives(cfg, stage):
         seconds = collective_seconds(c, hw, cfg) * c.count / micro  # per micro-batch, the whole stage
         if c.phase in ("forward", "backward"):
             side = fwd if c.phase == "forward" else bwd
             side[c.dim] = side.get(c.dim, 0.0) + seconds * share
+            if replay and c.phase == "forward" and c.count > micro:  # per layer (not the embedding's, the head's)
+                bwd[c.dim] = bwd.get(c.dim, 0.0) + seconds * share
         elif c.phase.startswith("ring"):  # each shift hides behind one block of attention compute
             block = (attn_f if c.phase == "ring_forward" else attn_b) / p.cp
             shifts = c.count / micro / max(1, stage_layers) * layers
             side = fwd if c.phase == "ring_forward" else bwd
-            side["cp"] = side.get("cp", 0.0) + shifts * max(0.0, collective_seconds(c, hw, cfg) - hw.overlap * block)
+            one = shifts * _exposed(hw, collective_seconds(c, hw, cfg), block)
+            side["cp"] = side.get("cp", 0.0) + one
+            if replay and c.phase == "ring_forward":
+                bwd["cp"] = bwd.get("cp", 0.0) + one
         elif c.phase == "boundary":
             one = collective_seconds(c, hw, cfg)
             if stage < p.pp - 1:
@@ -265,12 +295,19 @@ def _per_micro_batch_comm(cfg: Config, hw: HardwareProfile, costs: _Costs, stage
             if stage > 0:
                 bwd["pp"] = bwd.get("pp", 0.0) + one * share
         elif c.phase == "gather":  # ZeRO-3: one gather per block, the next prefetched behind this block
-            half = seconds / 2 * share
-            fwd["dp"] = fwd.get("dp", 0.0) + max(half / max(1, layers), half - hw.overlap * compute_f)
-            bwd["dp"] = bwd.get("dp", 0.0) + max(half / max(1, layers), half - hw.overlap * compute_b)
+            gather += seconds / 2 * share  # forward's, and backward's again
+            gather_floor += seconds / 2 * share / max(1, layers)  # the first block's: nothing to hide behind
         elif c.phase == "gradients" and p.zero >= 2:  # reduce-scattered behind every micro-batch's backward
-            bwd["dp"] = bwd.get("dp", 0.0) + max(seconds * share * _last_bucket(cfg, c), seconds * share
-                                                 - hw.overlap * compute_b)
+            gradients += seconds * share
+            gradients_floor += seconds * share * _last_bucket(cfg, c)
+    if gather:
+        fwd["dp"] = fwd.get("dp", 0.0) + _exposed(hw, gather, compute_f, gather_floor)
+    if gather or gradients:
+        # Backward's gathers of the next block and reduce-scatters of the last block's gradients cross the
+        # same links at the same time, so they hide behind the backward (the recomputed forward included:
+        # it runs inside the backward, on parameters already gathered) together, not each on its own.
+        bwd["dp"] = bwd.get("dp", 0.0) + _exposed(hw, gather + gradients, compute_b + recompute,
+                                                  gather_floor + gradients_floor)
     return {"forward": fwd, "backward": bwd}
 
 
@@ -306,7 +343,7 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
             # Compute first: it is the window the overlapped collectives can hide behind.
             compute = _stage_costs(cfg, costs, layers, last, {"forward": {}, "backward": {}}, split_w)
             comm = _per_micro_batch_comm(cfg, profile, costs, rank, layers, stage_layers,
-                                         compute.F["compute"], compute.B["compute"])
+                                         compute.F["compute"], compute.B["compute"], compute.B["recompute"])
             stages[rank, chunk] = _stage_costs(cfg, costs, layers, last, comm, split_w)
 
     micro = t.grad_accum
@@ -338,9 +375,9 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     for c in step_collectives(cfg, busiest):
         seconds = collective_seconds(c, profile, cfg) * c.count
         if c.phase == "gradients" and p.zero <= 1:
-            breakdown["dp"] += max(seconds * _last_bucket(cfg, c), seconds - profile.overlap * last_backward)
+            breakdown["dp"] += _exposed(profile, seconds, last_backward, seconds * _last_bucket(cfg, c))
         elif c.phase == "after_step":
-            breakdown["dp"] += max(0.0, seconds - profile.overlap * optimizer)
+            breakdown["dp"] += _exposed(profile, seconds, optimizer)
     breakdown["optimizer"] = optimizer
     step = sum(breakdown.values())
     notes = []
