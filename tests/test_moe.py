@@ -209,3 +209,24 @@ def test_unsupported_combinations_are_refused_before_launch(tiny_config, overrid
 
     with pytest.raises(ConfigError, match=message):
         check_supported(tiny_config(preset="tiny-moe", **overrides))
+
+
+def test_checkpoints_from_before_the_stacking_load_expert_by_expert(tmp_path):
+    """A checkpoint that holds each expert's matrix under its own name (as fivefold wrote before the
+    experts were stacked) loads into the stacked weights, one expert's row at a time: the same model."""
+    from fivefold.model import build_model
+    from fivefold.train.checkpoint import load_model, write_checkpoint
+
+    cfg = load_config(preset="tiny-moe", overrides=["model.shared_expert_size=32"])
+    model = build_model(cfg.model, seed=5)
+    weights = {}
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            prefix, proj = name.rsplit(".", 1)
+            weights.update({f"model.{prefix}.{e}.{proj}.weight": w.detach().clone() for e, w in enumerate(p)})
+        else:
+            weights[f"model.{name}"] = p.detach().clone()
+    write_checkpoint(tmp_path / "old", "step_00000000", cfg, weights)
+    _, loaded = load_model(tmp_path / "old")
+    for (name, ours), theirs in zip(loaded.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs), name

@@ -404,6 +404,10 @@ def read_state(ckpt: Path, tensors: dict[str, torch.Tensor], alone: bool = False
         available = set(Reader(str(ckpt / "state")).read_metadata().state_dict_metadata)
     except (Exception, _dcp_exception()) as e:
         raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_describe(e)}") from e
+    for key in sorted(set(tensors) - available):
+        per_expert = _per_expert_targets(key, tensors[key], available)
+        if per_expert is not None:
+            tensors = {**{k: v for k, v in tensors.items() if k != key}, **per_expert}
     missing = sorted(set(tensors) - available)
     if missing:
         raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
@@ -413,6 +417,29 @@ def read_state(ckpt: Path, tensors: dict[str, torch.Tensor], alone: bool = False
             dcp.load(tensors, storage_reader=Reader(str(ckpt / "state")), no_dist=alone)
     except (Exception, _dcp_exception()) as e:
         raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_describe(e)}") from e
+
+
+_STACKED_EXPERT_KEY = re.compile(r"^(model|optim)\.(.+\.experts)\.(gate_proj|up_proj|down_proj)(\..+)?$")
+
+
+def _per_expert_targets(key: str, target, available: set[str]) -> dict | None:
+    """Checkpoints written before a mixture of experts' weights were stacked (fivefold before 7a0d6fa)
+    hold each expert's matrix, and its Adam moments, under the expert's own name: the rows of the stacked
+    `key` to read from them ({old key: row view}), or None where the checkpoint lacks them too."""
+    match = _STACKED_EXPERT_KEY.match(key)
+    if match is None:
+        return None
+    kind, prefix, proj, suffix = match.groups()
+    piece = isinstance(target, Piece)
+    local = target.local if piece else target
+    first = target.offsets[0] if piece else 0
+    out = {}
+    for row in range(local.shape[0]):
+        old = f"{kind}.{prefix}.{first + row}.{proj}.weight{suffix or ''}"
+        if old not in available:
+            return None
+        out[old] = Piece(local[row], target.global_shape[1:], target.offsets[1:]) if piece else local[row]
+    return out
 
 
 class CheckpointWeights:
