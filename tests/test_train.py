@@ -220,3 +220,19 @@ def test_trainer_memory_is_freed_on_del_without_gc(tiny_config, precision):
         assert [r() for r in refs].count(None) == len(refs)
     finally:
         gc.enable()
+
+
+def test_peak_flops_of_an_emulated_dtype_keeps_the_probe(monkeypatch):
+    """MFU's peak is measured at 2048^3 unless a 512^3 probe says that would take minutes (bf16 on a CPU
+    without native bf16): then the probe's figure stands, and no full-size matmul runs."""
+    from fivefold.train import metrics
+
+    sizes = []
+
+    def fake(device, dtype, size=2048, reps=8):
+        sizes.append(size)
+        return {torch.float32: 1.5e11, torch.bfloat16: 2e9}[dtype]  # bf16 at ~1% of fp32, as emulated
+    monkeypatch.setattr(metrics, "measure_peak_flops", fake)
+    assert metrics.probed_peak_flops(torch.device("cpu"), torch.bfloat16) == 2e9 and sizes == [512]
+    sizes.clear()
+    assert metrics.probed_peak_flops(torch.device("cpu"), torch.float32) == 1.5e11 and sizes == [512, 2048]

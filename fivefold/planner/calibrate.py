@@ -56,15 +56,12 @@ def measure_bandwidth(gb: float = 1.0, reps: int = 5, device: torch.device | str
 
 
 def measure_flops(device: torch.device) -> dict[str, float]:
-    from fivefold.train.metrics import measure_peak_flops
+    from fivefold.train.metrics import probed_peak_flops
 
-    flops = {"fp32": measure_peak_flops(device, torch.float32)}
-    # A CPU without native bf16 emulates it two orders of magnitude slower: probe with a small matmul and
-    # measure at full size only where bf16 is fast.
-    bf16 = measure_peak_flops(device, torch.bfloat16, size=512, reps=3)
-    flops["bf16"] = measure_peak_flops(device, torch.bfloat16) if bf16 > 0.5 * flops["fp32"] else bf16
+    # A CPU without native bf16 emulates it two orders of magnitude slower: the probe keeps that short.
+    flops = {"fp32": probed_peak_flops(device, torch.float32), "bf16": probed_peak_flops(device, torch.bfloat16)}
     if device.type == "cuda":
-        flops["fp16"] = measure_peak_flops(device, torch.float16)
+        flops["fp16"] = probed_peak_flops(device, torch.float16)
     return flops
 
 

@@ -30,6 +30,15 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 204
     return 2 * size ** 3 / best
 
 
+def probed_peak_flops(device: torch.device, dtype: torch.dtype, budget_s: float = 5.0) -> float:
+    """measure_peak_flops at full size, unless a small probe says that would take longer than `budget_s`:
+    a dtype the device only emulates (bf16 on a CPU without AVX512-BF16 or AMX runs two orders of
+    magnitude below fp32, minutes for the full measurement) keeps the probe's figure."""
+    probe = measure_peak_flops(device, dtype, size=512, reps=3)
+    full = 10 * 2 * 2048 ** 3 / probe  # the full measurement's matmuls (warm-up included) at the probe's rate
+    return measure_peak_flops(device, dtype) if full <= budget_s else probe
+
+
 @functools.lru_cache(maxsize=None)
 def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
     """Measured matmul peak, remembered across runs as the best ever seen for this device, dtype and
@@ -43,7 +52,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    peak = max(measure_peak_flops(device, dtype), known.get(key, 0.0))
+    peak = max(probed_peak_flops(device, dtype), known.get(key, 0.0))
     if peak != known.get(key):
         known[key] = peak
         path.parent.mkdir(parents=True, exist_ok=True)

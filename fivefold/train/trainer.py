@@ -79,8 +79,10 @@ class Trainer:
         self.tokens_seen = 0
         self.base_batch_tokens = cfg.train.base_batch_tokens or cfg.global_batch_tokens
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, compute_dtype(cfg),
-                                                             torch.get_num_threads())
+        # Float8 matmuls emulated off CUDA multiply in fp32: that is the peak they run against there.
+        peak_dtype = torch.float32 if cfg.train.precision == "fp8" and self.device.type != "cuda" \
+            else compute_dtype(cfg)
+        self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, peak_dtype, torch.get_num_threads())
         self.num_params = count_params(cfg.model)
         # The gradient noise scale, and the batch ramp that follows it (train.batch_ramp=auto).
         self.noise = NoiseScale(cfg.train.gns_ema)
