@@ -21,12 +21,13 @@ import argparse
 import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.moe import GroupedExperts, _grouped_mm_supported, sorted_by_expert
+from fivefold.model.moe import GroupedExperts, LocalDispatch, _grouped_mm_supported
 
 
 def parse_args(argv=None):
@@ -70,18 +71,12 @@ class PerExpertModules(nn.Module):
         return out
 
 
-def stacked_forward(experts: GroupedExperts, num_experts, tokens, expert_ids, token_ids, weights):
-    order, counts = sorted_by_expert(expert_ids, num_experts)
-    rows = token_ids[order]
-    out = experts(tokens[rows], counts) * weights[order, None].to(tokens.dtype)
-    return torch.zeros_like(tokens).index_add(0, rows, out)
-
-
 def measure(args, num_experts: int) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     experts = GroupedExperts(num_experts, args.hidden, args.width).to(device, dtype)
     reference = PerExpertModules(experts)
+    layer = SimpleNamespace(experts=experts, num_experts=num_experts)  # what MoE's dispatch reads of its layer
     tokens = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
     logits = torch.randn(args.tokens, num_experts, generator=gen).to(device)
     top, chosen = logits.topk(args.k, dim=-1)
@@ -95,7 +90,7 @@ def measure(args, num_experts: int) -> dict:
             y = reference(x, expert_ids, token_ids, weights)
         else:
             experts.grouped = side == "grouped"
-            y = stacked_forward(experts, num_experts, x, expert_ids, token_ids, weights)
+            y = LocalDispatch()(layer, x, expert_ids, token_ids, weights)
         y.backward(grad)
         return y.detach(), x.grad
 
