@@ -92,7 +92,9 @@ class TrainConfig:
     # what the tests run. fivefold.train.fp8 says what it applies to and what it refuses.
     precision: Literal["fp32", "bf16-mixed", "fp8"] = "fp32"
     fp32_grad_accum: bool = False  # bf16-mixed / fp8 only: accumulate gradients in fp32 buffers
-    recompute: Literal["none", "selective", "full"] = "none"
+    # none | selective (the attention core) | ops (every other matmul and the attention kept, the rest
+    # recomputed: torchtitan's policy) | full (only block inputs kept): fivefold.train.recompute
+    recompute: Literal["none", "selective", "ops", "full"] = "none"
     # Which layers train.recompute applies to: "" = all; "every:k" = layers 0, k, 2k, ...; or a list
     # "0,3,5" (global layer indices). The others keep their activations (fivefold.train.recompute).
     recompute_layers: str = ""
@@ -398,7 +400,7 @@ def recompute_layer_set(spec: str, num_layers: int, mode: str = "full") -> froze
     if not spec.strip():
         return frozenset(range(num_layers))
     if mode == "none":
-        raise ConfigError(f"{key} needs train.recompute=selective or full")
+        raise ConfigError(f"{key} needs train.recompute=selective, ops or full")
     text = spec.replace(" ", "")
     try:
         if text.startswith("every:"):

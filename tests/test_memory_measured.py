@@ -36,7 +36,7 @@ def assert_matches_plan(timeline):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "ops", "full"])
 def test_tiny_model_matches_plan(recompute, attention, precision):
     assert_matches_plan(measure("tiny", f"train.recompute={recompute}", f"model.attention={attention}",
                                 f"train.precision={precision}"))
@@ -46,6 +46,7 @@ def test_tiny_model_matches_plan(recompute, attention, precision):
     # GPT-2 layout: LayerNorm with biases, GELU, learned positions, tied embeddings, multi-head attention
     ("train.precision=bf16-mixed", "model.attention=eager"),
     ("train.recompute=selective", "model.attention=eager"),
+    ("train.recompute=ops", "train.precision=bf16-mixed"),  # biases: addmm, kept like mm
 ])
 def test_gpt2_layout_matches_plan(overrides):
     assert_matches_plan(measure("tiny-gpt2", *overrides))
@@ -108,6 +109,7 @@ def test_memory_cli_timeline(tmp_path, capsys):
     ("lora.r=4", "lora.dropout=0.1", "train.recompute=selective", "model.attention=eager", "train.grad_accum=2"),
     ("lora.r=8", "lora.quantize_base=int4", "lora.group_size=32"),
     ("lora.r=8", "lora.quantize_base=int4", "train.precision=bf16-mixed", "train.recompute=full"),
+    ("lora.r=8", "lora.dropout=0.1", "lora.targets=q,k,v,o,gate,up,down", "train.recompute=ops"),  # adapters' mms count
 ])
 def test_lora_matches_plan(overrides):
     """LoRA (fivefold.finetune.lora): the frozen base holds no gradients or optimizer states, and saves

@@ -309,7 +309,7 @@ def test_deep_stacks_extrapolate_exactly():
                               ("tiny", ["model.attention=eager", "parallel.tp=2", "parallel.sequence_parallel=true"])):
         cfg = load_config(preset=preset, overrides=overrides)
         d = activation_shapes(cfg, "cpu")
-        for recompute in ("none", "selective", "full"):
+        for recompute in ("none", "selective", "ops", "full"):
             for embed, head in ((True, True), (False, False), (True, False), (False, True)):
                 for layers in (5, 9):
                     fast = activations.replay_forward(d, layers, recompute, embed, head)

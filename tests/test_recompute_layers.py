@@ -30,7 +30,7 @@ def test_bad_layer_specs_are_rejected(spec, message):
 
 
 def test_layers_without_a_recompute_mode_are_rejected():
-    with pytest.raises(ConfigError, match="needs train.recompute=selective or full"):
+    with pytest.raises(ConfigError, match="needs train.recompute=selective, ops or full"):
         load_config(preset="tiny", overrides=["train.recompute_layers=every:2"])
 
 

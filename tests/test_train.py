@@ -52,18 +52,18 @@ def test_padding_tokens_do_not_count(tiny_config):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_recompute_modes_give_identical_gradients(tiny_config, attention):
     results = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "ops", "full"):
         trainer = Trainer(tiny_config(**{"train.recompute": mode, "model.attention": attention,
                                          "train.grad_accum": 2}), quiet=True)
         loss = trainer.accumulate_gradients(*first_batch(trainer, 2))
         results[mode] = (loss, grads(trainer))
-    for mode in ("selective", "full"):
+    for mode in ("selective", "ops", "full"):
         torch.testing.assert_close(results[mode][0], results["none"][0], rtol=0, atol=0)
         torch.testing.assert_close(results[mode][1], results["none"][1], rtol=1e-6, atol=1e-9)
 
 
 def test_recompute_saves_activation_memory(tiny_config):
-    saved = {}
+    saved = {}  # (ops keeps its matmul outputs outside autograd's saved tensors: test_memory_measured sees them)
     for mode in ("none", "selective", "full"):
         trainer = Trainer(tiny_config(**{"train.recompute": mode, "model.attention": "eager"}), quiet=True)
         inputs, _ = first_batch(trainer, 1)

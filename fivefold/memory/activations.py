@@ -78,6 +78,7 @@ class Shapes:
     fp8: bool = False
     fp8_emulated: bool = False
     biased: tuple[str, ...] = ()  # linears with a bias (q, k, v, o, gate, up, down): fp8 adds it as its own op
+    tp_reduce: bool = False  # row-parallel outputs all-reduced (tensor parallel without SP)
 
     @property
     def chunk(self) -> int:
@@ -112,6 +113,8 @@ class Replay:
     blocks: list[dict[str, float]] = field(default_factory=list)  # per block: saved bytes at its start,
     # after its attention and after its MLP
     in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
+    ops: int | None = None  # inside a train.recompute=ops region: the matmuls run so far
+    cached: bool = False  # replaying such a region's recomputation: what it kept is held from the start
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
 
     def _tick(self) -> None:
@@ -128,32 +131,62 @@ class Replay:
         if self.in_region:
             return
         for buf in bufs:
-            if buf.state == "temp":
+            if buf.state in ("temp", "cached"):
+                if buf.state == "temp":
+                    self.saved_bytes += buf.nbytes
                 buf.state = "saved"
-                self.saved_bytes += buf.nbytes
                 self.last_save = len(self.events)
                 self.events.append(self.live)
 
     def free(self, *bufs: _Buf) -> None:
         """The last Python reference dies; saved tensors live on until backward."""
         for buf in bufs:
-            if buf.state == "temp":
+            if buf.state in ("temp", "cached"):
+                if buf.state == "cached":  # counted before the recomputation: released now
+                    self.saved_bytes -= buf.nbytes
                 buf.state = "freed"
                 self.live -= buf.nbytes
                 self._tick()
 
-    def checkpoint(self, fn, inputs: list[_Buf], *args):
+    def checkpoint(self, fn, inputs: list[_Buf], *args, keep_ops: bool = False):
         """Run fn(self, *inputs, *args) as a non-reentrant checkpoint: its inputs are held, its saves
-        dropped; its recomputation in backward is replayed alone, stopping after its last save."""
+        dropped; its recomputation in backward is replayed alone, stopping after its last save.
+        `keep_ops`: train.recompute=ops's policy keeps some op outputs of the region (`kept`)."""
         self.save(*inputs)
-        alone = Replay()
+        alone = Replay(ops=0 if keep_ops else None, cached=keep_ops)
         fn(alone, *[_Buf(0.0) for _ in inputs], *args)  # inputs are already counted outside
+        outer, self.in_region = (self.in_region, self.ops), True
+        self.ops = 0 if keep_ops else None
+        out = fn(self, *inputs, *args)
+        self.in_region, self.ops = outer
+        # Held when the recomputation starts: everything saved so far, what this region kept included.
         self.regions.append((self.saved_bytes, max(alone.events[: alone.last_save + 1], default=0.0),
                              dict(alone.blocks[0] if alone.blocks else {}, saved=alone.saved_bytes)))
-        outer, self.in_region = self.in_region, True
-        out = fn(self, *inputs, *args)
-        self.in_region = outer
         return out
+
+    def kept(self, *bufs: _Buf) -> None:
+        """train.recompute=ops's policy keeps these op outputs of its region until its recomputation, which
+        takes each back from the cache instead of running its op: held from the recomputation's start
+        (counted before it), released once its last use has run unless autograd saves it again."""
+        if self.ops is None:
+            return
+        for buf in bufs:
+            if buf.state != "temp":
+                continue
+            if self.cached:
+                self.live -= buf.nbytes
+                buf.state = "cached"
+            else:
+                buf.state = "saved"
+                self.saved_bytes += buf.nbytes
+
+    def matmul(self, buf: _Buf) -> _Buf:
+        """A matmul's output: in a train.recompute=ops region every other one is kept."""
+        if self.ops is not None:
+            self.ops += 1
+            if self.ops % 2:
+                self.kept(buf)
+        return buf
 
     @property
     def backward_peak(self) -> float:
@@ -221,6 +254,8 @@ def _core(r: Replay, q: _Buf, k: _Buf, v: _Buf, d: Shapes) -> _Buf:
             extra = [r.alloc(d.p * d.b * d.s * d.sk)]
         out = r.alloc(d.p * bsq)
         lse = r.alloc(4 * d.b * d.heads * d.s)
+        if not d.ring:  # ring attention is fivefold's own kernel, of ops the policy does not keep
+            r.kept(out, lse)
         r.save(q, k, v, out, lse, *extra)
         r.free(lse, *extra)
         return out
@@ -287,7 +322,7 @@ def _fp8_product(r: Replay, a: float, b: float, out: float, d: Shapes) -> _Buf:
     """The product of two float8 operands of `a` and `b` elements, `out` elements in the compute dtype.
     Emulated: each operand dequantized to fp32 (float(), then / scale), the product in fp32, then cast."""
     if not d.fp8_emulated:
-        return r.alloc(d.p * out)
+        return r.matmul(r.alloc(d.p * out))
     operands = []
     for numel in (a, b):
         as_float = r.alloc(4 * numel)
@@ -295,7 +330,7 @@ def _fp8_product(r: Replay, a: float, b: float, out: float, d: Shapes) -> _Buf:
         r.free(as_float)
     out32 = r.alloc(4 * out)
     r.free(*operands)
-    result = r.alloc(d.p * out)
+    result = r.matmul(r.alloc(d.p * out))  # one mm on float8 tensors, as the recompute policy sees it
     r.free(out32)
     return result
 
@@ -305,7 +340,7 @@ def _linear(r: Replay, out_bytes: float, k: int, n: int, d: Shapes, target: str)
     (torchao's Float8Linear) the input and then the weight are cast to float8, multiplied, and the casts
     dropped when the product is made; a bias is added after, as its own op."""
     if not d.fp8:
-        return r.alloc(out_bytes)
+        return r.matmul(r.alloc(out_bytes))
     rows = d.b * d.s
     x8 = _to_fp8(r, rows * k, d)
     w8 = _to_fp8(r, k * n, d)
@@ -315,6 +350,16 @@ def _linear(r: Replay, out_bytes: float, k: int, n: int, d: Shapes, target: str)
         biased = r.alloc(out.nbytes)
         r.free(out)
         out = biased
+    return out
+
+
+def _reduced(r: Replay, y: _Buf, d: Shapes) -> _Buf:
+    """A row-parallel output after its all-reduce: in place, except in a train.recompute=ops region, which
+    may keep the partial product (fivefold.parallel.tensor_parallel copies it first)."""
+    if not (d.tp_reduce and r.ops is not None):
+        return y
+    out = r.alloc(y.nbytes)
+    r.free(y)
     return out
 
 
@@ -334,9 +379,9 @@ def _adapt(r: Replay, x: _Buf, y: _Buf, d: Shapes, target: str, grad_in: bool = 
         mask = r.alloc(x.nbytes) if grad_in else None
         dropped = r.alloc(x.nbytes)
         r.save(dropped, *([mask] if mask else []))
-    h = r.alloc(d.p * d.b * d.s * d.rank)
+    h = r.matmul(r.alloc(d.p * d.b * d.s * d.rank))
     r.save(h)
-    b_out = r.alloc(y.nbytes)
+    b_out = r.matmul(r.alloc(y.nbytes))
     scaled = r.alloc(y.nbytes)
     r.free(b_out)
     out = r.alloc(y.nbytes)
@@ -363,7 +408,7 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = T
         o_in = r.alloc(d.p * d.b * d.s * d.q)
     if _weight_input(d, "o"):
         r.save(o_in)
-    o = _adapt(r, o_in, _linear(r, d.p * d.bsh, d.q, d.h, d, "o"), d, "o")
+    o = _adapt(r, o_in, _reduced(r, _linear(r, d.p * d.bsh, d.q, d.h, d, "o"), d), d, "o")
     r.free(o_in, out, q, k, v)
     return o
 
@@ -387,7 +432,7 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         prod = r.alloc(bsf)  # gelu saves its input
         r.save(up, *([prod] if down_input and not d.fp8 else []))
         r.free(up)
-    out = _adapt(r, prod, _linear(r, d.p * d.bsh, d.f, d.h, d, "down"), d, "down")
+    out = _adapt(r, prod, _reduced(r, _linear(r, d.p * d.bsh, d.f, d.h, d, "down"), d), d, "down")
     if d.fp8:
         # A float8 linear is an autograd.Function: its saved input is packed once its forward has returned
         # (an aten op saves before it runs), which is where a recomputed block stops.
@@ -497,8 +542,8 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
     for i in range(layers):
         grad_in = not (i == 0 and embed and d.adapters)  # a frozen embedding's output needs no gradient
         mode = recompute if chosen is None or chosen[i] else "none"
-        if mode == "full":
-            x = r.checkpoint(_block, [x], d, False, grad_in)
+        if mode in ("full", "ops"):
+            x = r.checkpoint(_block, [x], d, False, grad_in, keep_ops=mode == "ops")
         else:
             x = _block(r, x, d, mode == "selective", grad_in)
     if head and d.loss_chunk:  # the loss runs after the model's forward has returned its last states

@@ -92,7 +92,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   stats_bytes=4 if device == "cuda" else p,
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
                   adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
-                  loss_chunk=t.loss_chunk, vocab_parallel=tp > 1,
+                  loss_chunk=t.loss_chunk, vocab_parallel=tp > 1, tp_reduce=tp > 1 and not par.sequence_parallel,
                   fp8=t.precision == "fp8", fp8_emulated=device != "cuda",
                   biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
                   ("q", "k", "v") if m.qkv_bias else ())
@@ -458,7 +458,7 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
     ends = {i for mode in set(modes) for i in (modes.index(mode), last - modes[::-1].index(mode))}
     worst = 0.0
     for i in ends:
-        if modes[i] == "full":
+        if modes[i] in ("full", "ops"):
             before, peak, alone = replay.regions[region[i]]
             attn_end, mlp_end, recomputed = before + alone["attention"], before + alone["mlp"], before + peak
         else:
@@ -546,7 +546,7 @@ def model_name(cfg: Config) -> str:
 def _candidates(cfg: Config) -> list[tuple[str, dict[str, object]]]:
     t, par, m = cfg.train, cfg.parallel, cfg.model
     out: list[tuple[str, dict[str, object]]] = []
-    for mode in ("selective", "full")[("none", "selective", "full").index(t.recompute):]:
+    for mode in ("selective", "ops", "full")[("none", "selective", "ops", "full").index(t.recompute):]:
         if mode != t.recompute:
             out.append((f"train.recompute={mode}", {"train.recompute": mode}))
     b = t.micro_batch_size

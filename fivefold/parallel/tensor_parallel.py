@@ -55,7 +55,10 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        from fivefold.train.recompute import keeping_outputs
+
+        # In place, unless x may be a matmul output that train.recompute=ops keeps for backward.
+        x = x.clone(memory_format=torch.contiguous_format) if keeping_outputs() else x.contiguous()
         dist.all_reduce(x, group=group)
         return x
 

@@ -5,6 +5,10 @@ selective  recompute only the attention core softmax(q k^T) v of each block: wit
            drops the O(s^2) scores and probabilities, the cheapest-to-recompute, largest activations
            (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", 4.2).
 full       keep only each block's input and recompute the whole block during backward (Chen et al. 2016).
+ops        op-level selective (torchtitan's default policy): each block is checkpointed like `full`, but it
+           keeps the outputs of every other matmul and of the fused attention kernel, so backward recomputes
+           the memory-bound work (norms, RoPE, activations, residuals) and half the matmuls, not the
+           attention. Between selective and full in both memory and compute.
 
 train.recompute_layers limits either mode to some layers ("every:k", or a list): the others keep their
 activations. Each fully recomputed block gives back its activations but its input, for one more forward
@@ -21,20 +25,73 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fivefold.config import recompute_layer_set
 from fivefold.model import Transformer
 
 
-def recompute_module(module: nn.Module) -> None:
+def _aten(*names: str) -> frozenset:
+    """The default overloads of these aten ops that this torch build has."""
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+# What train.recompute=ops keeps: matmul outputs (every other one, counted in the order the block runs
+# them) and the fused attention kernels' outputs (output and log-sum-exp), whatever the backend.
+MATMULS = _aten("mm", "addmm", "_grouped_mm", "_scaled_mm")
+ATTENTION = _aten("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _ops_policy():
+    """One checkpoint call's policy: forward and recomputation count their matmuls separately, so both
+    keep the same ones."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if func in MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_KEEPING = [0]  # train.recompute=ops regions running now (a forward, or its recomputation in backward)
+
+
+def keeping_outputs() -> bool:
+    """Whether an ops-recompute region is running. The matmul outputs it keeps are the very tensors its
+    ops return, so nothing may change them in place afterwards: tensor parallelism's all-reduce of a
+    partial product copies it first (fivefold.parallel.tensor_parallel)."""
+    return _KEEPING[0] > 0
+
+
+def _keeping(inner):
+    def run(*args, **kwargs):
+        _KEEPING[0] += 1
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _KEEPING[0] -= 1
+    return run
+
+
+def recompute_module(module: nn.Module, keep_ops: bool = False) -> None:
+    """Checkpoint `module`'s forward; `keep_ops`: with train.recompute=ops's selective policy."""
     # The class's forward and a weak reference: a closure holding the bound method, stored on the module,
     # would be a reference cycle keeping a dropped model's tensors until the cycle collector runs.
     inner, ref = type(module).forward, weakref.ref(module)
+    extra = {}
+    if keep_ops:
+        inner, extra = _keeping(inner), {"context_fn": _ops_policy}
 
     def forward(*args, **kwargs):
         # Non-reentrant checkpointing: works with kwargs, tensors that need no grad and torch.compile.
-        return checkpoint(inner, ref(), *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, ref(), *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
 
@@ -60,4 +117,4 @@ def apply_recompute(model: Transformer, mode: str, layers: str = "") -> None:
     chosen = recompute_layer_set(layers, len(model.layers), mode)
     for i, block in enumerate(model.layers):
         if hasattr(block, "attn") and i in chosen:  # a pipeline stage holds placeholders for other stages' blocks
-            recompute_module(block if mode == "full" else block.attn.core)
+            recompute_module(block.attn.core if mode == "selective" else block, keep_ops=mode == "ops")
