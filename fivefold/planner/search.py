@@ -31,7 +31,7 @@ from fivefold.planner.speed import SpeedPlan, predict_step
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 VIRTUAL_STAGES = (2, 4)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "ops", "full")
 
 
 @dataclass

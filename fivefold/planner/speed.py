@@ -13,7 +13,8 @@ Per micro-batch and pipeline stage, a forward (F), a backward (B) and, under zer
   memory_efficiency), unfused as the eager model runs them, or fused (torch.compile; the fused kernels of
   published frameworks);
 - kernel launches: op_overhead per op;
-- recomputation: the forward again before backward (full), or the attention core (selective);
+- recomputation: the forward again before backward (full), the attention core (selective), or all but
+  every other matmul and the fused attention (ops);
 - communication on the critical path: tensor / sequence parallel and expert all-to-alls inside every
   layer, the ring-attention shifts beyond the block compute they overlap, pipeline sends, ZeRO-3's gathers
   beyond the prefetch window and ZeRO-2's per-micro-batch reduce-scatters beyond their backward.
@@ -23,7 +24,7 @@ node when stride x size <= gpus_per_node; ring algorithms, latency per step; a r
 NICs of all the group's ranks in a node. Overlapped communication is not free even when hidden: NCCL's
 kernels hold some of the SMs while it is in flight (the profile's comm_interference), and collectives that
 share a link at the same time (ZeRO-3's gathers and reduce-scatters in backward) hide behind it together.
-Full recomputation replays the forward's in-layer collectives too.
+Full and ops recomputation replay the forward's in-layer collectives too.
 
 The stages' F / B / W costs drive the pipeline's own action lists (fivefold.parallel.pipeline_schedules:
 AFAB, 1F1B, interleaved, zero-bubble) through the schedule simulator: the bubble is what the simulated
@@ -153,12 +154,32 @@ class _Costs:
         up = 2 if m.activation == "swiglu" else 1
         return out + self.linear(T, h, up * m.ffn_hidden_size / tp) + self.linear(T, m.ffn_hidden_size / tp, h)
 
+    def recomputed_matmul_share(self) -> float:
+        """The share of a layer's matmul FLOPs that train.recompute=ops runs again: it keeps every other
+        matmul in the order the block runs them (q, k, v, o, then the MLP's, or the router's and the
+        experts'), so it recomputes k, o and up of a SwiGLU block."""
+        m = self.cfg.model
+        q, kv, o = m.q_size, m.kv_size, m.q_size  # input widths x output widths, per token
+        sizes = [m.hidden_size * q, m.hidden_size * kv, m.hidden_size * kv, o * m.hidden_size]
+        if m.num_experts:
+            sizes.append(m.hidden_size * m.num_experts)
+            widths = [m.experts_per_token * m.expert_size] + ([m.shared_expert_size] if m.shared_expert_size else [])
+        else:
+            widths = [m.ffn_hidden_size]
+        for f in widths:
+            sizes += [m.hidden_size * f] * (2 if m.activation == "swiglu" or m.num_experts else 1) + [f * m.hidden_size]
+        return sum(sizes[1::2]) / sum(sizes)
+
+    @property
+    def eager_attention(self) -> bool:
+        return self.cfg.model.attention == "eager" and self.cfg.parallel.cp == 1
+
     def attention(self) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
         m, t, p = self.cfg.model, self.cfg.train, self.cfg.parallel
         heads, s_q, s_kv = m.num_heads / p.tp, self.tokens / t.micro_batch_size, t.seq_len
         full = 4 * t.micro_batch_size * heads * s_q * s_kv * m.head_size
-        if m.attention == "eager" and p.cp == 1:  # scores materialised, masked, not skipped
+        if self.eager_attention:  # scores materialised, masked, not skipped
             scores = t.micro_batch_size * heads * s_q * s_kv
             forward = full / (self.peak * self.hw.matmul_efficiency) + 6 * scores * self.p / self.bandwidth
             return forward, 2 * forward
@@ -242,6 +263,9 @@ def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict
         recompute = forward
     elif t.recompute == "selective":
         recompute = layers * attn_f
+    elif t.recompute == "ops":  # all but every other matmul and the fused attention (eager's is not kept)
+        again = matmul * costs.recomputed_matmul_share() + elem + (attn_f if costs.eager_attention else 0.0)
+        recompute = layers * again + ops
     if last:
         head_f, head_b = costs.head()
         forward, backward = forward + head_f, backward + head_b
@@ -271,7 +295,7 @@ def _per_micro_batch_comm(cfg: Config, hw: HardwareProfile, costs: _Costs, stage
     # Full recomputation replays each block's forward before its backward, collectives included: the
     # tensor-parallel all-reduces (Korthikanti et al. 2022, sec. 4) and expert all-to-alls of the forward
     # run again inside the backward, as do the ring-attention shifts.
-    replay = cfg.train.recompute == "full"
+    replay = cfg.train.recompute in ("full", "ops")
     gather = gradients = gather_floor = gradients_floor = 0.0  # ZeRO data-parallel traffic, this chunk
     for c in step_collectives(cfg, stage):
         seconds = collective_seconds(c, hw, cfg) * c.count / micro  # per micro-batch, the whole stage
