@@ -45,7 +45,7 @@ TRAIN_CASES = [
     ("device-unknown", ["--set", "train.device=foo"], "train.device='foo' is not valid; use auto, cpu, cuda"),
     ("device-tpu", ["--set", "train.device=tpu:0"], "train.device='tpu:0' is not valid"),
     ("precision", ["--set", "train.precision=fp16"], "choose one of fp32, bf16-mixed"),
-    ("recompute", ["--set", "train.recompute=partial"], "choose one of none, selective, full"),
+    ("recompute", ["--set", "train.recompute=partial"], "choose one of none, selective, ops, full"),
     ("bool", ["--set", "train.tensorboard=maybe"], "expected true or false"),
     ("batch-schedule", ["--set", "train.batch_schedule=soon"], "each entry must be tokens:grad_accum"),
     ("batch-schedule-order", ["--set", "train.batch_schedule=500:2,100:4"], "thresholds must increase"),

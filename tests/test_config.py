@@ -19,7 +19,7 @@ def test_defaults_presets_toml_and_overrides_layer(tmp_path):
     (["model.hiden_size=3"], "unknown config key 'model.hiden_size'"),
     (["trian.lr=1"], "unknown config section 'trian'"),
     (["train.precision=fp16"], "choose one of fp32, bf16-mixed"),
-    (["train.recompute=some"], "choose one of none, selective, full"),
+    (["train.recompute=some"], "choose one of none, selective, ops, full"),
     (["model.attention=flash"], "choose one of sdpa, eager"),
     (["train.steps=ten"], "train.steps='ten' is not valid; expected an integer"),
     (["train.tensorboard=maybe"], "expected true or false"),
