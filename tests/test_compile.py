@@ -22,6 +22,7 @@ LAYOUTS = {  # name -> (preset, overrides), all on 2 processes
     "dp2_zero3": ("tiny", {"parallel.dp": 2, "parallel.zero": 3}),
     "tp2_sp_full_recompute": ("tiny", {"parallel.tp": 2, "parallel.sequence_parallel": True,
                                        "train.recompute": "full"}),
+    "tp2_ops_recompute": ("tiny", {"parallel.tp": 2, "train.recompute": "ops"}),
     "pp2_afab": ("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "afab", "train.grad_accum": 2}),
     "pp2_1f1b": ("tiny", {"parallel.pp": 2, "train.grad_accum": 2, "train.recompute": "selective"}),
     "pp2_interleaved": ("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved",

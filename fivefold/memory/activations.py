@@ -114,6 +114,7 @@ class Replay:
     # after its attention and after its MLP
     in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
     ops: int | None = None  # inside a train.recompute=ops region: the matmuls run so far
+    recomputing: bool = False  # replaying a checkpointed block's recomputation (in backward)
     cached: bool = False  # replaying such a region's recomputation: what it kept is held from the start
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
 
@@ -153,7 +154,7 @@ class Replay:
         dropped; its recomputation in backward is replayed alone, stopping after its last save.
         `keep_ops`: train.recompute=ops's policy keeps some op outputs of the region (`kept`)."""
         self.save(*inputs)
-        alone = Replay(ops=0 if keep_ops else None, cached=keep_ops)
+        alone = Replay(ops=0 if keep_ops else None, cached=keep_ops, recomputing=True)
         fn(alone, *[_Buf(0.0) for _ in inputs], *args)  # inputs are already counted outside
         outer, self.in_region = (self.in_region, self.ops), True
         self.ops = 0 if keep_ops else None
@@ -391,10 +392,18 @@ def _adapt(r: Replay, x: _Buf, y: _Buf, d: Shapes, target: str, grad_in: bool = 
     return out
 
 
+def _gathered(r: Replay, n: _Buf, d: Shapes) -> _Buf:
+    """The input the column-parallel linears save. Under SP it is gathered along the sequence and, in
+    forward, released to this rank's part once the module has run (SequenceGatheredInput): the part is
+    what stays. A recomputation in backward keeps the gathered tensor whole: it is used at once."""
+    return r.alloc(d.p * d.b * d.s * d.h) if r.recomputing and d.rep != 1 else n
+
+
 def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
+    x = _gathered(r, n, d)
     q = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.q, d.h, d.q, d, "q"), d, "q", grad_in)
     if _weight_input(d, "q", "k", "v"):
-        r.save(n)  # shared input of q/k/v projections
+        r.save(x)  # shared input of q/k/v projections
     k = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "k"), d, "k", grad_in)
     v = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "v"), d, "v", grad_in)
     if d.rope:
@@ -410,13 +419,16 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = T
         r.save(o_in)
     o = _adapt(r, o_in, _reduced(r, _linear(r, d.p * d.bsh, d.q, d.h, d, "o"), d), d, "o")
     r.free(o_in, out, q, k, v)
+    if x is not n:
+        r.free(x)
     return o
 
 
 def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
     bsf = d.p * d.b * d.s * d.f
+    x = _gathered(r, n, d)
     if _weight_input(d, "gate", "up"):
-        r.save(n)
+        r.save(x)
     down_input = _weight_input(d, "down")
     if d.swiglu:
         gate = _adapt(r, n, _linear(r, bsf, d.h, d.f, d, "gate"), d, "gate")
@@ -438,6 +450,8 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         # (an aten op saves before it runs), which is where a recomputed block stops.
         r.save(prod)
     r.free(prod)
+    if x is not n:
+        r.free(x)
     return out
 
 

@@ -281,11 +281,14 @@ class SequenceGatheredInput:
         x_local = args[0]
         x_full = _GatherSequence.apply(x_local, self.group)
         from fivefold.parallel.zero import _in_backward
+        from fivefold.train.recompute import checkpointed
 
         # Inside backward (a recomputed forward) the gathered input is used at once: nothing to release.
-        # In a compiled graph the partitioner decides what backward keeps: nothing to release either.
+        # In a compiled graph the partitioner decides what backward keeps, and a checkpointed block keeps
+        # nothing of its forward: nothing to release either (a re-gather in backward would only make a
+        # second copy beside the recomputation's, held to the end of backward).
         keep = (not torch.compiler.is_compiling() and torch.is_grad_enabled() and x_full.requires_grad
-                and not _in_backward())
+                and not _in_backward() and not checkpointed())
         self._pending = (x_local.detach(), x_full) if keep else None
         return (x_full, *args[1:])
 

@@ -60,24 +60,24 @@ def _ops_policy():
     return create_selective_checkpoint_contexts(policy)
 
 
-_KEEPING = [0]  # train.recompute=ops regions running now (a forward, or its recomputation in backward)
+# Checkpointed regions whose forward is running now (True: under the ops policy). Set around the
+# checkpoint call, not inside it: torch.compile's checkpoint operator allows no side effects in its body.
+# Their recomputation runs inside backward, where nothing needs the flags (see below).
+_REGIONS: list[bool] = []
 
 
 def keeping_outputs() -> bool:
-    """Whether an ops-recompute region is running. The matmul outputs it keeps are the very tensors its
-    ops return, so nothing may change them in place afterwards: tensor parallelism's all-reduce of a
-    partial product copies it first (fivefold.parallel.tensor_parallel)."""
-    return _KEEPING[0] > 0
+    """Whether an ops-recompute region's forward is running. The matmul outputs it keeps are the very
+    tensors its ops return, so nothing may change them in place afterwards: tensor parallelism's
+    all-reduce of a partial product copies it first (fivefold.parallel.tensor_parallel). In the
+    recomputation the cache hands the kept tensor back once: summing it in place then is harmless."""
+    return any(_REGIONS)
 
 
-def _keeping(inner):
-    def run(*args, **kwargs):
-        _KEEPING[0] += 1
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            _KEEPING[0] -= 1
-    return run
+def checkpointed() -> bool:
+    """Whether a checkpointed region's forward is running: autograd keeps none of its tensors (but what
+    the ops policy keeps), so code that would release a saved tensor early has nothing to release."""
+    return bool(_REGIONS)
 
 
 def recompute_module(module: nn.Module, keep_ops: bool = False) -> None:
@@ -85,13 +85,15 @@ def recompute_module(module: nn.Module, keep_ops: bool = False) -> None:
     # The class's forward and a weak reference: a closure holding the bound method, stored on the module,
     # would be a reference cycle keeping a dropped model's tensors until the cycle collector runs.
     inner, ref = type(module).forward, weakref.ref(module)
-    extra = {}
-    if keep_ops:
-        inner, extra = _keeping(inner), {"context_fn": _ops_policy}
+    extra = {"context_fn": _ops_policy} if keep_ops else {}
 
     def forward(*args, **kwargs):
-        # Non-reentrant checkpointing: works with kwargs, tensors that need no grad and torch.compile.
-        return checkpoint(inner, ref(), *args, use_reentrant=False, **extra, **kwargs)
+        _REGIONS.append(keep_ops)
+        try:
+            # Non-reentrant checkpointing: works with kwargs, tensors that need no grad and torch.compile.
+            return checkpoint(inner, ref(), *args, use_reentrant=False, **extra, **kwargs)
+        finally:
+            _REGIONS.pop()
 
     module.forward = forward
 
