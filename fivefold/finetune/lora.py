@@ -75,8 +75,8 @@ def linear_shape(module: nn.Module, tp_size: int) -> tuple[int, int]:
 
 
 class _Adapter:
-    """The forward hook adding (alpha / r) B A dropout(x) to a linear's output; `reduce`: how a row-parallel
-    layer's partial A x is summed over the tensor-parallel group (None: A x is complete)."""
+    """The forward hook adding (alpha / r) B A dropout(x) to a linear's output; `reduce(h, module)`: how a
+    row-parallel layer's partial A x is summed over the tensor-parallel group (None: A x is complete)."""
 
     def __init__(self, scaling: float, dropout: float, reduce=None):
         self.scaling, self.dropout, self.reduce = scaling, dropout, reduce
@@ -87,7 +87,7 @@ class _Adapter:
             x = F.dropout(x, self.dropout, module.training)
         h = module.lora_A(x)
         if self.reduce is not None:
-            h = self.reduce(h)
+            h = self.reduce(h, module)
         return output + module.lora_B(h) * self.scaling
 
 
@@ -113,10 +113,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, tp_group=None, sequence_paral
         elif isinstance(module, RowParallelLinear):
             axes[f"{name}.lora_A.weight"] = 1
             if sequence_parallel:
-                reduce = lambda h, g=tp_group: _ReduceScatterSequence.apply(h, g)  # noqa: E731
+                reduce = lambda h, m, g=tp_group: _ReduceScatterSequence.apply(h, g)  # noqa: E731
                 module.lora_B.weight.register_hook(_all_reduce_hook(tp_group))
             else:
-                reduce = lambda h, g=tp_group: _ReduceFromTP.apply(h, g)  # noqa: E731
+                # A x may be kept by train.recompute=ops, as the layer's own partial product may
+                reduce = lambda h, m, g=tp_group: _ReduceFromTP.apply(h, g, m.copy_partial)  # noqa: E731
         module.register_forward_hook(_Adapter(lora.scaling, lora.dropout, reduce))
     if not axes and tp > 1:
         raise ValueError("apply_lora: a tensor-parallel group was given, but no linear is tensor-parallel")

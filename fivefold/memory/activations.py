@@ -354,13 +354,22 @@ def _linear(r: Replay, out_bytes: float, k: int, n: int, d: Shapes, target: str)
     return out
 
 
-def _reduced(r: Replay, y: _Buf, d: Shapes) -> _Buf:
-    """A row-parallel output after its all-reduce: in place, except in a train.recompute=ops region, which
-    may keep the partial product (fivefold.parallel.tensor_parallel copies it first)."""
-    if not (d.tp_reduce and r.ops is not None):
-        return y
-    out = r.alloc(y.nbytes)
-    r.free(y)
+def _row_parallel(r: Replay, k: int, d: Shapes, target: str) -> _Buf:
+    """A linear whose input is split under tensor parallelism (o_proj, down_proj), `k` inputs and h outputs,
+    after its partial products are summed (fivefold.parallel.tensor_parallel): all-reduced in place,
+    except in a train.recompute=ops region, which may keep the partial product, so it is copied first;
+    under SP reduce-scattered along the sequence, through a rank-major copy of the whole product."""
+    if d.rep == 1:
+        y = _linear(r, d.p * d.bsh, k, d.h, d, target)
+        if not (d.tp_reduce and r.ops is not None):
+            return y
+        out = r.alloc(y.nbytes)
+        r.free(y)
+        return out
+    y = _linear(r, d.p * d.b * d.s * d.h, k, d.h, d, target)
+    chunks = r.alloc(y.nbytes)
+    out = r.alloc(d.p * d.bsh)
+    r.free(chunks, y)
     return out
 
 
@@ -417,7 +426,7 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = T
         o_in = r.alloc(d.p * d.b * d.s * d.q)
     if _weight_input(d, "o"):
         r.save(o_in)
-    o = _adapt(r, o_in, _reduced(r, _linear(r, d.p * d.bsh, d.q, d.h, d, "o"), d), d, "o")
+    o = _adapt(r, o_in, _row_parallel(r, d.q, d, "o"), d, "o")
     r.free(o_in, out, q, k, v)
     if x is not n:
         r.free(x)
@@ -444,7 +453,7 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         prod = r.alloc(bsf)  # gelu saves its input
         r.save(up, *([prod] if down_input and not d.fp8 else []))
         r.free(up)
-    out = _adapt(r, prod, _reduced(r, _linear(r, d.p * d.bsh, d.f, d.h, d, "down"), d), d, "down")
+    out = _adapt(r, prod, _row_parallel(r, d.f, d, "down"), d, "down")
     if d.fp8:
         # A float8 linear is an autograd.Function: its saved input is packed once its forward has returned
         # (an aten op saves before it runs), which is where a recomputed block stops.

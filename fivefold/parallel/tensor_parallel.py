@@ -54,17 +54,17 @@ class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce of partial sums forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        from fivefold.train.recompute import keeping_outputs
-
-        # In place, unless x may be a matmul output that train.recompute=ops keeps for backward.
-        x = x.clone(memory_format=torch.contiguous_format) if keeping_outputs() else x.contiguous()
+    def forward(ctx, x, group, copy=False):
+        # In place, unless x may be a matmul output that train.recompute=ops keeps for backward (`copy`):
+        # the kept tensor must stay the partial product. Decided per module, not per pass, so that the
+        # recomputation runs the same ops as the forward did.
+        x = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -190,10 +190,16 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard(linear.weight, 1, rank, tp)
         self.bias = nn.Parameter(linear.bias.detach()) if linear.bias is not None else None  # whole: added after the sum
+        # Sum a copy of the partial product (and of a LoRA adapter's A x): set in blocks recomputed under
+        # train.recompute=ops, which may keep the product itself (fivefold.train.recompute).
+        self.copy_partial = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
-        y = _ReduceScatterSequence.apply(y, self.group) if self.sequence_parallel else _ReduceFromTP.apply(y, self.group)
+        if self.sequence_parallel:
+            y = _ReduceScatterSequence.apply(y, self.group)
+        else:
+            y = _ReduceFromTP.apply(y, self.group, self.copy_partial)
         return y + self.bias if self.bias is not None else y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,9 +304,12 @@ class SequenceGatheredInput:
         x_local, x_full = self._pending
         self._pending = None
         x_full.untyped_storage().resize_(0)
-        group = self.group
+        group, held = self.group, [(x_local, x_full)]
 
         def regather(grad):
+            # Taken out of the closure: once the module's backward has used it, autograd's saved reference is
+            # the last one, and the gathered copy is freed then, not when the whole graph goes.
+            x_local, x_full = held.pop()
             x_full.untyped_storage().resize_(x_full.numel() * x_full.element_size())
             with torch.no_grad():
                 x_full.data.copy_(gather_sequence(x_local, group))  # via .data: autograd's saved reference stays valid

@@ -60,18 +60,11 @@ def _ops_policy():
     return create_selective_checkpoint_contexts(policy)
 
 
-# Checkpointed regions whose forward is running now (True: under the ops policy). Set around the
-# checkpoint call, not inside it: torch.compile's checkpoint operator allows no side effects in its body.
-# Their recomputation runs inside backward, where nothing needs the flags (see below).
+# Checkpointed regions whose forward is running now. Set around the checkpoint call, not inside it:
+# torch.compile's checkpoint operator allows no side effects in its body. Nothing may behave differently
+# because of it in a way that changes the ops a region runs: the ops policy matches forward and
+# recomputation op by op.
 _REGIONS: list[bool] = []
-
-
-def keeping_outputs() -> bool:
-    """Whether an ops-recompute region's forward is running. The matmul outputs it keeps are the very
-    tensors its ops return, so nothing may change them in place afterwards: tensor parallelism's
-    all-reduce of a partial product copies it first (fivefold.parallel.tensor_parallel). In the
-    recomputation the cache hands the kept tensor back once: summing it in place then is harmless."""
-    return any(_REGIONS)
 
 
 def checkpointed() -> bool:
@@ -120,3 +113,7 @@ def apply_recompute(model: Transformer, mode: str, layers: str = "") -> None:
     for i, block in enumerate(model.layers):
         if hasattr(block, "attn") and i in chosen:  # a pipeline stage holds placeholders for other stages' blocks
             recompute_module(block.attn.core if mode == "selective" else block, keep_ops=mode == "ops")
+            if mode == "ops":  # the matmul outputs it keeps must not be summed in place (tensor parallelism)
+                for module in block.modules():
+                    if hasattr(module, "copy_partial"):
+                        module.copy_partial = True
