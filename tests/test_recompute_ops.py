@@ -60,23 +60,26 @@ def test_moe_experts_match_one_process(runs):
     assert_parity(runs / "moe_dp2_ep2", runs / "tiny-moe_single")
 
 
-def test_sequence_parallel_still_saves_memory_under_recomputation():
+def measure_tp2(mode: str, sp: bool) -> dict:
+    return measured_memory(2, "tiny", "train.seq_len=128", "train.micro_batch_size=2", "parallel.tp=2",
+                           f"parallel.sequence_parallel={str(sp).lower()}", f"train.recompute={mode}",
+                           *(f"{k}={v}" for k, v in HEADS.items()))
+
+
+def test_sequence_parallel_still_saves_memory_under_full_recomputation():
     """A checkpointed block keeps nothing of its forward, so SP's gathered inputs are not released and
     gathered again in backward: that re-gather made a second whole copy beside the recomputation's, held
-    to the end of backward, and cost SP its saving (measured 1.10 MB against 0.88 MB without SP under
-    full recomputation; now 0.72 MB)."""
-    def activations(mode, sp):
-        return measured_memory(2, "tiny", "train.seq_len=128", "train.micro_batch_size=2", "parallel.tp=2",
-                               f"parallel.sequence_parallel={str(sp).lower()}", f"train.recompute={mode}",
-                               *(f"{k}={v}" for k, v in HEADS.items()))["activations"]["measured"]
-    assert activations("full", True) < 0.95 * activations("full", False)
+    to the end of backward, and cost SP its saving (measured 1.10 MB against 0.88 MB without SP; now
+    0.72 MB). Both within the plan's tolerances."""
+    rows = {sp: measure_tp2("full", sp) for sp in (False, True)}
+    for measured in rows.values():
+        assert_matches_plan(measured)
+    assert rows[True]["activations"]["measured"] < 0.9 * rows[False]["activations"]["measured"]
 
 
-@pytest.mark.parametrize("mode, sp", [("ops", False), ("ops", True), ("full", True)])
-def test_tensor_parallel_memory_matches_the_plan(mode, sp):
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_memory_matches_the_plan(sp):
     """tp=2: model states within 1%, activations within 5%. Without SP the all-reduce copies a kept partial
     product before summing it; under SP a recomputed block holds its gathered inputs whole and a kept
     down_proj output is the whole partial product: the plan counts each."""
-    assert_matches_plan(measured_memory(2, "tiny", "train.seq_len=128", "train.micro_batch_size=2", "parallel.tp=2",
-                                        f"parallel.sequence_parallel={str(sp).lower()}", f"train.recompute={mode}",
-                                        *(f"{k}={v}" for k, v in HEADS.items())))
+    assert_matches_plan(measure_tp2("ops", sp))
