@@ -44,8 +44,8 @@ ATTENTION = _aten("_scaled_dot_product_flash_attention", "_scaled_dot_product_ef
 
 
 def _ops_policy():
-    """One checkpoint call's policy: forward and recomputation count their matmuls separately, so both
-    keep the same ones."""
+    """One checkpoint call's policy. The forward's decisions are what count (the recomputation takes each
+    kept output back from the cache); the matmuls are counted per pass all the same."""
     counts = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs):
@@ -61,9 +61,9 @@ def _ops_policy():
 
 
 # Checkpointed regions whose forward is running now. Set around the checkpoint call, not inside it:
-# torch.compile's checkpoint operator allows no side effects in its body. Nothing may behave differently
-# because of it in a way that changes the ops a region runs: the ops policy matches forward and
-# recomputation op by op.
+# torch.compile's checkpoint operator allows no side effects in its body, so the recomputation does not
+# see it. Read it only for what leaves a region's ops unchanged: the ops policy replays the cache by
+# matching the recomputation's ops to the forward's, one by one.
 _REGIONS: list[bool] = []
 
 
