@@ -115,7 +115,6 @@ class Replay:
     in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
     ops: int | None = None  # inside a train.recompute=ops region: the matmuls run so far
     recomputing: bool = False  # replaying a checkpointed block's recomputation (in backward)
-    cached: bool = False  # replaying such a region's recomputation: what it kept is held from the start
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
 
     def _tick(self) -> None:
@@ -154,7 +153,7 @@ class Replay:
         dropped; its recomputation in backward is replayed alone, stopping after its last save.
         `keep_ops`: train.recompute=ops's policy keeps some op outputs of the region (`kept`)."""
         self.save(*inputs)
-        alone = Replay(ops=0 if keep_ops else None, cached=keep_ops, recomputing=True)
+        alone = Replay(ops=0 if keep_ops else None, recomputing=True)
         fn(alone, *[_Buf(0.0) for _ in inputs], *args)  # inputs are already counted outside
         outer, self.in_region = (self.in_region, self.ops), True
         self.ops = 0 if keep_ops else None
@@ -174,7 +173,7 @@ class Replay:
         for buf in bufs:
             if buf.state != "temp":
                 continue
-            if self.cached:
+            if self.recomputing:  # held since the recomputation's start
                 self.live -= buf.nbytes
                 buf.state = "cached"
             else:

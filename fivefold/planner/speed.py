@@ -159,15 +159,15 @@ class _Costs:
         matmul in the order the block runs them (q, k, v, o, then the MLP's, or the router's and the
         experts'), so it recomputes k, o and up of a SwiGLU block."""
         m = self.cfg.model
-        q, kv, o = m.q_size, m.kv_size, m.q_size  # input widths x output widths, per token
-        sizes = [m.hidden_size * q, m.hidden_size * kv, m.hidden_size * kv, o * m.hidden_size]
+        h, q, kv = m.hidden_size, m.q_size, m.kv_size  # each matmul's input x output width, per token
+        sizes = [h * q, h * kv, h * kv, q * h]
         if m.num_experts:
-            sizes.append(m.hidden_size * m.num_experts)
+            sizes.append(h * m.num_experts)
             widths = [m.experts_per_token * m.expert_size] + ([m.shared_expert_size] if m.shared_expert_size else [])
         else:
             widths = [m.ffn_hidden_size]
         for f in widths:
-            sizes += [m.hidden_size * f] * (2 if m.activation == "swiglu" or m.num_experts else 1) + [f * m.hidden_size]
+            sizes += [h * f] * (2 if m.activation == "swiglu" or m.num_experts else 1) + [f * h]
         return sum(sizes[1::2]) / sum(sizes)
 
     @property

@@ -64,13 +64,13 @@ def _ops_policy():
 # torch.compile's checkpoint operator allows no side effects in its body, so the recomputation does not
 # see it. Read it only for what leaves a region's ops unchanged: the ops policy replays the cache by
 # matching the recomputation's ops to the forward's, one by one.
-_REGIONS: list[bool] = []
+_REGIONS = [0]
 
 
 def checkpointed() -> bool:
     """Whether a checkpointed region's forward is running: autograd keeps none of its tensors (but what
     the ops policy keeps), so code that would release a saved tensor early has nothing to release."""
-    return bool(_REGIONS)
+    return _REGIONS[0] > 0
 
 
 def recompute_module(module: nn.Module, keep_ops: bool = False) -> None:
@@ -81,12 +81,12 @@ def recompute_module(module: nn.Module, keep_ops: bool = False) -> None:
     extra = {"context_fn": _ops_policy} if keep_ops else {}
 
     def forward(*args, **kwargs):
-        _REGIONS.append(keep_ops)
+        _REGIONS[0] += 1
         try:
             # Non-reentrant checkpointing: works with kwargs, tensors that need no grad and torch.compile.
             return checkpoint(inner, ref(), *args, use_reentrant=False, **extra, **kwargs)
         finally:
-            _REGIONS.pop()
+            _REGIONS[0] -= 1
 
     module.forward = forward
 
