@@ -306,7 +306,8 @@ def test_deep_stacks_extrapolate_exactly():
     from fivefold.memory import activations
 
     for preset, overrides in (("tiny", []), ("tiny-gpt2", []), ("tiny", ["model.document_mask=true"]),
-                              ("tiny", ["model.attention=eager", "parallel.tp=2", "parallel.sequence_parallel=true"])):
+                              ("tiny", ["model.attention=eager", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+                              ("tiny-moe", ["model.shared_expert_size=96", "parallel.dp=2", "parallel.ep=2"])):
         cfg = load_config(preset=preset, overrides=overrides)
         d = activation_shapes(cfg, "cpu")
         for recompute in ("none", "selective", "ops", "full"):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fivefold.config import ConfigError, config_from_dict, load_config
 from fivefold.model.moe import GroupedExperts, MoE, _grouped_mm_supported
 from fivefold.train.trainer import Trainer
-from parity import BASE, assert_parity, launch_layouts, metrics, torchrun
+from parity import BASE, assert_matches_plan, assert_parity, launch_layouts, measured_memory, metrics, torchrun
 
 
 def moe_layer(**overrides) -> MoE:
@@ -230,3 +230,14 @@ def test_checkpoints_from_before_the_stacking_load_expert_by_expert(tmp_path):
     _, loaded = load_model(tmp_path / "old")
     for (name, ours), theirs in zip(loaded.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.tp=2", "parallel.sequence_parallel=true", "model.shared_expert_size=96"),
+    ("parallel.dp=2", "parallel.ep=2", "train.recompute=full", "train.precision=bf16-mixed"),
+], ids=["tp2_sp_shared", "dp2_ep2_full_bf16"])
+def test_memory_matches_the_plan(overrides):
+    """Rank 0's measured memory against the plan: under SP the MoE gathers the whole sequence and splits its
+    output; under ep the tokens and their expert ids travel by all-to-all (planned for balanced routing).
+    Measured: activations -0.4% and -0.0%."""
+    assert_matches_plan(measured_memory(2, "tiny-moe", "train.seq_len=128", "train.micro_batch_size=2", *overrides))

@@ -313,9 +313,15 @@ def test_clients_that_leave_abort_their_requests(server):
     wait_until(lambda: idle(engine))
     assert engine.stats["aborted"] == aborted + 1
 
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
-    wait_until(lambda: idle(engine))
+    # A non-streaming client that gives up. Each step is slowed down, so that the request outlasts the
+    # client's timeout on any host (the tiny model writes 240 tokens in under 0.3 s on a fast one).
+    slow = engine.model.register_forward_pre_hook(lambda module, args: time.sleep(0.02))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+        wait_until(lambda: idle(engine))
+    finally:
+        slow.remove()
     assert engine.stats["aborted"] == aborted + 2
     assert scrape(url)['fivefold_requests_finished_total{"reason": "abort"}'] >= 2
 

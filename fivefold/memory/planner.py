@@ -95,7 +95,20 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   loss_chunk=t.loss_chunk, vocab_parallel=tp > 1, tp_reduce=tp > 1 and not par.sequence_parallel,
                   fp8=t.precision == "fp8", fp8_emulated=device != "cuda",
                   biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
-                  ("q", "k", "v") if m.qkv_bias else ())
+                  ("q", "k", "v") if m.qkv_bias else (),
+                  experts=m.num_experts, topk=m.experts_per_token if m.num_experts else 0,
+                  expert_f=math.ceil(m.expert_size / tp) if m.num_experts else 0,
+                  shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
+                  ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg))
+
+
+def _capacity(cfg: Config) -> int:
+    """Assignments one expert takes at most per micro-batch and rank (MoE._within_capacity); 0: dropless."""
+    m, t = cfg.model, cfg.train
+    if not m.num_experts or m.capacity_factor <= 0:
+        return 0
+    tokens = t.micro_batch_size * math.ceil(t.seq_len / cfg.parallel.cp)
+    return math.ceil(m.capacity_factor * tokens * m.experts_per_token / m.num_experts)
 
 
 @dataclass(frozen=True)
@@ -431,6 +444,11 @@ def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
     shard = math.ceil(n / par.dp)
     if par.zero <= 1:
         reduced = 4 * (n if par.zero == 0 else shard)
+        if par.zero == 0 and par.ep == par.dp * par.cp:
+            # Every rank holds other experts: their gradients are not reduced, so the optimizer reads them
+            # where backward left them (the .grad, or the fp32 accumulation buffer).
+            experts = sum(numel for name, numel in shapes if is_stacked_expert(name))
+            reduced -= (4 if t.fp32_grad_accum else 4 - bpp.gradients) * experts
         # fp32 buffers stay beside the reduced gradients; the bf16 .grad being folded in is gone by then.
         return bpp.main_gradients * n + reduced if t.fp32_grad_accum else max(full, reduced)
     if par.zero == 2:
@@ -469,8 +487,9 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
         if not d.sdpa:
             attn_end -= 2 * d.p * d.b * d.s * d.q + (d.p * d.b * d.heads * d.s * d.sk if d.p != 4 else 0)
         # The MLP's temporaries peak once down_proj's backward has run: its input is released and its
-        # weight gradient made.
-        down = d.p * d.b * d.s * d.f
+        # weight gradient made. A MoE has by then also released the weighed expert outputs that index_add
+        # kept (the experts' output gradient takes their unweighed copy's place).
+        down = d.p * d.b * d.s * d.f if not d.experts else d.p * d.assignments * (d.expert_f + d.h)
         down_grad = mlp_grad / (3 if d.swiglu else 2)
         grads = head_grad + (last - i) * layer_grad
         # fp8: a float8 linear's backward casts and products; down_proj's with every MLP tensor still saved.
@@ -494,10 +513,9 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     if par.ep > 1 and not cfg.model.num_experts:
         notes.append(f"parallel.ep={par.ep} has no experts to split in a dense model; it changes nothing here")
     if cfg.model.num_experts:
-        notes.append("MoE activations are planned as a dense MLP as wide as the k chosen experts (plus the "
-                     "shared one); the router's logits, the routed copies of tokens and the all-to-all buffers "
-                     "are not modelled" + ("; under fp8 the routed experts' matmuls are bf16, planned as float8"
-                                           if cfg.train.precision == "fp8" else ""))
+        notes.append("MoE activations assume balanced routing: the routed tokens' tensors are as planned, but "
+                     "with ep > 1 a rank whose experts draw more than their share receives more"
+                     + ("; under fp8 the routed experts' matmuls stay bf16" if cfg.train.precision == "fp8" else ""))
     if cfg.model.attention == "sdpa" and scores_materialised(cfg, device):
         notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
                      "its s^2 scores are counted as under eager attention")
