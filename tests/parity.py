@@ -121,8 +121,21 @@ def measured_memory(nproc: int, preset: str, *overrides: str) -> dict:
     return {row["category"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])["comparison"]}
 
 
-def assert_matches_plan(rows: dict, activations: bool = True) -> None:
-    """Model states within 1% of the plan, activations within 5%."""
+# One (b, S, h) fp32 tensor of the tiny models at micro-batch 2 and sequence 128: a gathered sequence.
+WHOLE_SEQUENCE = 4 * 2 * 128 * 64
+
+
+def assert_matches_plan(rows: dict, activations: bool = True, late: float = 0.0) -> None:
+    """Model states within 1% of the plan, activations within 5%. `late`: bytes of a buffer that a
+    collective whose result is copied out and dropped at once (SP's gathered sequence, EP's sent tokens)
+    may still hold when the peak comes: gloo's worker thread releases the buffers of a finished call a
+    moment after the call has returned (measured: 30-40% of all_gather_into_tensor calls), so the measured
+    peak may exceed the plan by up to that much, and by no more."""
     checks = [(name, 0.01) for name in MODEL_STATES] + ([("activations", 0.05)] if activations else [])
     for name, tolerance in checks:
-        assert abs(rows[name]["error"]) <= tolerance, rows[name]
+        row = rows[name]
+        if name == "activations" and late and row["measured"] > row["predicted"]:
+            over = row["measured"] - row["predicted"]
+            assert over <= late + tolerance * row["predicted"], row
+        else:
+            assert abs(row["error"]) <= tolerance, row

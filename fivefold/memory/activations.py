@@ -800,8 +800,12 @@ def loss_backward_bytes(d: Shapes, head_grad: float = 0.0) -> float:
     log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each.
     The fused chunked loss instead makes the input gradient (p b s h, on the gathered sequence under
     SP, which is gathered again too) and the head's weight gradient (`head_grad` bytes) chunk by chunk:
-    one chunk's fp32 softmax and its gradient in the compute dtype beside them."""
+    one chunk's fp32 softmax and its gradient in the compute dtype beside them. The vocabulary-parallel
+    loss (fivefold.parallel.tensor_parallel) turns its saved softmax into the logits' gradient in place:
+    only the cast back to the compute dtype is new."""
     if not d.loss_chunk:
+        if d.vocab_parallel:
+            return d.p * d.b * d.s * d.vocab if d.p != 4 else 0.0
         return 2 * 4 * d.b * d.s * d.vocab
     whole = d.p * d.b * d.s * d.h
     cv = d.chunk * d.vocab
