@@ -27,6 +27,8 @@ BASE = ["model.num_layers=4", "train.seq_len=128", "train.micro_batch_size=4", "
         "train.progress=false", "train.warmup_steps=1"]
 LAYOUTS = {
     "1 process": (1, ["train.grad_accum=2"]),
+    "1 process, recompute=full": (1, ["train.grad_accum=2", "train.recompute=full"]),
+    "1 process, recompute=ops": (1, ["train.grad_accum=2", "train.recompute=ops"]),
     "dp=2": (2, ["parallel.dp=2", "train.grad_accum=2"]),
     "tp=2": (2, ["parallel.tp=2", "train.grad_accum=2"]),
     "pp=2 1f1b": (2, ["parallel.pp=2", "train.grad_accum=4", "parallel.pp_schedule=1f1b"]),
@@ -71,7 +73,7 @@ def main() -> None:
                        check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
         profile = tomllib.loads(path.read_text())
     rows = []
-    print(f"{'layout':18s} {'measured':>10s} {'predicted':>10s} {'error':>8s}")
+    print(f"{'layout':26s} {'measured':>10s} {'predicted':>10s} {'error':>8s}")
     for name, (nproc, overrides) in LAYOUTS.items():
         times = measure(nproc, overrides, args.steps)[1:]  # the first step warms up
         measured = min(times)
@@ -79,7 +81,7 @@ def main() -> None:
         error = predicted["step_time_s"] / measured - 1
         rows.append({"layout": name, "nproc": nproc, "overrides": overrides, "measured_step_s": times,
                      "measured_s": measured, "predicted": predicted, "error": error})
-        print(f"{name:18s} {measured:>9.3f}s {predicted['step_time_s']:>9.3f}s {100 * error:>+7.1f}%", flush=True)
+        print(f"{name:26s} {measured:>9.3f}s {predicted['step_time_s']:>9.3f}s {100 * error:>+7.1f}%", flush=True)
     result = {"preset": PRESET, "base": BASE, "profile": profile, "layouts": rows,
               "max_abs_error": max(abs(r["error"]) for r in rows)}
     if args.json:

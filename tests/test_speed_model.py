@@ -171,7 +171,7 @@ def test_cpu_layouts_predicted_within_25_percent_of_measured():
     must still predict each within +-25%."""
     data = json.loads((ROOT / "bench/results/planner_cpu.json").read_text())
     profile = profile_from_dict(data["profile"], "bench/results/planner_cpu.json")
-    assert len(data["layouts"]) == 7
+    assert len(data["layouts"]) == 9
     for row in data["layouts"]:
         cfg = load_config(preset=data["preset"], overrides=[*data["base"], *row["overrides"]])
         predicted = predict_step(cfg, profile).step_time_s
