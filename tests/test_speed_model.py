@@ -188,6 +188,6 @@ def test_published_runs():
     assert s["runs"] >= 8 and s["sources"] >= 3
     assert s["median_abs_error"] <= 0.12
     assert s["worst_abs_error"] <= 0.56
-    # Two runs miss the 30%: DeepSpeed's ZeRO-3 of 2021 and GPT-OSS (see the page).
-    assert sum(abs(c.error) > 0.30 for c in checks if c.verified) <= 2
+    # One run misses the 30%: DeepSpeed's ZeRO-3 of 2021 (see the page).
+    assert sum(abs(c.error) > 0.30 for c in checks if c.verified) <= 1
     assert all(math.isfinite(c.predicted) and c.predicted > 0 for c in checks)

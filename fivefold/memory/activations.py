@@ -642,9 +642,7 @@ def _all_to_all_dispatch(r: Replay, x: _Buf, A: float, d: Shapes) -> _Buf:
     processed = r.alloc(d.p * received * d.h)
     r.save(back)
     r.free(down, routed, counts)
-    template = r.alloc(d.p * A * d.h)
     returned = r.alloc(d.p * A * d.h)
-    r.free(template)
     out = _weigh_and_sum(r, returned, A, d, [], weights=sorted_ids[2])
     r.free(dest, order, *sorted_ids, incoming, incoming_ids, by_expert, back, processed)
     return out

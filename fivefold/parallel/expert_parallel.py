@@ -42,8 +42,8 @@ class AllToAllDispatch:
         # the collectives of the ranks stop matching.
         order, counts = sorted_by_expert(incoming_experts - self.rank * self.per_rank, self.per_rank)
         processed = moe.experts(incoming[order], counts)[torch.argsort(order)]
-        returned = differentiable_all_to_all(torch.empty_like(tokens[token_ids]), processed, send_splits,
-                                             recv_splits, self.group)
+        returned = differentiable_all_to_all(tokens.new_empty((len(token_ids), tokens.shape[-1])), processed,
+                                             send_splits, recv_splits, self.group)
         return torch.zeros_like(tokens).index_add(0, token_ids, returned * weights[:, None].to(tokens.dtype))
 
 

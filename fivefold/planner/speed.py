@@ -50,10 +50,14 @@ from fivefold.planner.hardware import HardwareProfile
 # statistics, the loss). Counted from the eager model's ops (fivefold/model); "fused" assumes one read and
 # one write per fused region. Backward moves about twice the forward's bytes.
 UNFUSED = {"norm": (4, 28), "residual": (3, 0), "rope": (13, 0), "heads": (2, 0), "swiglu": (5, 0),
-           "gelu": (4, 0), "loss": (2, 24), "permute": (5, 0)}
+           "gelu": (4, 0), "loss": (2, 24), "permute": (7, 0), "permute_ep": (11, 0), "combine": (3, 0)}
 FUSED = {"norm": (3, 0), "residual": (0, 0), "rope": (3, 0), "heads": (0, 0), "swiglu": (3, 0),
-         "gelu": (2, 0), "loss": (1, 8), "permute": (3, 0)}
-# permute: a mixture of experts copies each token to its k experts and weighs their outputs back together
+         "gelu": (2, 0), "loss": (1, 8), "permute": (5, 0), "permute_ep": (9, 0), "combine": (1, 0)}
+# A mixture of experts, per element of its k routed copies of each token (fivefold.model.moe.LocalDispatch):
+# the gather of the tokens (read, write), the gate weighting (read, write) and index_add's read of it and
+# read-modify-write of the output: 7; expert parallelism (AllToAllDispatch) also sorts the received rows
+# by expert and unsorts the outputs (read, write each): 11. Fused, the weighting runs inside index_add's
+# read: 5 and 9. `combine`, per element of the layer's output: index_add's zeroed base and out-of-place copy.
 OPS_PER_LAYER = {False: 45, True: 12}  # kernels per layer forward (backward: twice), eager vs fused
 ADAM_BYTES_PER_PARAM = 36  # read weight, master, 2 moments, gradient; write weight, master, moments; norm
 BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer")
@@ -197,7 +201,8 @@ class _Costs:
         if m.position == "rope":
             out += self.bytes("rope", T * (m.q_size + m.kv_size) / p.tp)
         if m.num_experts:
-            out += self.bytes("permute", T * m.experts_per_token * m.hidden_size)
+            out += self.bytes("permute_ep" if p.ep > 1 else "permute", T * m.experts_per_token * m.hidden_size)
+            out += self.bytes("combine", T * m.hidden_size)
         return out + self.bytes("swiglu" if m.activation == "swiglu" else "gelu", T * width / p.tp)
 
     def head(self) -> tuple[float, float]:
