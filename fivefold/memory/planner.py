@@ -336,7 +336,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         held_grads = memory["gradients"]
     in_block = 0.0
     if len(layers):
-        grads = (head_grad, d.p * formulas.mlp_params(m) / par.tp, d.p * formulas.layer_params(m) / par.tp)
+        # This rank's block and MLP parameters: split by tp, and a mixture of experts' by ep too.
+        mlp = sum(k for name, k in shapes if ".mlp." in name) / len(layers)
+        grads = (head_grad, d.p * mlp, d.p * max(inv.blocks))
         if adapters:  # only the adapters' gradients are made
             mlp_adapters = sum(k for name, k in adapters if ".mlp." in name)
             grads = (0.0, d.p * mlp_adapters / len(layers), d.p * n / len(layers))
