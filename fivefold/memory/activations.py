@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -519,7 +519,6 @@ def _moe(r: Replay, n: _Buf, d: Shapes) -> _Buf:
     out = (_all_to_all_dispatch if d.ep > 1 else _local_dispatch)(r, x, A, d)
     r.free(*picked)
     if d.shared_f:  # a dense tensor-parallel MLP of its own, on the whole sequence
-        from dataclasses import replace
         shared = _mlp(r, x, replace(d, f=d.shared_f, rep=1.0, tp_reduce=d.tp_reduce or d.rep != 1))
         total = r.alloc(d.p * T * d.h)
         r.free(out, shared)
@@ -598,8 +597,7 @@ def _weigh_and_sum(r: Replay, expert_out: _Buf, rows: float, d: Shapes, index: l
     if w is not w32 and weights is None:
         r.free(w32)
     weighed = r.alloc(d.p * rows * d.h)
-    r.save(expert_out, w)
-    r.save(weighed)  # index_add's backward keeps its source
+    r.save(expert_out, w, weighed)  # the mul keeps both factors, index_add's backward its source
     zeros = r.alloc(d.p * d.b * d.s * d.h)
     out = r.alloc(d.p * d.b * d.s * d.h)
     r.free(zeros, weighed, expert_out, w, *index)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig, validate
 from fivefold.memory import formulas
-from fivefold.model.moe import is_stacked_expert
+from fivefold.model.moe import expert_capacity, is_stacked_expert
 from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
                                          replay_forward)
 
@@ -105,10 +105,10 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
 def _capacity(cfg: Config) -> int:
     """Assignments one expert takes at most per micro-batch and rank (MoE._within_capacity); 0: dropless."""
     m, t = cfg.model, cfg.train
-    if not m.num_experts or m.capacity_factor <= 0:
+    if not m.num_experts:
         return 0
     tokens = t.micro_batch_size * math.ceil(t.seq_len / cfg.parallel.cp)
-    return math.ceil(m.capacity_factor * tokens * m.experts_per_token / m.num_experts)
+    return expert_capacity(m.capacity_factor, tokens, m.experts_per_token, m.num_experts)
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,8 @@ class _Inventory:
     root: int  # outside the blocks: embeddings, final norm, LM head
     blocks: tuple[int, ...]  # each block's
     head: int  # the LM head's
+    mlp: int  # the blocks' feed-forward layers' (a mixture of experts: router, this rank's experts, shared)
+    experts: int  # the stacked expert weights'
 
 
 @functools.lru_cache(maxsize=1024)
@@ -135,7 +137,9 @@ def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
     n = sum(numel for _, numel in shapes)
     return _Inventory(n=n, largest=max(numel for _, numel in shapes), units=tuple(map(tuple, units.values())),
                       root=n - sum(blocks.values()), blocks=tuple(blocks.values()),
-                      head=sum(numel for name, numel in shapes if name.startswith("lm_head.")))
+                      head=sum(numel for name, numel in shapes if name.startswith("lm_head.")),
+                      mlp=sum(numel for name, numel in shapes if ".mlp." in name),
+                      experts=sum(numel for name, numel in shapes if is_stacked_expert(name)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -336,12 +340,10 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         held_grads = memory["gradients"]
     in_block = 0.0
     if len(layers):
-        # This rank's block and MLP parameters: split by tp, and a mixture of experts' by ep too.
-        mlp = sum(k for name, k in shapes if ".mlp." in name) / len(layers)
-        grads = (head_grad, d.p * mlp, d.p * max(inv.blocks))
-        if adapters:  # only the adapters' gradients are made
-            mlp_adapters = sum(k for name, k in adapters if ".mlp." in name)
-            grads = (0.0, d.p * mlp_adapters / len(layers), d.p * n / len(layers))
+        # This rank's block and MLP parameters (split by tp, a mixture of experts' by ep too); with LoRA
+        # only the adapters' gradients are made.
+        mlp = d.p * inv.mlp / len(layers)
+        grads = (0.0, mlp, d.p * n / len(layers)) if adapters else (head_grad, mlp, d.p * max(inv.blocks))
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)))
         in_block += tied_pending
@@ -449,8 +451,7 @@ def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
         if par.zero == 0 and par.ep == par.dp * par.cp:
             # Every rank holds other experts: their gradients are not reduced, so the optimizer reads them
             # where backward left them (the .grad, or the fp32 accumulation buffer).
-            experts = sum(numel for name, numel in shapes if is_stacked_expert(name))
-            reduced -= (4 if t.fp32_grad_accum else 4 - bpp.gradients) * experts
+            reduced -= (4 if t.fp32_grad_accum else 4 - bpp.gradients) * inv.experts
         # fp32 buffers stay beside the reduced gradients; the bf16 .grad being folded in is gone by then.
         return bpp.main_gradients * n + reduced if t.fp32_grad_accum else max(full, reduced)
     if par.zero == 2:

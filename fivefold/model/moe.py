@@ -119,6 +119,12 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs)
 
 
+def expert_capacity(factor: float, tokens: int, k: int, num_experts: int) -> int:
+    """Assignments one expert takes at most when `tokens` tokens are routed to k of `num_experts` each:
+    ceil(factor * tokens * k / E); 0 (no limit) when factor <= 0, dropless."""
+    return math.ceil(factor * tokens * k / num_experts) if factor > 0 else 0
+
+
 def sorted_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order that groups the assignments by expert, token order kept within each; count per expert)."""
     return torch.argsort(expert_ids, stable=True), torch.bincount(expert_ids, minlength=num_experts)
@@ -194,7 +200,7 @@ class MoE(nn.Module):
     def _within_capacity(self, expert_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         if self.capacity_factor <= 0:
             return torch.ones_like(expert_ids, dtype=torch.bool)
-        capacity = math.ceil(self.capacity_factor * num_tokens * self.k / self.num_experts)
+        capacity = expert_capacity(self.capacity_factor, num_tokens, self.k, self.num_experts)
         one_hot = F.one_hot(expert_ids, self.num_experts)
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # arrival order at its expert, token order
         return position < capacity
