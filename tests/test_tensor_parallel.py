@@ -103,4 +103,9 @@ def test_measured_memory_per_rank_matches_the_plan():
     measured = {sp: measure_tp2(sp) for sp in (False, True)}
     for sp, rows in measured.items():
         assert_matches_plan(rows, late=WHOLE_SEQUENCE if sp else 0.0)
+    # The vocabulary-parallel loss's backward works in its saved softmax, in place: counted as the plain
+    # loss's two fp32 vocabulary gradients, the total was 8% high (measured now: -0.4%, in repeated runs;
+    # the temporaries' own peak moves between runs, +1% to +21%). Without SP no collective buffer can
+    # outlive its call here.
+    assert abs(measured[False]["total"]["error"]) <= 0.05, measured[False]["total"]
     assert measured[True]["activations"]["measured"] < 0.8 * measured[False]["activations"]["measured"]
