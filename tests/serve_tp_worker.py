@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+from fivefold.parallel.mesh import exit_worker
 from fivefold.serve import LLM, SamplingParams
 
 source, requests_path, out_path = sys.argv[1:4]
@@ -16,3 +17,4 @@ if int(os.environ["RANK"]) == 0:
         json.dump([{"token_ids": o.token_ids, "logprobs": [e["logprob"] for e in o.logprobs or []]} for o in outs], f)
 # Every rank got the outputs from the driver.
 assert [len(o.token_ids) for o in outs] == [p["max_tokens"] for p in spec["params"]]
+exit_worker()  # no interpreter finalization after gloo: it can abort a finished worker (SIGABRT)
