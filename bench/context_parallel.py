@@ -2,13 +2,15 @@
 backward on each rank's zig-zag tokens, against the all-gather form of context parallelism (every rank
 gathers the whole sequence's keys and values, runs PyTorch's SDPA on its queries against all of them
 with the causal mask of its global positions, and reduce-scatters the key/value gradients back: Llama 3's
-choice), and against the same ring with every send/receive waited on at once (no overlap), on the same
-gloo process group and the same tensors.
+choice), against the same ring with every send/receive waited on at once (no overlap), and against the
+same ring computing its blocks as explicit matmuls and softmax (what it does with packed documents, and
+did everywhere before its blocks ran the fused CPU kernel), on the same gloo process group and the same
+tensors.
 
     python bench/context_parallel.py --nproc 2 --json bench/results/context_parallel_cp2.json
     python bench/context_parallel.py --nproc 2 --seq-len 8192 --heads 8 --kv-heads 2
 
-The first step checks that all three give the same output and gradients (fp32, within 1e-4 relative);
+The first step checks that all four give the same output and gradients (fp32, within 1e-4 relative);
 then one-step windows alternate between them and the medians are printed as ratios. The all-gather
 form holds the whole sequence's keys and values (cp times ours) and, through SDPA's mask, an
 (s/cp x s) score block; the ring holds one block at a time.
@@ -69,18 +71,27 @@ class Attention:
     def step(self):
         self.run()
 
+    def peak_bytes(self) -> int:
+        """Largest sum of the tensors one forward and backward allocates while they are alive (the
+        fivefold memory tracker: every op's outputs, until they are freed)."""
+        from fivefold.memory.tracker import CATEGORIES, MemoryTracker
 
-def ring(groups, blocking: bool):
+        with MemoryTracker(torch.nn.Module()) as tracker:
+            self.run()
+        return max(sum(row[:len(CATEGORIES)]) for row in tracker.samples)
+
+
+def ring(groups, blocking: bool = False, explicit: bool = False):
     core = RingAttentionCore(type("Core", (), {"groups": groups})(), dist.group.WORLD)
 
     def attend(q, k, v):
-        if not blocking:
-            return core(q, k, v)
-        overlapped, cpmod._Shift = cpmod._Shift, _BlockingShift
+        shift, fused = cpmod._Shift, cpmod._fused
+        cpmod._Shift = _BlockingShift if blocking else shift
+        cpmod._fused = (lambda q: False) if explicit else fused
         try:
             return core(q, k, v)
         finally:
-            cpmod._Shift = overlapped
+            cpmod._Shift, cpmod._fused = shift, fused
     return attend
 
 
@@ -110,28 +121,33 @@ def worker(args) -> None:
     k, v = (torch.randn(args.batch, args.kv_heads, s, d, generator=g) for _ in range(2))
     grad = torch.randn(q.shape, generator=g)
     groups = args.heads // args.kv_heads
-    runners = {"ring": Attention(ring(groups, False), q, k, v, grad),
-               "ring_blocking": Attention(ring(groups, True), q, k, v, grad),
+    runners = {"ring": Attention(ring(groups), q, k, v, grad),
+               "ring_blocking": Attention(ring(groups, blocking=True), q, k, v, grad),
+               "ring_explicit_blocks": Attention(ring(groups, explicit=True), q, k, v, grad),
                "all_gather_sdpa": Attention(all_gather_attention(args.seq_len, groups), q, k, v, grad)}
     results = {name: r.run() for name, r in runners.items()}
     worst = 0.0
-    for name in ("ring_blocking", "all_gather_sdpa"):
+    for name in ("ring_blocking", "ring_explicit_blocks", "all_gather_sdpa"):
         for a, b in zip([results["ring"][0], *results["ring"][1]], [results[name][0], *results[name][1]]):
             worst = max(worst, ((a - b).norm() / b.norm()).item())
     if worst > 1e-4:
         raise SystemExit(f"rank {rank}: implementations disagree (relative difference {worst:.2e})")
+    peaks = {name: r.peak_bytes() for name, r in runners.items()}
     times, _ = time_alternating(runners, args.warmup, args.steps)
     median = {name: statistics.median(t) for name, t in times.items()}
     out = {"machine": machine_info(args, cp), "cp": cp, "batch": args.batch, "seq_len": args.seq_len,
            "heads": args.heads, "kv_heads": args.kv_heads, "head_size": d, "max_relative_difference": worst,
-           "median_seconds": median,
+           "median_seconds": median, "peak_bytes": peaks,
            "ratio_ring_over_all_gather": median["ring"] / median["all_gather_sdpa"],
-           "ratio_ring_over_blocking_ring": median["ring"] / median["ring_blocking"]}
+           "ratio_ring_over_blocking_ring": median["ring"] / median["ring_blocking"],
+           "ratio_ring_over_explicit_blocks": median["ring"] / median["ring_explicit_blocks"]}
     if rank == 0:
         print(f"cp={cp}, batch {args.batch} x seq {args.seq_len}, heads {args.heads}/{args.kv_heads} x {d}: "
               f"fwd+bwd median ms " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in median.items()))
         print(f"ratio ring / all-gather + SDPA: {out['ratio_ring_over_all_gather']:.3f}; ring / ring without "
-              f"overlap: {out['ratio_ring_over_blocking_ring']:.3f} (max relative difference {worst:.1e})")
+              f"overlap: {out['ratio_ring_over_blocking_ring']:.3f}; fused blocks / explicit blocks: "
+              f"{out['ratio_ring_over_explicit_blocks']:.3f} (max relative difference {worst:.1e})")
+        print("peak MB allocated in one forward + backward: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in peaks.items()))
         write_json(args.json, out)
 
 

@@ -192,6 +192,11 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def grad_size(self) -> int:
+        """Ranks a gradient is reduced over, and ZeRO shards over: dp x cp (each cp rank saw other tokens)."""
+        return self.dp * self.cp
+
 
 @dataclass
 class ServeConfig:

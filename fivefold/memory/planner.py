@@ -255,7 +255,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     m, t, par = cfg.model, cfg.train, cfg.parallel
     mixed, accum32 = t.mixed, t.fp32_grad_accum
     bpp = formulas.bytes_per_param(t.precision, accum32)
-    dp, zero = par.dp, par.zero
+    dp, zero = par.grad_size, par.zero  # ZeRO shards over the gradient group, dp x cp
     layers = formulas.rank_layers(m.num_layers, par.pp, stage, par.pp_virtual_stages, par.pp_layers)
     first, last = stage == 0, stage == par.pp - 1
     shapes = tuple(formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep))
@@ -312,7 +312,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # Without a gradient reducer or fp32 buffers the step takes the .grad tensors over (then they are
     # temporaries), and releases each bf16 gradient once its fp32 copy is made: a unit then adds 2 bytes
     # per parameter, and 2 more for the one being copied (at most the largest).
-    handed = memory["gradients"] if par.dp * par.cp == 1 and not accum32 else 0.0
+    handed = memory["gradients"] if dp == 1 and not accum32 else 0.0
     step = 0.0
     for decay, rest in inv.units:
         foreach = 4 * max(shard(decay, 1), shard(rest, 1)) if t.optimizer_impl == "foreach" else 0
@@ -373,7 +373,7 @@ def _reductions_in_flight(cfg: Config, shapes: tuple, inv: _Inventory, device: s
     through an all-reduce of a copy of the input. At the end of backward the last unit reduced is the
     largest (ZeRO-3: the root; ZeRO-2: the first, small bucket follows a full one)."""
     par = cfg.parallel
-    if par.dp == 1 or par.zero < 2:
+    if par.grad_size == 1 or par.zero < 2:
         return 0.0
     from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
 
@@ -382,7 +382,7 @@ def _reductions_in_flight(cfg: Config, shapes: tuple, inv: _Inventory, device: s
     else:
         units = sorted(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)), reverse=True)
     copies = 2 if device == "cpu" else 1
-    return sum(4 * u * (copies + 1 / par.dp) for u in units[:MAX_REDUCES_IN_FLIGHT])
+    return sum(4 * u * (copies + 1 / par.grad_size) for u in units[:MAX_REDUCES_IN_FLIGHT])
 
 
 def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int) -> float:
@@ -395,7 +395,7 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     t, par = cfg.train, cfg.parallel
     masters = 4 * shard(n, 1) if t.mixed else 0.0
     grad_buffers = 0.0
-    if par.dp > 1 and par.zero >= 2:
+    if par.grad_size > 1 and par.zero >= 2:
         grad_buffers = 4 * shard(n, 2)
     elif t.fp32_grad_accum:
         grad_buffers = 4 * n
@@ -433,7 +433,8 @@ def _ffn_width(m) -> int:
 
 def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
     """Peak gradient memory. One process: every .grad (or the fp32 accumulation buffers plus the one
-    bf16 .grad being folded in). Data parallel (fivefold.parallel): the reduction is in fp32 and its
+    bf16 .grad being folded in). Data (or context) parallel (fivefold.parallel): the reduction over dp x cp
+    is in fp32 and its
     result is what the optimizer reads, so ZeRO-0 ends backward with 4 bytes per parameter and ZeRO-1
     with 4 per parameter of its shard, beside the full gradients held until the last micro-batch's
     reduction. ZeRO-2/3 keep persistent fp32 gradient shards, plus the full gradients of the bucket
@@ -443,12 +444,12 @@ def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
     full = bpp.gradients * n
     if t.fp32_grad_accum:
         full = bpp.main_gradients * n + bpp.gradients * inv.largest
-    if par.dp == 1:
+    if par.grad_size == 1:
         return full
-    shard = math.ceil(n / par.dp)
+    shard = math.ceil(n / par.grad_size)
     if par.zero <= 1:
         reduced = 4 * (n if par.zero == 0 else shard)
-        if par.zero == 0 and par.ep == par.dp * par.cp:
+        if par.zero == 0 and par.ep == par.grad_size:
             # Every rank holds other experts: their gradients are not reduced, so the optimizer reads them
             # where backward left them (the .grad, or the fp32 accumulation buffer).
             reduced -= (4 if t.fp32_grad_accum else 4 - bpp.gradients) * inv.experts
@@ -522,6 +523,13 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     if cfg.model.attention == "sdpa" and scores_materialised(cfg, device):
         notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
                      "its s^2 scores are counted as under eager attention")
+    if par.cp > 1 and device != "cpu":
+        from fivefold.memory.plots import human_bytes
+
+        block = 4 * cfg.train.micro_batch_size * (cfg.model.num_heads // par.tp) * (cfg.train.seq_len // par.cp) ** 2
+        notes.append(f"cp={par.cp}: off the CPU, ring attention computes each block as explicit matmuls (the "
+                     f"CPU runs its fused flash kernel): a block's fp32 scores, {human_bytes(block)}, and about "
+                     f"three more of that size are transient in its forward and backward, not counted here")
     if cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; the activations here replay the eager model")

@@ -86,21 +86,55 @@ def _scores(q, k, allowed, scale):
     return (q @ k.transpose(-2, -1)).to(acc).mul_(scale).masked_fill_(~allowed, float("-inf"))
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether the blocks run as the fused flash-attention kernel that also returns the log-sum-exp: on
+    the CPU, for every dtype. Elsewhere the blocks run as explicit matmuls (their s/cp x s/cp scores live
+    only while the block is computed)."""
+    return q.device.type == "cpu"
+
+
+def _document_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The packed documents' block mask as the fused kernel takes it: additive, in the inputs' dtype."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float, bias=None):
+    """One block's (output, log-sum-exp) by the CPU's flash kernel: no scores are materialised."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                      scale=scale)
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, bias=None):
+    """One block's (grad q, grad k, grad v). Given the final output and log-sum-exp of these queries, the
+    kernel's softmax exp(s - lse) is the whole sequence's restricted to this block, and its
+    rowsum(dO * O) is the whole sequence's too: the block's share of the gradients exactly."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+
+
+def _block_kv(kv: torch.Tensor, cols: slice, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t[:, :, cols].repeat_interleave(groups, 1) if groups > 1 else t[:, :, cols] for t in kv)
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention of this rank's zig-zag tokens over the whole sequence.
 
     Forward: the key/value block goes round the ring (cp - 1 shifts); each block's output and
     log-sum-exp are merged into the running ones (online softmax). Only q, k, v, the output and the
-    final log-sum-exp are saved: no s x s scores outlive a block.
+    final log-sum-exp are saved: no s x s scores outlive a block, and with the fused kernel none exist.
     Backward: the blocks go round again, each carrying the gradient of its keys and values; every rank
     adds its queries' contribution (softmax recomputed from the saved log-sum-exp, FlashAttention-2's
-    backward), and a last shift returns each gradient to the rank that owns the block."""
+    backward), and a last shift returns each gradient to the rank that owns the block.
+
+    The diagonal block is causal in the rank's own (increasing) positions; off the diagonal the visible
+    half is wholly visible (_visible). Packed documents add a mask per block, built as the block comes."""
 
     @staticmethod
     def forward(ctx, q, k, v, groups, group, docs):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         seq, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
         acc = torch.promote_types(q.dtype, torch.float32)
+        fused = _fused(q)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
@@ -108,21 +142,40 @@ class _RingAttention(torch.autograd.Function):
             incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None  # overlaps this block's compute
             source = (rank - step) % cp
             rows, cols = _visible(rank, source, q.shape[2])
-            k_j, v_j = (t[:, :, cols].repeat_interleave(groups, 1) if groups > 1 else t[:, :, cols] for t in kv)
-            allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
-            scores = _scores(q[:, :, rows], k_j, allowed, scale)
-            old_lse = lse[:, :, rows]
-            new_lse = torch.logaddexp(old_lse, torch.logsumexp(scores, dim=-1))
-            seen = torch.isfinite(new_lse)  # rows with no allowed key yet keep out = 0, lse = -inf
-            old_weight = torch.where(seen, torch.exp(old_lse - new_lse), 0.0)
-            probs = torch.exp(scores - torch.where(seen, new_lse, 0.0)[..., None])
-            out[:, :, rows] = out[:, :, rows] * old_weight[..., None] + probs.to(v.dtype) @ v_j
-            lse[:, :, rows] = new_lse
+            k_j, v_j = _block_kv(kv, cols, groups)
+            if fused:
+                bias = None
+                if docs is not None:
+                    allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
+                    bias = _document_bias(allowed, q.dtype)
+                block, block_lse = _flash_forward(q[:, :, rows], k_j, v_j, source == rank and bias is None,
+                                                  scale, bias)
+                if bias is not None:  # the kernel gives a query with no key of its document here lse 0
+                    block_lse = block_lse.masked_fill(~allowed.any(-1), float("-inf"))
+                if step == 0:  # the diagonal block: every query sees at least itself
+                    out[:, :, rows], lse[:, :, rows] = block, block_lse
+                else:
+                    old_lse = lse[:, :, rows]
+                    new_lse = torch.logaddexp(old_lse, block_lse)
+                    out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - new_lse)[..., None]
+                                       + block.to(acc) * torch.exp(block_lse - new_lse)[..., None])
+                    lse[:, :, rows] = new_lse
+            else:
+                allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
+                scores = _scores(q[:, :, rows], k_j, allowed, scale)
+                old_lse = lse[:, :, rows]
+                new_lse = torch.logaddexp(old_lse, torch.logsumexp(scores, dim=-1))
+                seen = torch.isfinite(new_lse)  # rows with no allowed key yet keep out = 0, lse = -inf
+                old_weight = torch.where(seen, torch.exp(old_lse - new_lse), 0.0)
+                probs = torch.exp(scores - torch.where(seen, new_lse, 0.0)[..., None])
+                out[:, :, rows] = out[:, :, rows] * old_weight[..., None] + probs.to(v.dtype) @ v_j
+                lse[:, :, rows] = new_lse
             if incoming is not None:
                 kv = incoming.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.groups, ctx.group, ctx.docs = groups, group, docs
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -130,28 +183,41 @@ class _RingAttention(torch.autograd.Function):
         groups, group, docs = ctx.groups, ctx.group, ctx.docs
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         seq, scale = q.shape[2] * cp, q.shape[-1] ** -0.5
-        grad_out = grad_out.to(out.dtype)
-        delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO * O)
-        grad_q = torch.zeros_like(out)
+        acc = lse.dtype
+        fused = _fused(q)
+        if fused:
+            grad_out = grad_out.to(q.dtype).contiguous()
+        else:
+            grad_out, out = grad_out.to(acc), out.to(acc)
+            delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+        grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         passing = None  # the held block's gradient so far, on its way from the previous rank
         for step in range(cp):
             incoming = _Shift(kv, group, KV_TAG) if step < cp - 1 else None
             source = (rank - step) % cp
             rows, cols = _visible(rank, source, q.shape[2])
-            k_j, v_j = (t[:, :, cols].repeat_interleave(groups, 1) if groups > 1 else t[:, :, cols] for t in kv)
+            k_j, v_j = _block_kv(kv, cols, groups)
             q_i, grad_out_i = q[:, :, rows], grad_out[:, :, rows]
-            allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
-            scores = _scores(q_i, k_j, allowed, scale)
-            probs = torch.exp(scores - lse[:, :, rows, None])  # the final softmax, restricted to this block
-            grad_v = probs.transpose(-2, -1) @ grad_out_i
-            grad_scores = probs * (grad_out_i @ v_j.to(out.dtype).transpose(-2, -1) - delta[:, :, rows]) * scale
-            grad_q[:, :, rows] += grad_scores @ k_j.to(out.dtype)
-            grad_k = grad_scores.transpose(-2, -1) @ q_i.to(out.dtype)
+            if fused:
+                bias = None
+                if docs is not None:
+                    bias = _document_bias(_allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols], q.dtype)
+                grad_q_i, grad_k, grad_v = _flash_backward(grad_out_i, q_i, k_j, v_j, out[:, :, rows],
+                                                           lse[:, :, rows], source == rank and bias is None,
+                                                           scale, bias)
+                grad_q[:, :, rows] += grad_q_i
+            else:
+                allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
+                scores = _scores(q_i, k_j, allowed, scale)
+                probs = torch.exp(scores - lse[:, :, rows, None])  # the final softmax, restricted to this block
+                grad_v = probs.transpose(-2, -1) @ grad_out_i
+                grad_scores = probs * (grad_out_i @ v_j.to(acc).transpose(-2, -1) - delta[:, :, rows]) * scale
+                grad_q[:, :, rows] += grad_scores @ k_j.to(acc)
+                grad_k = grad_scores.transpose(-2, -1) @ q_i.to(acc)
             if groups > 1:  # each key/value head served `groups` query heads
                 grad_k, grad_v = (g.unflatten(1, (-1, groups)).sum(2) for g in (grad_k, grad_v))
-            grad_kv = passing.wait() if passing is not None else torch.zeros(kv.shape, dtype=out.dtype,
-                                                                                device=q.device)
+            grad_kv = passing.wait() if passing is not None else torch.zeros(kv.shape, dtype=acc, device=q.device)
             grad_kv[:, :, :, cols] += torch.stack([grad_k, grad_v])
             passing = _Shift(grad_kv, group, GRAD_TAG)  # after the last block: back to its owner
             if incoming is not None:

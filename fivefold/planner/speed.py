@@ -413,6 +413,10 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     if p.tp > 1 and _link(profile, 1, p.tp)[2]:
         notes.append(f"tp={p.tp} spans more than one node of {profile.gpus_per_node}: its collectives use the "
                      f"inter-node link")
+    if p.cp > 1 and profile.device != "cpu":
+        notes.append(f"cp={p.cp}: attention is timed as a fused kernel per ring block, which fivefold runs on "
+                     f"the CPU; on CUDA its ring blocks are still explicit matmuls (slower, and their scores "
+                     f"take memory: see the memory notes)")
     if not profile.intra_node_bandwidth and p.world_size > 1:
         notes.append(f"profile {profile.name!r} has no link figures: communication is not timed")
     if t.precision == "fp8":
