@@ -354,7 +354,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     optimizer_step = memory["gradients"] + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
-    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n)
+    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n, bool(adapters))
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), frozen + n, memory, in_flight, detail)
@@ -385,13 +385,16 @@ def _reductions_in_flight(cfg: Config, shapes: tuple, inv: _Inventory, device: s
     return sum(4 * u * (copies + 1 / par.grad_size) for u in units[:MAX_REDUCES_IN_FLIGHT])
 
 
-def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int) -> float:
+def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int,
+             lora: bool) -> float:
     """Peak while a rank builds its part (fivefold.parallel.apply): the model is split on the meta
     device, then each local parameter is materialised from its full fp32 initial value, one at a time.
     Held at the end: the parameters, the fp32 masters (bf16-mixed; Adam's moments only come with the
     first step), and the gradient buffers made up front (fp32 accumulation buffers; ZeRO-2/3's fp32
-    gradient shards). On top, the one parameter being made: its full fp32 value, and under tensor
-    parallelism this rank's fp32 slice of it. `n`: the parameters that train (all, or LoRA's adapters)."""
+    gradient shards), which except under ZeRO-3 are made once every parameter is. Beside them, what the
+    parameter being made adds beyond what the rank keeps of it (_being_made), as if the largest were made
+    last: a bound, reached when it is. `n`: the parameters
+    that train (all, or LoRA's adapters, `lora`: the base is frozen)."""
     t, par = cfg.train, cfg.parallel
     masters = 4 * shard(n, 1) if t.mixed else 0.0
     grad_buffers = 0.0
@@ -399,27 +402,45 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
         grad_buffers = 4 * shard(n, 2)
     elif t.fp32_grad_accum:
         grad_buffers = 4 * n
-    return parameters + masters + grad_buffers + 4 * _largest_being_made(tuple(shapes), cfg.model, par.tp)
+    g = par.grad_size
+    kept = (2 if t.mixed else 4, 1 / g if par.zero >= 3 and g > 1 else 1.0,  # the parameter: dtype, share
+            4 if t.mixed else 0, 1 / g if par.zero >= 1 and g > 1 else 1.0)  # its fp32 master: bytes, share
+    made = _being_made(tuple(shapes), cfg.model, par.tp, kept, lora)
+    if par.zero < 3 or par.grad_size == 1:  # the buffers come after the parameters (the optimizer's, ZeRO's)
+        return parameters + masters + max(made, grad_buffers)
+    return parameters + masters + grad_buffers + made  # ZeRO-3 makes its parameters inside its engine
 
 
-def _largest_being_made(shapes: tuple, model, tp: int) -> int:
-    """Elements of the largest full parameter (plus its tensor-parallel slice) this rank materialises.
-    A stacked expert weight is filled one expert's full matrix (plus its slice) at a time."""
-    return _largest_cached(shapes, tuple(vars(model).items()), tp)
+def _being_made(shapes: tuple, model, tp: int, kept: tuple, lora: bool) -> float:
+    """Bytes the parameter being made holds beyond what the rank keeps of it, for the largest case
+    among this rank's parameters. initial_value draws the full fp32 value and scales it (randn, then
+    the product: two full fp32 tensors at once, 8 bytes per element of the whole parameter); the rank
+    keeps its slice as the parameter (in its dtype; under ZeRO-3 its rows) and, for a parameter that
+    trains under bf16-mixed, as its fp32 master (under ZeRO its rows). A frozen bf16 parameter (LoRA's
+    base) thus leaves 6 bytes per element on top of itself, a trained fp32 one 4. A stacked expert
+    weight is drawn one expert's full matrix (plus its slice) at a time, 4 bytes per element of each."""
+    return _being_made_cached(shapes, tuple(vars(model).items()), tp, kept, lora)
 
 
 @functools.lru_cache(maxsize=1024)
-def _largest_cached(shapes: tuple, model_fields: tuple, tp: int) -> int:
+def _being_made_cached(shapes: tuple, model_fields: tuple, tp: int, kept: tuple, lora: bool) -> float:
     model = ModelConfig(**dict(model_fields))
+    param_bytes, param_share, master_bytes, master_share = kept
     matrix = model.hidden_size * model.expert_size
-    stacked = [numel + matrix + (matrix // tp if tp > 1 else 0) for name, numel in shapes if is_stacked_expert(name)]
+    stacked = [4 * (numel + matrix + (matrix // tp if tp > 1 else 0)) for name, numel in shapes
+               if is_stacked_expert(name)]
     layers = sorted({int(name.split(".")[1]) for name, _ in shapes if name.startswith("layers.")})
     names = {name for name, _ in shapes}
     full = dict(formulas.parameter_shapes(model, 1, layers, "embed_tokens.weight" in names,
                                           "norm.weight" in names))  # global sizes of this rank's parameters
     # (a tied model's last pipeline stage holds a copy of the embedding as lm_head.weight)
     full.setdefault("lm_head.weight", model.vocab_size * model.hidden_size)
-    return max([full[name] + (numel if numel != full[name] else 0) for name, numel in shapes
+
+    def beyond(numel: int, whole: int) -> float:
+        master = 0.0 if lora else master_bytes * master_share * numel  # the base is frozen under LoRA
+        return 8 * whole - param_bytes * param_share * numel - master
+
+    return max([beyond(numel, full[name]) for name, numel in shapes
                 if name in full and not is_stacked_expert(name)] + stacked)
 
 

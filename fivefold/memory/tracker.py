@@ -221,7 +221,8 @@ class MemoryTimeline:
     device: str
     predicted: dict | None = None  # plan_memory(...).memory for the same config and device
     config: dict = field(default_factory=dict)
-    startup: float | None = None  # peak bytes while the Trainer was built (StartupPeak)
+    startup: float | None = None  # peak bytes while the Trainer was built (CUDA: allocator; CPU: tensors)
+    startup_rss: float | None = None  # CPU: the resident set's growth over the same time (StartupPeak)
 
     def series(self, category: str) -> list[float]:
         return [row[CATEGORIES.index(category)] for row in self.samples]
@@ -234,6 +235,8 @@ class MemoryTimeline:
             peaks["device_allocated"] = max(row[-1] for row in self.samples)
         if self.startup is not None:
             peaks["startup"] = self.startup
+        if self.startup_rss is not None:
+            peaks["startup_rss"] = self.startup_rss
         return peaks
 
     def comparison(self) -> list[tuple[str, float, float, float]]:
@@ -257,6 +260,8 @@ class MemoryTimeline:
         lines = [f"{'category':18s} {'predicted':>14s} {'measured peak':>14s} {'error':>8s}"]
         for name, predicted, measured, error in self.comparison():
             lines.append(f"{name:18s} {predicted:>14,.0f} {measured:>14,.0f} {100 * error:>+7.2f}%")
+        if self.startup_rss is not None:
+            lines.append(f"{'startup (RSS)':18s} {'':>14s} {self.startup_rss:>14,.0f}  resident set's growth")
         return "\n".join(lines)
 
     def dumps(self) -> str:
@@ -366,8 +371,17 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
         from fivefold.parallel.mesh import local_device
         from fivefold.train.trainer import resolve_device
 
-        with StartupPeak(local_device(resolve_device(cfg.train.device))) as startup:
+        with StartupPeak(local_device(resolve_device(cfg.train.device))) as startup, \
+                MemoryTracker(torch.nn.Module()) as made:
             trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
+        # On CUDA the allocator's high-water mark counts tensors only; on CPU the resident set also counts
+        # what no tensor owns (code pages first touched, allocator arenas, gloo's buffers), megabytes that
+        # swamp a small model's part: the tensors made while the Trainer was built are compared with the
+        # plan there, and the resident set's growth is reported beside them.
+        startup_rss = None
+        if startup.device.type != "cuda":
+            startup_rss = startup.bytes
+            startup.bytes = max((sum(row[:len(CATEGORIES)]) for row in made.samples), default=0)
         device, stage = trainer.device.type, trainer.mesh.pp_rank
         if cuda_history and device == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -398,4 +412,5 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
     # A pipeline rank is compared with its own stage's plan (plan.memory is the most loaded stage's).
     predicted = plan.stages[stage].memory if cfg.parallel.pp > 1 else plan.memory
     return MemoryTimeline(samples=tracker.samples, marks=tracker.marks, steps=steps, device=device,
-                          predicted=predicted, config=dataclasses.asdict(cfg), startup=startup.bytes)
+                          predicted=predicted, config=dataclasses.asdict(cfg), startup=startup.bytes,
+                          startup_rss=startup_rss)
