@@ -83,12 +83,18 @@ def test_each_rank_writes_only_its_rows(runs):
     ("parallel.zero=1", "train.precision=bf16-mixed", "train.fp32_grad_accum=true", "train.grad_accum=2"),
     ("parallel.zero=2", "train.grad_accum=2", "parallel.bucket_mb=0.05"),
     ("parallel.zero=3", "train.precision=bf16-mixed"),
+    ("parallel.zero=2",),
+    ("parallel.zero=3", "train.grad_accum=2", "train.recompute=full"),
 ])
 def test_measured_model_states_per_rank_match_the_plan(overrides):
     """`fivefold memory --nproc 2`: rank 0's measured parameters, gradients and optimizer states within
-    1% of `fivefold plan` for the same layout; the ZeRO division shows in them."""
+    1% of `fivefold plan` for the same layout; the ZeRO division shows in them. The total too: ZeRO-2/3's
+    fp32 gradient shards stay beside the activations and the loss gradients (the plan had left them out:
+    ZeRO-2 5% under), and at the loss's backward ZeRO-3 has the root gathered, not three layers besides
+    (the plan had added them: 19% over with accumulation and full recomputation)."""
     rows = measured_memory(2, "tiny", "train.seq_len=64", "train.micro_batch_size=2", *overrides)
     assert_matches_plan(rows, activations=False)
+    assert abs(rows["total"]["error"]) <= 0.01, rows["total"]
     zero = int(overrides[0].split("=")[1])
     params = 139_584  # the tiny preset
     bytes_per = 2 if "train.precision=bf16-mixed" in overrides else 4

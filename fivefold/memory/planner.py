@@ -324,18 +324,23 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         else:
             unit = 4 * size + foreach
         step = max(step, unit)
-    gather = 0.0
+    gather = gather_root = gather_forward = 0.0
     if zero == 3 and dp > 1 and len(layers):
-        # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward, the
-        # current + prefetched layer, and one layer's full grads.
-        gather = d.p * inv.root + 3 * d.p * formulas.layer_params(m) // par.tp
+        # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward; in forward
+        # beside it the current and the prefetched layer, in a layer's backward also one layer's full
+        # gradients; the loss's backward starts with the root alone.
+        layer = d.p * formulas.layer_params(m) // par.tp
+        gather_root = d.p * inv.root
+        gather_forward, gather = gather_root + 2 * layer, gather_root + 3 * layer
     reduce_t = _reductions_in_flight(cfg, trained, inv, device)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
-    memory["temporary"] = max(loss_t, layer_t + tied_pending, handed + step, gather, reduce_t) + batch
+    memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t) + batch
 
     held_grads = 0.0  # gradients alive while activations are: fp32 buffers, or accumulation
     if accum32:
         held_grads = bpp.main_gradients * shard(n, 2)
+    elif zero >= 2 and dp > 1:  # ZeRO-2/3's fp32 gradient shards: kept from step to step, and each
+        held_grads = 4 * shard(n, 2)  # micro-batch's gradients are reduce-scattered into them
     elif t.grad_accum > 1:
         held_grads = memory["gradients"]
     in_block = 0.0
@@ -347,7 +352,8 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)))
         in_block += tied_pending
-    forward_backward = max(act_peak, held + saved_end + loss_t, in_block) + held_grads + gather
+    forward_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root,
+                           in_block + gather) + held_grads
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
     # reductions in flight beside every gradient shard.
     forward_backward = max(forward_backward, memory["gradients"] + reduce_t)
