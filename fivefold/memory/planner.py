@@ -289,13 +289,17 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     micro_batches = t.grad_accum
     in_flight = formulas.micro_batches_in_flight(par.pp_schedule, par.pp, stage, micro_batches,
                                                  par.pp_virtual_stages)
-    held = (in_flight - 1) * replay.saved_bytes  # earlier micro-batches waiting for their backward
+    # Earlier micro-batches waiting for their backward: what autograd saved, and on a stage before the
+    # last the output it sent on, which the executor keeps to start that backward from
+    # (fivefold.parallel.pipeline: `held`).
+    kept = replay.saved_bytes + (d.p * d.bsh if not last else 0.0)
+    held = (in_flight - 1) * kept
     if par.pp_schedule == "zero-bubble" and par.pp > 1:
         # Micro-batches past their B keep what their W pass needs until it runs.
         from fivefold.parallel.pipeline_schedules import peak_held, rank_schedule
 
         actions = rank_schedule("zero-bubble", par.pp, micro_batches, stage)
-        held = peak_held(actions, replay.saved_bytes, len(layers) * _weight_pass_bytes(d)) - replay.saved_bytes
+        held = peak_held(actions, kept, len(layers) * _weight_pass_bytes(d)) - kept
     saved_end = replay.saved_bytes
     act_peak = held + max(replay.peak, replay.backward_peak)
     memory["activations"] = act_peak
@@ -343,17 +347,36 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         held_grads = 4 * shard(n, 2)  # micro-batch's gradients are reduce-scattered into them
     elif t.grad_accum > 1:
         held_grads = memory["gradients"]
-    in_block = 0.0
+    # All-forward-all-backward runs every forward, and its first backward, before the step has made any
+    # gradient (.grad is None from zero_grad until then): accumulated gradients only meet one micro-batch
+    # fewer held. Buffers that persist from step to step (fp32 accumulation, ZeRO-2/3 shards) meet all.
+    afab_first = (par.pp_schedule == "afab" and par.pp > 1 and held_grads and not accum32
+                  and not (zero >= 2 and dp > 1))
+    in_block = in_block_first = 0.0
     if len(layers):
         # This rank's block and MLP parameters (split by tp, a mixture of experts' by ep too); with LoRA
         # only the adapters' gradients are made.
         mlp = d.p * inv.mlp / len(layers)
         grads = (0.0, mlp, d.p * n / len(layers)) if adapters else (head_grad, mlp, d.p * max(inv.blocks))
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
-        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)))
-        in_block += tied_pending
-    forward_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root,
-                           in_block + gather) + held_grads
+        extra = tied_pending + (d.p * d.bsh if not last else 0.0)  # a stage before the last: the output
+        # it backpropagates from stays with the executor until the backward ends
+        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0))) + extra
+        if afab_first:
+            in_block_first = held + _block_backward(replay, d, modes, *grads) + extra
+    embedding = 0.0
+    if first and not last and not adapters:
+        # The embedding's weight gradient, made dense at the end of a micro-batch's backward while the
+        # later micro-batches are still held (one process has freed every activation by then), beside
+        # the output and the incoming gradient.
+        embedding = held + 2 * d.p * d.bsh + d.p * d.vocab * m.hidden_size
+    if afab_first:
+        first_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root,
+                             in_block_first + gather)
+        forward_backward = max(first_backward, max(in_block + gather, embedding + gather_root) - kept + held_grads)
+    else:
+        forward_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root,
+                               in_block + gather, embedding + gather_root) + held_grads
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
     # reductions in flight beside every gradient shard.
     forward_backward = max(forward_backward, memory["gradients"] + reduce_t)
