@@ -361,7 +361,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         extra = tied_pending + (d.p * d.bsh if not last else 0.0)  # a stage before the last: the output
         # it backpropagates from stays with the executor until the backward ends
-        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0))) + extra
+        deferred = par.pp_schedule == "zero-bubble" and par.pp > 1
+        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)),
+                                          deferred=deferred) + extra
         if afab_first:
             in_block_first = held + _block_backward(replay, d, modes, *grads) + extra
     embedding = 0.0
@@ -513,7 +515,7 @@ def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
 
 
 def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_grad: float,
-                    layer_grad: float) -> float:
+                    layer_grad: float, deferred: bool = False) -> float:
     """Activations + temporaries + gradients made so far at the largest point of a block's backward:
     its MLP backward with the whole block saved; its attention backward once the MLP's tensors are
     gone and the MLP's gradients made (eager: the output projection's input, v and the bf16
@@ -545,6 +547,8 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
         # kept (the experts' output gradient takes their unweighed copy's place).
         down = d.p * d.b * d.s * d.f if not d.experts else d.p * d.assignments * (d.expert_f + d.h)
         down_grad = mlp_grad / (3 if d.swiglu else 2)
+        if deferred:  # zero-bubble: the weight gradient waits for the W pass, which keeps the input
+            down, down_grad = 0.0, 0.0
         grads = head_grad + (last - i) * layer_grad
         # fp8: a float8 linear's backward casts and products; down_proj's with every MLP tensor still saved.
         worst = max(worst, parts["residual"] + grads + max(
