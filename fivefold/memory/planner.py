@@ -294,7 +294,8 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # (fivefold.parallel.pipeline: `held`).
     kept = replay.saved_bytes + (d.p * d.bsh if not last else 0.0)
     held = (in_flight - 1) * kept
-    if par.pp_schedule == "zero-bubble" and par.pp > 1:
+    zero_bubble = par.pp_schedule == "zero-bubble" and par.pp > 1
+    if zero_bubble:
         # Micro-batches past their B keep what their W pass needs until it runs.
         from fivefold.parallel.pipeline_schedules import peak_held, rank_schedule
 
@@ -341,17 +342,17 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t) + batch
 
     held_grads = 0.0  # gradients alive while activations are: fp32 buffers, or accumulation
-    if accum32:
+    shards = zero >= 2 and dp > 1  # ZeRO-2/3's fp32 gradient shards: kept from step to step, and each
+    if accum32:                    # micro-batch's gradients are reduce-scattered into them
         held_grads = bpp.main_gradients * shard(n, 2)
-    elif zero >= 2 and dp > 1:  # ZeRO-2/3's fp32 gradient shards: kept from step to step, and each
-        held_grads = 4 * shard(n, 2)  # micro-batch's gradients are reduce-scattered into them
+    elif shards:
+        held_grads = 4 * shard(n, 2)
     elif t.grad_accum > 1:
         held_grads = memory["gradients"]
     # All-forward-all-backward runs every forward, and its first backward, before the step has made any
     # gradient (.grad is None from zero_grad until then): accumulated gradients only meet one micro-batch
     # fewer held. Buffers that persist from step to step (fp32 accumulation, ZeRO-2/3 shards) meet all.
-    afab_first = (par.pp_schedule == "afab" and par.pp > 1 and held_grads and not accum32
-                  and not (zero >= 2 and dp > 1))
+    afab_first = par.pp_schedule == "afab" and par.pp > 1 and held_grads and not (accum32 or shards)
     in_block = in_block_first = 0.0
     if len(layers):
         # This rank's block and MLP parameters (split by tp, a mixture of experts' by ep too); with LoRA
@@ -361,9 +362,8 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         extra = tied_pending + (d.p * d.bsh if not last else 0.0)  # a stage before the last: the output
         # it backpropagates from stays with the executor until the backward ends
-        deferred = par.pp_schedule == "zero-bubble" and par.pp > 1
         in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)),
-                                          deferred=deferred) + extra
+                                          deferred=zero_bubble) + extra
         if afab_first:
             in_block_first = held + _block_backward(replay, d, modes, *grads) + extra
     embedding = 0.0
@@ -372,13 +372,12 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         # later micro-batches are still held (one process has freed every activation by then), beside
         # the output and the incoming gradient.
         embedding = held + 2 * d.p * d.bsh + d.p * d.vocab * m.hidden_size
-    if afab_first:
-        first_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root,
-                             in_block_first + gather)
-        forward_backward = max(first_backward, max(in_block + gather, embedding + gather_root) - kept + held_grads)
+    before_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root)
+    in_backward = max(in_block + gather, embedding + gather_root)
+    if afab_first:  # the first backward without gradients; the later ones with them, one held fewer
+        forward_backward = max(before_backward, in_block_first + gather, in_backward - kept + held_grads)
     else:
-        forward_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root,
-                               in_block + gather, embedding + gather_root) + held_grads
+        forward_backward = max(before_backward, in_backward) + held_grads
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
     # reductions in flight beside every gradient shard.
     forward_backward = max(forward_backward, memory["gradients"] + reduce_t)
@@ -424,20 +423,20 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     first step), and the gradient buffers made up front (fp32 accumulation buffers; ZeRO-2/3's fp32
     gradient shards), which except under ZeRO-3 are made once every parameter is. Beside them, what the
     parameter being made adds beyond what the rank keeps of it (_being_made), as if the largest were made
-    last: a bound, reached when it is. `n`: the parameters
-    that train (all, or LoRA's adapters, `lora`: the base is frozen)."""
+    last: a bound, reached when it is. `n`: the parameters that train (all, or LoRA's adapters;
+    `lora`: the base is frozen)."""
     t, par = cfg.train, cfg.parallel
     masters = 4 * shard(n, 1) if t.mixed else 0.0
     grad_buffers = 0.0
-    if par.grad_size > 1 and par.zero >= 2:
+    g = par.grad_size
+    if g > 1 and par.zero >= 2:
         grad_buffers = 4 * shard(n, 2)
     elif t.fp32_grad_accum:
         grad_buffers = 4 * n
-    g = par.grad_size
     kept = (2 if t.mixed else 4, 1 / g if par.zero >= 3 and g > 1 else 1.0,  # the parameter: dtype, share
             4 if t.mixed else 0, 1 / g if par.zero >= 1 and g > 1 else 1.0)  # its fp32 master: bytes, share
     made = _being_made(tuple(shapes), cfg.model, par.tp, kept, lora)
-    if par.zero < 3 or par.grad_size == 1:  # the buffers come after the parameters (the optimizer's, ZeRO's)
+    if par.zero < 3 or g == 1:  # the buffers come after the parameters (the optimizer's, ZeRO's)
         return parameters + masters + max(made, grad_buffers)
     return parameters + masters + grad_buffers + made  # ZeRO-3 makes its parameters inside its engine
 

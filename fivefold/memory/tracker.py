@@ -22,6 +22,7 @@ and `cuda_history` records torch.cuda.memory's allocation history for the snapsh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -371,15 +372,16 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
         from fivefold.parallel.mesh import local_device
         from fivefold.train.trainer import resolve_device
 
-        with StartupPeak(local_device(resolve_device(cfg.train.device))) as startup, \
-                MemoryTracker(torch.nn.Module()) as made:
+        local = local_device(resolve_device(cfg.train.device))
+        made = MemoryTracker(torch.nn.Module()) if local.type != "cuda" else contextlib.nullcontext()
+        with StartupPeak(local) as startup, made:
             trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
         # On CUDA the allocator's high-water mark counts tensors only; on CPU the resident set also counts
         # what no tensor owns (code pages first touched, allocator arenas, gloo's buffers), megabytes that
         # swamp a small model's part: the tensors made while the Trainer was built are compared with the
         # plan there, and the resident set's growth is reported beside them.
         startup_rss = None
-        if startup.device.type != "cuda":
+        if local.type != "cuda":
             startup_rss = startup.bytes
             startup.bytes = max((sum(row[:len(CATEGORIES)]) for row in made.samples), default=0)
         device, stage = trainer.device.type, trainer.mesh.pp_rank

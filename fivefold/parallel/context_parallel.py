@@ -143,11 +143,10 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % cp
             rows, cols = _visible(rank, source, q.shape[2])
             k_j, v_j = _block_kv(kv, cols, groups)
+            # The block's mask: packed documents need one, explicit blocks always take one.
+            allowed = None if fused and docs is None else _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
             if fused:
-                bias = None
-                if docs is not None:
-                    allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
-                    bias = _document_bias(allowed, q.dtype)
+                bias = None if allowed is None else _document_bias(allowed, q.dtype)
                 block, block_lse = _flash_forward(q[:, :, rows], k_j, v_j, source == rank and bias is None,
                                                   scale, bias)
                 if bias is not None:  # the kernel gives a query with no key of its document here lse 0
@@ -161,7 +160,6 @@ class _RingAttention(torch.autograd.Function):
                                        + block.to(acc) * torch.exp(block_lse - new_lse)[..., None])
                     lse[:, :, rows] = new_lse
             else:
-                allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
                 scores = _scores(q[:, :, rows], k_j, allowed, scale)
                 old_lse = lse[:, :, rows]
                 new_lse = torch.logaddexp(old_lse, torch.logsumexp(scores, dim=-1))
@@ -199,16 +197,14 @@ class _RingAttention(torch.autograd.Function):
             rows, cols = _visible(rank, source, q.shape[2])
             k_j, v_j = _block_kv(kv, cols, groups)
             q_i, grad_out_i = q[:, :, rows], grad_out[:, :, rows]
+            allowed = None if fused and docs is None else _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
             if fused:
-                bias = None
-                if docs is not None:
-                    bias = _document_bias(_allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols], q.dtype)
+                bias = None if allowed is None else _document_bias(allowed, q.dtype)
                 grad_q_i, grad_k, grad_v = _flash_backward(grad_out_i, q_i, k_j, v_j, out[:, :, rows],
                                                            lse[:, :, rows], source == rank and bias is None,
                                                            scale, bias)
                 grad_q[:, :, rows] += grad_q_i
             else:
-                allowed = _allowed(seq, cp, rank, source, q.device, docs)[..., rows, cols]
                 scores = _scores(q_i, k_j, allowed, scale)
                 probs = torch.exp(scores - lse[:, :, rows, None])  # the final softmax, restricted to this block
                 grad_v = probs.transpose(-2, -1) @ grad_out_i
