@@ -261,6 +261,11 @@ class MemoryTimeline:
         lines = [f"{'category':18s} {'predicted':>14s} {'measured peak':>14s} {'error':>8s}"]
         for name, predicted, measured, error in self.comparison():
             lines.append(f"{name:18s} {predicted:>14,.0f} {measured:>14,.0f} {100 * error:>+7.2f}%")
+        if self.steps < 2 and self.predicted and "total" in self.predicted:
+            # AdamW makes its moments in the first optimizer step, after that step's forward and backward:
+            # one step never holds them beside activations, as every later step (the plan's total) does.
+            lines.append("note: the total is planned for every step after the first, which holds the optimizer "
+                         "states through forward and backward; measure 2 or more steps to compare it")
         if self.startup_rss is not None:
             lines.append(f"{'startup (RSS)':18s} {'':>14s} {self.startup_rss:>14,.0f}  resident set's growth")
         return "\n".join(lines)
