@@ -118,6 +118,7 @@ class _Inventory:
     n: int
     largest: int
     units: tuple[tuple[int, int], ...]  # (decayed, not decayed) numels of each optimizer step unit
+    largest_shared: int  # the largest parameter in a step unit of several (ZeRO-1/2 reassemble it on publish)
     root: int  # outside the blocks: embeddings, final norm, LM head
     blocks: tuple[int, ...]  # each block's
     head: int  # the LM head's
@@ -129,13 +130,16 @@ class _Inventory:
 def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
     units: dict[str, list[int]] = {}
     blocks: dict[str, int] = {}
+    members: dict[str, list[int]] = {}
     for name, numel in shapes:
         key = formulas.step_chunk_key(name)
         units.setdefault(key, [0, 0])[formulas.is_no_decay(name)] += numel
+        members.setdefault(key, []).append(numel)
         if key.startswith("layers."):
             blocks[key] = blocks.get(key, 0) + numel
     n = sum(numel for _, numel in shapes)
     return _Inventory(n=n, largest=max(numel for _, numel in shapes), units=tuple(map(tuple, units.values())),
+                      largest_shared=max((max(m) for m in members.values() if len(m) > 1), default=0),
                       root=n - sum(blocks.values()), blocks=tuple(blocks.values()),
                       head=sum(numel for name, numel in shapes if name.startswith("lm_head.")),
                       mlp=sum(numel for name, numel in shapes if ".mlp." in name),
@@ -318,7 +322,11 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # temporaries), and releases each bf16 gradient once its fp32 copy is made: a unit then adds 2 bytes
     # per parameter, and 2 more for the one being copied (at most the largest).
     handed = memory["gradients"] if dp == 1 and not accum32 else 0.0
-    step = 0.0
+    # ZeRO-1/2 all-gather each unit's updated parameters as soon as it is stepped (fivefold.parallel.zero:
+    # publish), into a full-size buffer beside the packed local shard, and copy them into the parameters
+    # only after the last unit (finish_publish): the buffers pile up through the step.
+    publishing = 1 <= zero <= 2 and dp > 1
+    step = published = 0.0
     for decay, rest in inv.units:
         foreach = 4 * max(shard(decay, 1), shard(rest, 1)) if t.optimizer_impl == "foreach" else 0
         size = shard(decay + rest, 1)
@@ -328,7 +336,11 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
             unit = 2 * size + max(2 * min(size, inv.largest), foreach)
         else:
             unit = 4 * size + foreach
-        step = max(step, unit)
+        step = max(step, published + unit)
+        if publishing:
+            published += bpp.parameters * (dp + 1) * size
+    if publishing:  # a parameter sharing its unit is reassembled from strided rows: one copy at a time
+        step = max(step, published + bpp.parameters * inv.largest_shared)
     gather = gather_root = gather_forward = 0.0
     if zero == 3 and dp > 1 and len(layers):
         # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward; in forward
@@ -337,7 +349,11 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         layer = d.p * formulas.layer_params(m) // par.tp
         gather_root = d.p * inv.root
         gather_forward, gather = gather_root + 2 * layer, gather_root + 3 * layer
-    reduce_t = _reductions_in_flight(cfg, trained, inv, device)
+    if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
+        reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
+    else:
+        reduce_end, reduce_t = _reductions(cfg, inv, trained, bpp.gradients,
+                                           bpp.gradients * n if zero <= 1 and t.grad_accum > 1 else 0.0)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
     memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t) + batch
 
@@ -380,8 +396,12 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         forward_backward = max(before_backward, in_backward) + held_grads
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
     # reductions in flight beside every gradient shard.
-    forward_backward = max(forward_backward, memory["gradients"] + reduce_t)
-    optimizer_step = memory["gradients"] + step
+    forward_backward = max(forward_backward, reduce_end)
+    # The step reads the reduced fp32 shards (and under ZeRO-1 keeps any fp32 accumulation buffers); the
+    # full gradients were released into the reduction.
+    at_step = ((bpp.main_gradients * n if accum32 and zero == 1 else 0.0) + 4 * shard(n, 1) if publishing
+               else memory["gradients"])
+    optimizer_step = at_step + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
     memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n, bool(adapters))
@@ -397,22 +417,48 @@ def stage_total(cfg: Config, stage: int, device: str, limit: float) -> float:
     return math.inf if plan is None else plan.memory["total"]
 
 
-def _reductions_in_flight(cfg: Config, shapes: tuple, inv: _Inventory, device: str) -> float:
-    """ZeRO-2/3's reduce-scatters in flight (fivefold.parallel.zero, at most MAX_REDUCES_IN_FLIGHT): each
-    holds its unit's full fp32 gradients and the fp32 output shard; gloo (device "cpu") reduce-scatters
-    through an all-reduce of a copy of the input. At the end of backward the last unit reduced is the
-    largest (ZeRO-3: the root; ZeRO-2: the first, small bucket follows a full one)."""
+def _reductions(cfg: Config, inv: _Inventory, shapes: tuple, grad_bytes: float,
+                accumulated: float, kept: float = 0.0) -> tuple[float, float]:
+    """(gradients + reduction buffers, reduction buffers) at their largest while a reduced micro-batch's
+    backward hands its gradients to the data-parallel reducer (fivefold.parallel.zero: _reduce / _fold;
+    without ZeRO fivefold.parallel.data_parallel, whose MoE expert handling is not replayed), unit by
+    unit in launch order: ZeRO-1/2's size buckets (last layers first), ZeRO-3's blocks from the last, then the root.
+    Packing a unit allocates its fp32 buffer while its .grads (`grad_bytes` per parameter) are still
+    there (or, under ZeRO-1 with accumulation, every .grad not packed yet: `accumulated` bytes), then
+    releases them; `kept`: buffers that stay throughout (ZeRO-1's fp32 accumulation buffers); each reduce-scatter
+    in flight holds that buffer and its fp32 output shard (gloo's copy of the input, made on its own
+    thread while it runs, is left out: see plan_memory's notes). After a launch at most MAX_REDUCES_IN_FLIGHT stay: the oldest is folded into the
+    gradient shards, which ZeRO-2/3 keep from step to step and ZeRO-1 builds from the outputs."""
     par = cfg.parallel
-    if par.grad_size == 1 or par.zero < 2:
-        return 0.0
+    g = par.grad_size
+    if g == 1 or (par.zero == 0 and par.ep > 1):
+        return 0.0, 0.0
+    # Without ZeRO (fivefold.parallel.data_parallel) each bucket's buffer is all-reduced in place and
+    # becomes the reduced gradients the optimizer reads: none is released before the step.
+    keep_all = par.zero == 0
     from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
 
     if par.zero == 3:
-        units = sorted([inv.root, *inv.blocks], reverse=True)
+        order = [*reversed(inv.blocks), inv.root]
     else:
-        units = sorted(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)), reverse=True)
-    copies = 2 if device == "cpu" else 1
-    return sum(4 * u * (copies + 1 / par.grad_size) for u in units[:MAX_REDUCES_IN_FLIGHT])
+        order = list(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)))
+    shards = kept + (4 * math.ceil(inv.n / g) if par.zero >= 2 else 0.0)
+    pending, flight, total, temporary = accumulated, [], 0.0, 0.0
+    for u in order:
+        grads, flat, out = grad_bytes * u, 4 * u, 0 if keep_all else 4 * math.ceil(u / g)
+        # DDP's bucket is concatenated from fp32 copies of bf16 .grads (ZeRO packs them in place).
+        staging = 4 * u if keep_all and grad_bytes not in (0, 4) else 0
+        earlier = sum(f + o for f, o in flight)
+        total = max(total, shards + (pending or grads) + flat + staging + earlier)
+        pending = max(0.0, pending - grads)
+        flight.append((flat, out))
+        total = max(total, shards + pending + earlier + flat + out)
+        temporary = max(temporary, flat + staging + out + earlier)
+        while not keep_all and len(flight) > MAX_REDUCES_IN_FLIGHT:
+            _, out = flight.pop(0)
+            if par.zero == 1:
+                shards += out
+    return total, temporary
 
 
 def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int,
@@ -583,6 +629,10 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
         notes.append(f"cp={par.cp}: off the CPU, ring attention computes each block as explicit matmuls (the "
                      f"CPU runs its fused flash kernel): a block's fp32 scores, {human_bytes(block)}, and about "
                      f"three more of that size are transient in its forward and backward, not counted here")
+    if device == "cpu" and par.grad_size > 1 and (par.zero >= 1 or par.dp > 1):
+        notes.append("gloo (CPU) copies a reduce-scatter's input or an all-gather's output on its own thread "
+                     "while the collective runs: transient, up to one gradient bucket or gathered unit more, "
+                     "not counted here (NCCL makes no such copy)")
     if cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; the activations here replay the eager model")
