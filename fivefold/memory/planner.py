@@ -422,13 +422,14 @@ def _reductions(cfg: Config, inv: _Inventory, shapes: tuple, grad_bytes: float,
     """(gradients + reduction buffers, reduction buffers) at their largest while a reduced micro-batch's
     backward hands its gradients to the data-parallel reducer (fivefold.parallel.zero: _reduce / _fold;
     without ZeRO fivefold.parallel.data_parallel, whose MoE expert handling is not replayed), unit by
-    unit in launch order: ZeRO-1/2's size buckets (last layers first), ZeRO-3's blocks from the last, then the root.
-    Packing a unit allocates its fp32 buffer while its .grads (`grad_bytes` per parameter) are still
-    there (or, under ZeRO-1 with accumulation, every .grad not packed yet: `accumulated` bytes), then
-    releases them; `kept`: buffers that stay throughout (ZeRO-1's fp32 accumulation buffers); each reduce-scatter
-    in flight holds that buffer and its fp32 output shard (gloo's copy of the input, made on its own
-    thread while it runs, is left out: see plan_memory's notes). After a launch at most MAX_REDUCES_IN_FLIGHT stay: the oldest is folded into the
-    gradient shards, which ZeRO-2/3 keep from step to step and ZeRO-1 builds from the outputs."""
+    unit in launch order: ZeRO-1/2's size buckets (last layers first), ZeRO-3's blocks from the last,
+    then the root. Packing a unit allocates its fp32 buffer while its .grads (`grad_bytes` per
+    parameter) are still there (or, under ZeRO-1 with accumulation, every .grad not packed yet:
+    `accumulated` bytes), then releases them; `kept`: buffers that stay throughout (ZeRO-1's fp32
+    accumulation buffers). Each reduce-scatter in flight holds that buffer and its fp32 output shard
+    (gloo's copy of the input, made on its own thread while it runs, is left out: see plan_memory's
+    notes). After a launch at most MAX_REDUCES_IN_FLIGHT stay: the oldest is folded into the gradient
+    shards, which ZeRO-2/3 keep from step to step and ZeRO-1 builds from the outputs."""
     par = cfg.parallel
     g = par.grad_size
     if g == 1 or (par.zero == 0 and par.ep > 1):
