@@ -212,6 +212,14 @@ class ServeConfig:
     prefix_cache: bool = True
     max_waiting: int = 256  # requests queued beyond the running ones; the server answers 429 past it
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Attention over the paged pool: "triton" = one paged-attention kernel per layer reading keys and
+    # values in place, plus the Triton RMSNorm / RoPE / SwiGLU (fivefold.kernels; CUDA, or TRITON_INTERPRET=1
+    # for tests); "torch" = gather the blocks and run SDPA (the CPU path and the reference); "auto" = triton
+    # on CUDA when Triton is installed, else torch.
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    # Decode-only steps replay a CUDA graph captured for the next batch size up (fivefold.serve.cuda_graphs):
+    # "auto" = on CUDA with the triton kernels, for models that can be captured (no LoRA adapters, tp=1).
+    cuda_graphs: Literal["auto", "true", "false"] = "auto"
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -2,6 +2,7 @@
 preemption, seeded sampling, stops, logprobs, weight updates, and the requests it must refuse."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from fivefold.config import ConfigError
 from fivefold.model import ForwardContext, build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, RequestError, SamplingParams
+from fivefold.serve.batch import InputBatch
+from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
 from fivefold.serve.sampling import apply_penalties, filtered_probs
 
@@ -51,15 +54,24 @@ def test_paged_attention_equals_full_forward(preset, attention):
     pool = KVPool(cfg, kv_plan(cfg, 1, 4, torch.float32, num_blocks=16), "cpu", torch.float32)
     tables = [[3, 9, 1, 14, 6, 12], [0, 7, 2, 11]]  # scattered blocks: reads must go through the table
     plan = [[(0, 5), (0, 3)], [(5, 1), (3, 7)], [(6, 1), (10, 1)], [(7, 14), (11, 2)]]  # (past, n) per step
+    batch = InputBatch(max_num_seqs=2, max_model_len=24, block_size=4)
+    buffers = StepBuffers(64, 2, 2, batch.max_blocks_per_seq, "cpu")
+    rows = [SimpleNamespace(token_ids=s, block_table=t, num_computed=0, params=SamplingParams()) for s, t in zip(seqs, tables)]
+    for row in rows:
+        batch.admit(row)
     for step in plan:
-        entries = sorted(((tables[i], past, n, i) for i, (past, n) in enumerate(step)), key=lambda e: e[2] != 1)
-        batch = PagedBatch(pool, [e[:3] for e in entries], "cpu")
-        ids = torch.tensor([[t for table, past, n, i in entries for t in seqs[i][past:past + n]]])
-        ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch,
-                             logits_at=torch.arange(ids.shape[1]))
-        logits = model(ids, ctx)
+        for row, (past, n) in zip(rows, step):
+            row.num_computed = past
+        order = sorted(range(2), key=lambda i: step[i][1] != 1)
+        inputs = batch.prepare([(rows[i], step[i][1]) for i in order])
+        dev = buffers.upload(inputs)
+        paged = PagedBatch(pool, dev, inputs)
+        ctx = ForwardContext(positions=paged.positions, kv_cache=paged, mask=paged,
+                             logits_at=torch.arange(inputs.num_tokens))
+        logits = model(dev.input_ids[None], ctx)
         start = 0
-        for table, past, n, i in entries:
+        for i in order:
+            past, n = step[i]
             torch.testing.assert_close(logits[start:start + n], full[i][past:past + n], rtol=1e-5, atol=1e-5)
             start += n
 
@@ -365,3 +377,41 @@ def test_plan_serve_predicts_the_memory_the_engine_takes():
     assert m["planned_kv"] == pytest.approx(1e9, rel=0.01)
     assert m["kv"] == pytest.approx(m["planned_kv"], rel=0.02)
     assert m["weights"] == pytest.approx(m["planned_weights"], rel=0.1)  # plus what glibc keeps of the init scratch
+
+
+def test_prefix_cache_keys_a_block_by_everything_before_it():
+    """Second blocks token-identical after different first blocks are different blocks. A + S then C + S:
+    the second request finds nothing cached. B + X, then B + S: only B's block is reused, not A + S's
+    second block (its keys and values were computed after A). Each output is the prompt's alone, logprobs
+    included (a wrongly shared block changes them)."""
+    model = tiny()
+    g = torch.Generator().manual_seed(9)
+    a, b, c, s, x, tail = (torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist()
+                           for n in (16, 16, 16, 16, 16, 5))
+    prompts = {"a+s": a + s + tail, "c+s": c + s + tail, "b+x": b + x + tail, "b+s": b + s + tail}
+    params = SamplingParams(max_tokens=4, logprobs=1, **GREEDY)
+    llm = LLM(model, block_size=16)
+    outs = {name: llm.generate(p, params)[0] for name, p in prompts.items()}  # one after another
+    cached = {name: o.num_cached_tokens for name, o in outs.items()}
+    assert cached == {"a+s": 0, "c+s": 0, "b+x": 0, "b+s": 16}
+    for name, prompt in prompts.items():
+        alone = LLM(model, block_size=16).generate(prompt, params)[0]
+        assert outs[name].token_ids == alone.token_ids, name
+        assert [e["logprob"] for e in outs[name].logprobs] == \
+            pytest.approx([e["logprob"] for e in alone.logprobs], abs=1e-5), name
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.5, [1]), (0.7, [1, 3]), (0.75, [1, 3]), (0.9, [1, 3, 0]),
+                                         (0.9375, [1, 3, 0]), (0.95, [1, 3, 0, 2]), (1.0, [1, 3, 0, 2])])
+def test_top_p_at_the_nucleus_boundary(top_p, kept):
+    """Probabilities exact in binary, so the masses above each token are exact too: sorted 0.5, 0.25,
+    0.1875, 0.0625, with 0, 0.5, 0.75, 0.9375 ranked above them. A token is dropped once the tokens
+    ranked above it cover top_p: at top_p 0.5 the second token (0.5 above it) goes, at 0.75 the third."""
+    base = torch.tensor([0.1875, 0.5, 0.0625, 0.25])
+    assert torch.equal(base.log().softmax(-1), base)  # the premise: no rounding anywhere
+    got = filtered_probs(base.log()[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([top_p]),
+                         torch.zeros(1))[0]
+    assert set(got.nonzero().flatten().tolist()) == set(kept)
+    expected = torch.zeros(4)
+    expected[kept] = base[kept] / base[kept].sum()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)

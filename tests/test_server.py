@@ -387,3 +387,26 @@ def test_serve_command_errors_are_one_line(tmp_path, capsys):
     assert err == "fivefold serve: error: serve.block_size='big' is not valid; expected an integer\n"
     assert main(["serve", str(tmp_path), "--set", "model.hidden_size=8"]) == 2
     assert "takes only serve.* keys" in capsys.readouterr().err
+
+
+def test_non_positive_max_tokens_is_400_naming_the_field(server):
+    """max_tokens (and chat's max_completion_tokens) of 0 or less is refused when the body is validated:
+    400 in OpenAI's shape, the field the client sent as param, and nothing reaches the engine."""
+    url, engine, _ = server
+    stats = dict(engine.stats)
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
+    cases = [("/v1/completions", {"model": NAME, "prompt": PROMPT}, "max_tokens"),
+             ("/v1/chat/completions", chat, "max_tokens"),
+             ("/v1/chat/completions", chat, "max_completion_tokens")]
+    for path, body, field in cases:
+        for value in (0, -1):
+            r = httpx.post(f"{url}{path}", json={**body, field: value})
+            assert r.status_code == 400, (path, field, value, r.text)
+            assert r.json() == {"error": {"message": f"{field}: Input should be greater than or equal to 1",
+                                          "type": "invalid_request_error", "param": field, "code": 400}}
+    assert idle(engine) and engine.stats == stats
+    # 1 is the smallest allowed: one token, finish_reason length.
+    for path, body, field in cases:
+        r = httpx.post(f"{url}{path}", json={**body, field: 1, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -75,5 +75,5 @@ class TritonMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(swiglu(*self.gate_and_up(x)))
         return super().forward(x)

@@ -55,9 +55,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.linear_bias)
         self.core = AttentionCore(cfg)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A seam: serving fuses the three products into one GEMM from outside (fivefold.serve.fused)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None, kv_cache=None) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project(x)
         # Heads and length from the projections, not the config or x: a sharded projection may return
         # fewer heads, or a longer (gathered) sequence.
         b, s = q.shape[:2]

@@ -41,8 +41,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, f, bias=bias)
         self.down_proj = nn.Linear(f, h, bias=bias)
 
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A seam: serving fuses the two products into one GEMM from outside (fivefold.serve.fused)."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = self.gate_and_up(x)
+            return self.down_proj(F.silu(gate) * up)
         # GPT-2 uses the tanh approximation of GELU ("gelu_new" in transformers).
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))

@@ -20,10 +20,14 @@ import torch
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
+from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
+from fivefold.serve.buffers import StepBuffers
+from fivefold.serve.cuda_graphs import DecodeGraphs
+from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.loading import load_model_for_serving
-from fivefold.serve.sampling import RequestError, SamplingParams, sample
+from fivefold.serve.sampling import RequestError, SamplingParams, sample_rows
 from fivefold.serve.scheduler import Scheduler, Sequence
 
 
@@ -101,7 +105,15 @@ class Engine:
                               f"bytes); raise serve.kv_memory")
         self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.batch)
+        self.buffers = StepBuffers(max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs), self.cfg.max_num_seqs,
+                                   self.cfg.max_num_seqs, self.batch.max_blocks_per_seq, self.device)
+        self.kernel = self._use_kernels()
+        # One GEMM for q/k/v and one for gate/up (checkpoint names unchanged); adapters hook the separate
+        # projections, so an engine serving LoRA keeps them apart.
+        self.fused = 0 if self.adapters else fuse_projections(model)
+        self.graphs = self._graphs()
         self.requests: dict[str, Sequence] = {}
         self.seeds = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
         self.ids = itertools.count()
@@ -112,6 +124,44 @@ class Engine:
         self.inbox: deque[Sequence] = deque()
         self.inbox_lock = threading.Lock()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+
+    def _use_kernels(self) -> bool:
+        """serve.kernels: whether attention runs the Triton paged kernel (and the model the Triton RMSNorm,
+        RoPE and SwiGLU), or gathers blocks for SDPA."""
+        from fivefold.kernels import apply_kernels, check_usable, triton_available
+
+        choice = self.cfg.kernels
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" and triton_available() else "torch"
+        if choice == "torch":
+            return False
+        check_usable()
+        apply_kernels(self.model, "triton")
+        return True
+
+    def _graphs(self) -> DecodeGraphs | None:
+        """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
+        why_not = ("the device is not CUDA" if self.device.type != "cuda" else
+                   "serve.kernels is torch (block gathers depend on the host)" if not self.kernel else
+                   "LoRA adapters are served" if self.adapters else
+                   "tensor parallelism (its collectives run through the host)" if self.tp else
+                   "a mixture-of-experts model (its dispatch has data-dependent shapes)"
+                   if any(isinstance(m, MoE) for m in self.model.modules()) else None)
+        if self.cfg.cuda_graphs == "false" or (self.cfg.cuda_graphs == "auto" and why_not):
+            return None
+        if why_not:
+            raise ConfigError(f"serve.cuda_graphs=true cannot be used here: {why_not}; set serve.cuda_graphs=auto "
+                              f"(graphs where possible) or false")
+        graphs = DecodeGraphs(self.model, self.pool, self.buffers, self.cfg.max_num_seqs, self.kernel)
+        print(graphs.describe(), flush=True)
+        return graphs
+
+    @property
+    def path(self) -> str:
+        """Which path each kind of step takes, in words (bench and start-up lines)."""
+        attention = "Triton paged attention" if self.kernel else "block gather + SDPA"
+        decode = "CUDA graphs" if self.graphs else "eager"
+        return f"attention: {attention}; decode steps: {decode}; fused q/k/v and gate/up: {self.fused} modules"
 
     # ---- requests
 
@@ -150,7 +200,11 @@ class Engine:
             request_id = request_id or f"req-{next(self.ids)}"
             if request_id in self.requests:
                 raise RequestError(f"request id {request_id!r} is already in use")
-            seq = Sequence(request_id, ids, params, torch.Generator().manual_seed(seed), next(self.arrivals), text,
+            generator = torch.Generator().manual_seed(seed)
+            # Every uniform the request will draw its tokens with, drawn now from its own generator: its
+            # i-th token uses the i-th, whatever shares its batch, however often it is preempted.
+            uniforms = torch.rand(params.max_tokens, generator=generator).numpy()
+            seq = Sequence(request_id, ids, params, generator, next(self.arrivals), text, uniforms=uniforms,
                            adapter=adapter, cache_salt=self.adapters.adapters[adapter].salt if adapter else b"")
             self.requests[request_id] = seq
             self.inbox.append(seq)
@@ -192,35 +246,37 @@ class Engine:
             work = self.scheduler.schedule()
             if not work:
                 return []
-            work.sort(key=lambda e: e[1] != 1)  # single tokens first: they attend as one padded batch
-            entries = [(s.block_table, s.num_computed, n) for s, n in work]
-            ids = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
-            sampled = [i for i, (s, n) in enumerate(work) if s.num_computed + n == len(s.token_ids)]
+            work.sort(key=lambda e: e[1] != 1)  # single tokens first: they attend as one batch
+            step = self.batch.prepare(work)
             if self.tp:
-                self.tp.broadcast(("forward", ids, entries, sampled))
+                self.tp.broadcast(("forward", step))
             if self.adapters is not None:
                 self.adapters.select([s.adapter for s, n in work for _ in range(n)])
-            logits = self._forward(ids, entries, sampled)
+            logits = self._forward(step)
             for s, n in work:
                 s.num_computed += n
                 self.blocks.register(s)
             self.stats["steps"] += 1
-            self.stats["prompt_tokens"] += len(ids) - len(sampled)  # every token fed but those sampled from
-            if not sampled:
+            self.stats["prompt_tokens"] += step.num_tokens - len(step.sampled)  # every token fed but those sampled from
+            if not len(step.sampled):
                 return []
-            seqs = [work[i][0] for i in sampled]
-            tokens, entries = sample(logits, seqs)
+            seqs = [work[i][0] for i in step.sampled]
+            tokens, entries = sample_rows(logits, self.batch.sampling_params(seqs), seqs)
             now = time.perf_counter()
             for seq, token, entry in zip(seqs, tokens, entries):
                 self._append(seq, token, entry, now)
             self.stats["generation_tokens"] += len(seqs)
             return [self.output(s) for s in seqs]
 
-    def _forward(self, ids: list[int], entries: list[tuple[list[int], int, int]], sampled: list[int]) -> torch.Tensor:
-        """The model over one flattened batch; the logits (full vocabulary) of the `sampled` entries' last tokens."""
-        batch = PagedBatch(self.pool, entries, self.device)
-        ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=batch.last[sampled])
-        logits = self.model(torch.tensor([ids], device=self.device), ctx)
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The model over one flattened batch; the logits (full vocabulary) of the sampled rows."""
+        if self.graphs is not None and step.decode_only and self.graphs.size_for(step.num_seqs):
+            logits = self.graphs.run(step)
+            return logits if len(step.sampled) == step.num_seqs else logits[torch.from_numpy(step.sampled).to(self.device)]
+        dev = self.buffers.upload(step)
+        batch = PagedBatch(self.pool, dev, step, kernel=self.kernel)
+        ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=dev.logits_indices)
+        logits = self.model(dev.input_ids[None], ctx)
         return self.tp.gather_logits(logits) if self.tp else logits
 
     @torch.inference_mode()
@@ -247,7 +303,7 @@ class Engine:
     def _append(self, seq: Sequence, token: int, entry: dict | None, now: float) -> None:
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.output_ids.append(token)
+        seq.append(token)
         if entry is not None:
             seq.logprobs.append(entry)
         p = seq.params

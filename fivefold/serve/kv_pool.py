@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
@@ -79,69 +80,87 @@ class KVPool:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-# Decodes attend in groups of this many sequences of similar length: padding every sequence to the
-# longest of the whole batch doubled the keys and values gathered (bench/serve.py, batch 64).
+# The CPU path attends decodes in groups of this many sequences of similar length: padding every sequence
+# to the longest of the whole batch doubled the keys and values gathered (bench/serve.py, batch 64).
 DECODE_GROUP = 16
 
 
-def _padded(rows: list[list[int]]) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows])
-
-
 class PagedBatch:
-    """One forward of a serving batch, flattened to a single row of tokens: first one token for each of
-    the decoding sequences, then the prompt chunks. Passed as the ForwardContext's kv_cache: each layer
-    writes this call's keys and values into their slots, then attends through the block tables, gathering
-    whole blocks: the decodes as padded batches of similar lengths, each chunk on its own."""
+    """One forward of a serving batch, flattened to a single row of tokens (decodes first, then prompt
+    chunks), passed as the ForwardContext's kv_cache: each layer stores this call's keys and values in
+    their slots, then attends through the block tables.
 
-    def __init__(self, pool: KVPool, entries: list[tuple[list[int], int, int]], device):
-        """entries: (block_table, tokens already cached, tokens now) per sequence, single tokens first."""
-        bs = pool.block_size
-        self.pool = pool
-        positions = torch.cat([torch.arange(p, p + n) for _, p, n in entries])
-        rows = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor([n for _, _, n in entries]))
-        tables = _padded([t for t, _, _ in entries])
-        self.slots = (tables[rows, positions // bs] * bs + positions % bs).to(device)
-        self.positions = positions[None].to(device)
-        self.num_decodes = sum(1 for _, _, n in entries if n == 1)
-        lengths = torch.tensor([p + n for _, p, n in entries])
+    `kernel=True` (CUDA, fivefold.kernels.paged_attention): one store and one paged-attention launch per
+    layer, reading keys and values in place; nothing here depends on the host, so the forward can be
+    captured in a CUDA graph. Otherwise (the CPU path, and the reference): whole blocks are gathered and
+    SDPA runs over them, the decodes in padded groups of similar length, each chunk on its own; the
+    grouping is read from the step's host arrays (`host`)."""
+
+    def __init__(self, pool: KVPool, dev, host=None, kernel: bool = False):
+        """`dev`: fivefold.serve.buffers.DeviceStep; `host`: its fivefold.serve.batch.StepInputs."""
+        self.pool, self.dev, self.kernel = pool, dev, kernel
+        self.positions = dev.positions[None]
+        if kernel:
+            self.block_tables = dev.block_tables
+            return
+        device, bs = pool.k.device, pool.block_size
+        seq_lens, qsl = host.seq_lens.astype(np.int64), host.query_start_loc
+        tables = dev.block_tables.long()
+        valid = host.slot_mapping >= 0
+        self.store = dev.slot_mapping.long() if valid.all() else torch.from_numpy(np.flatnonzero(valid)).to(device)
+        self.store_at = None if valid.all() else dev.slot_mapping.long()[self.store]
+        self.num_decodes = host.num_decodes
         self.groups = []  # (which decodes, (G, blocks) block indices, (G, 1, 1, blocks x bs) mask)
-        for group in lengths[:self.num_decodes].argsort().split(DECODE_GROUP) if self.num_decodes else ():
-            blocks = -(-int(lengths[group].max()) // bs)
-            mask = torch.arange(blocks * bs) < lengths[group][:, None]
-            self.groups.append((group.to(device), tables[group, :blocks].to(device), mask[:, None, None].to(device)))
+        decodes = np.flatnonzero(seq_lens[:self.num_decodes] > 0)  # padding rows attend to nothing
+        order = decodes[np.argsort(seq_lens[decodes], kind="stable")]
+        for start in range(0, len(order), DECODE_GROUP):
+            group = order[start:start + DECODE_GROUP]
+            lengths = torch.from_numpy(seq_lens[group])
+            blocks = -(-int(lengths.max()) // bs)
+            mask = torch.arange(blocks * bs) < lengths[:, None]
+            rows = torch.from_numpy(group).to(device)
+            self.groups.append((rows, tables[rows, :blocks], mask[:, None, None].to(device)))
         self.chunks = []  # (start in the row, tokens, the sequence's blocks, mask or None)
-        start = self.num_decodes
-        for table, past, n in entries[self.num_decodes:]:
+        for i in range(self.num_decodes, host.num_seqs):
+            start, n, length = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
+            past = length - n
             # None: causal over equal lengths (SDPA's own); else this chunk's rows of the causal mask.
-            mask = None if past == 0 else torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
-            self.chunks.append((start, n, torch.tensor(table[:-(-(past + n) // bs)], device=device), mask))
-            start += n
-        # Where each sequence's last token sits in the row: the logits to sample from.
-        self.last = (torch.tensor([n for _, _, n in entries]).cumsum(0) - 1).to(device)
+            mask = None if past == 0 else torch.ones(n, length, dtype=torch.bool, device=device).tril(past)[None, None]
+            self.chunks.append((start, n, tables[i, :-(-length // bs)], mask))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, mask) -> torch.Tensor:
         """q (1, H, T, d), k and v (1, Hkv, T, d) -> (1, H, T, d)."""
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        kp.index_copy_(0, self.slots, k[0].transpose(0, 1))
-        vp.index_copy_(0, self.slots, v[0].transpose(0, 1))
-        bs, heads, dim = self.pool.block_size, kp.shape[1], kp.shape[2]
-        kb, vb = kp.view(-1, bs, heads, dim), vp.view(-1, bs, heads, dim)  # (blocks, bs, Hkv, d)
+        bs, heads, dim = self.pool.block_size, k.shape[1], k.shape[3]
+        kb = self.pool.k[layer].view(-1, bs, heads, dim)  # (blocks, bs, Hkv, d)
+        vb = self.pool.v[layer].view(-1, bs, heads, dim)
+        if self.kernel:
+            from fivefold.kernels.paged_attention import paged_attention, store_kv
+
+            d = self.dev
+            store_kv(kb, vb, k[0].transpose(0, 1), v[0].transpose(0, 1), d.slot_mapping)
+            out = paged_attention(q[0].transpose(0, 1).contiguous(), kb, vb, self.block_tables, d.seq_lens,
+                                  d.query_start_loc, d.max_query_len)  # (T, H, d)
+            return out.transpose(0, 1)[None]
+        kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (T, Hkv, d)
+        if self.store_at is None:
+            self.pool.k[layer].index_copy_(0, self.store, kt)
+            self.pool.v[layer].index_copy_(0, self.store, vt)
+        else:
+            self.pool.k[layer].index_copy_(0, self.store_at, kt[self.store])
+            self.pool.v[layer].index_copy_(0, self.store_at, vt[self.store])
 
         def gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:  # (..., blocks) -> (..., Hkv, L, d)
             whole = pool.index_select(0, blocks.reshape(-1))
             return whole.view(*blocks.shape[:-1], blocks.shape[-1] * bs, heads, dim).transpose(-3, -2)
 
-        out = []
+        out = torch.zeros_like(q[0])  # (H, T, d); padding rows stay 0
         if self.num_decodes:
             qd = q[0, :, :self.num_decodes].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
-            od = torch.empty_like(qd)
+            od = out[:, :self.num_decodes].transpose(0, 1)[:, :, None]
             for rows, blocks, group_mask in self.groups:
                 od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
-            out.append(od[:, :, 0].transpose(0, 1))  # (H, B, d)
         for start, n, blocks, chunk_mask in self.chunks:
             length = n if chunk_mask is None else chunk_mask.shape[-1]
             kc, vc = gather(kb, blocks)[None, :, :length], gather(vb, blocks)[None, :, :length]  # (1, Hkv, L, d)
-            out.append(core(q[:, :, start:start + n], kc, vc, chunk_mask)[0])  # (H, n, d)
-        return torch.cat(out, dim=1)[None]
+            out[:, start:start + n] = core(q[:, :, start:start + n], kc, vc, chunk_mask)[0]
+        return out[None]

@@ -41,7 +41,7 @@ class SamplingRequest(BaseModel):
     do, and an explicit null means the default, as in OpenAI's API."""
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)  # checked here, so the error names the field the client sent
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -98,7 +98,7 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
 
     def message_dicts(self) -> list[dict]:
         """The messages as the chat template sees them: role and text content."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fivefold.errors import UserError
@@ -77,11 +78,12 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
-    """Rows (N, V) with per-row parameters (N,) -> the distributions to draw from."""
+                   min_p: torch.Tensor, sort: bool | None = None, use_min_p: bool | None = None) -> torch.Tensor:
+    """Rows (N, V) with per-row parameters (N,) -> the distributions to draw from. `sort` / `use_min_p`:
+    whether any row uses top-k or top-p / min-p, when the caller knows (else asked of the device, a sync)."""
     logits = logits / temperature[:, None]
     v = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if sort if sort is not None else bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(v, device=logits.device)
         k = torch.where(top_k > 0, top_k, v)
@@ -91,43 +93,113 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
-    if bool((min_p > 0).any()):
+    if use_min_p if use_min_p is not None else bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
-def sample(logits: torch.Tensor, requests: list) -> tuple[list[int], list[dict | None]]:
-    """Logits (N, V), one row per request (each with .params, .prompt_ids, .output_ids, .generator)
-    -> the next token of each, and its logprobs entry where asked for."""
+def _padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged id lists -> (P, L) ids (padding repeats a row's first id, or 0) and a (P, L) validity mask."""
+    width = max(1, max(map(len, rows)))
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    valid = np.zeros((len(rows), width), dtype=bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+        ids[i, len(r):] = r[0] if r else 0
+        valid[i, :len(r)] = True
+    return torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(valid).to(device, non_blocking=True)
+
+
+def _penalise(logits: torch.Tensor, rows: np.ndarray, params, requests: list) -> None:
+    """apply_penalties for several rows at once: one gather / scatter over padded id lists."""
+    device = logits.device
+    sub = logits[torch.from_numpy(rows).to(device)]
+    rep = params.repetition_penalty[rows]
+    if (rep != 1).any():
+        seen, _ = _padded([sorted(set(requests[i].prompt_ids) | set(requests[i].output_ids)) for i in rows], device)
+        penalty = torch.from_numpy(rep).to(device)[:, None]
+        picked = sub.gather(1, seen)
+        sub.scatter_(1, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
+    presence, frequency = params.presence_penalty[rows], params.frequency_penalty[rows]
+    if (presence != 0).any() or (frequency != 0).any():
+        out, valid = _padded([requests[i].output_ids for i in rows], device)
+        counts = torch.zeros_like(sub).scatter_add_(1, out, valid.to(sub.dtype))
+        sub -= (torch.from_numpy(frequency).to(device)[:, None] * counts
+                + torch.from_numpy(presence).to(device)[:, None] * (counts > 0))
+    logits[torch.from_numpy(rows).to(device)] = sub
+
+
+def sample_rows(logits: torch.Tensor, params, requests: list) -> tuple[list[int], list[dict | None]]:
+    """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
+    the next token of each, and its logprobs entry where asked for. One batched pass on the device and
+    one device-to-host copy: greedy rows take the argmax, the others the first token whose cumulative
+    probability passes the row's own pre-drawn uniform (inverse-CDF sampling)."""
+    device, n = logits.device, logits.shape[0]
     logits = logits.float()
-    logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    asked = [r.params.logprobs for r in requests]
+    logprob_rows = [i for i, k in enumerate(asked) if k is not None]
     raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # the model's own distribution
-    penalised = [i for i, r in enumerate(requests) if r.params.penalised]
-    if penalised:
+    penalised = np.flatnonzero((params.repetition_penalty != 1) | (params.presence_penalty != 0)
+                               | (params.frequency_penalty != 0))
+    if len(penalised):
         logits = logits.clone()
-        for i in penalised:
-            r = requests[i]
-            apply_penalties(logits[i], r.params, r.prompt_ids, r.output_ids)
+        _penalise(logits, penalised, params, requests)
     tokens = logits.argmax(dim=-1)
-    drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
-    if drawn:
-        ps = [requests[i].params for i in drawn]
-        device = logits.device
-        probs = filtered_probs(logits[drawn], torch.tensor([p.temperature for p in ps], device=device),
-                               torch.tensor([p.top_k for p in ps], device=device),
-                               torch.tensor([p.top_p for p in ps], device=device),
-                               torch.tensor([p.min_p for p in ps], device=device))
-        u = torch.stack([torch.rand((), generator=requests[i].generator) for i in drawn]).to(device)
+    if not params.greedy.all():
+        host = np.stack([params.temperature, params.top_p, params.min_p, params.uniforms]).astype(np.float32)
+        temperature, top_p, min_p, u = torch.from_numpy(host).to(device, non_blocking=True)
+        top_k = torch.from_numpy(params.top_k).to(device, non_blocking=True)
+        drawn = ~params.greedy
+        sort = bool(((params.top_k > 0) | (params.top_p < 1))[drawn].any())
+        probs = filtered_probs(logits, temperature, top_k, top_p, min_p, sort=sort,
+                               use_min_p=bool((params.min_p[drawn] > 0).any()))
         cdf = probs.cumsum(dim=-1)
         # right=True: the first token whose cumulative probability exceeds u, never a zero-probability one.
         picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-        tokens[drawn] = picked
-    out = tokens.tolist()
-    entries: list[dict | None] = [None] * len(requests)
+        greedy = torch.from_numpy(params.greedy).to(device, non_blocking=True)
+        tokens = torch.where(greedy, tokens, picked)
+    if not logprob_rows:
+        return tokens.tolist(), [None] * n
+    top = max(asked[i] for i in logprob_rows)
+    rows = torch.tensor(logprob_rows, device=device)
+    chosen = raw.gather(1, tokens[rows][:, None])
+    values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
+    # One copy to the host: tokens, the chosen tokens' logprobs, the top ids and logprobs.
+    packed = torch.cat([tokens.double(), chosen.double().flatten(), ids.double().flatten(),
+                        values.double().flatten()]).cpu().numpy()
+    out = packed[:n].astype(np.int64).tolist()
+    m = len(logprob_rows)
+    chosen_lp = packed[n:n + m]
+    top_ids = packed[n + m:n + m + m * top].reshape(m, top).astype(np.int64)
+    top_lp = packed[n + m + m * top:].reshape(m, top)
+    entries: list[dict | None] = [None] * n
     for row, i in enumerate(logprob_rows):
-        k = requests[i].params.logprobs
-        top = raw[row].topk(k) if k else None
-        entries[i] = {"token_id": out[i], "logprob": float(raw[row, out[i]]),
-                      "top": list(zip(top.indices.tolist(), top.values.tolist())) if k else []}
+        k = asked[i]
+        entries[i] = {"token_id": out[i], "logprob": float(chosen_lp[row]),
+                      "top": list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))}
     return out, entries
+
+
+def slot_params(requests: list, uniforms: list[float] | None = None):
+    """SlotParams for requests outside an engine (each with .params and .generator): a uniform drawn from
+    each request's generator unless given."""
+    from fivefold.serve.batch import SlotParams
+
+    ps = [r.params for r in requests]
+    if uniforms is None:
+        uniforms = [float(torch.rand((), generator=r.generator)) for r in requests]
+
+    def col(f, dtype):
+        return np.array([f(p) for p in ps], dtype=dtype)
+
+    return SlotParams(col(lambda p: p.temperature if not p.greedy else 1.0, np.float32), col(lambda p: p.top_k, np.int64),
+                      col(lambda p: p.top_p, np.float32), col(lambda p: p.min_p, np.float32),
+                      col(lambda p: p.repetition_penalty, np.float32), col(lambda p: p.presence_penalty, np.float32),
+                      col(lambda p: p.frequency_penalty, np.float32), col(lambda p: p.greedy, bool),
+                      np.array(uniforms, dtype=np.float32))
+
+
+def sample(logits: torch.Tensor, requests: list) -> tuple[list[int], list[dict | None]]:
+    """`sample_rows` for requests outside an engine (each with .params, .prompt_ids, .output_ids, .generator)."""
+    return sample_rows(logits, slot_params(requests), requests)

@@ -7,6 +7,10 @@ running sequences first, oldest first, then waiting ones in arrival order, their
 When the pool runs out, the latest arrival is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed from its prompt and the tokens it already produced (its sampler
 state is kept, so its output is the same as if it had never been interrupted).
+
+Bookkeeping is O(B) per step for B running sequences: a sequence's tokens are one list appended to, and
+whether it runs is a flag, not a search of the running list. `slots` (fivefold.serve.batch.InputBatch)
+is told when a sequence starts and stops running, so it can give it, and take back, a persistent slot.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class Sequence:
     generator: torch.Generator
     arrival: int  # admission order: preemption picks the largest
     prompt: str | None = None
+    uniforms: object = None  # (max_tokens,) numpy float32: the uniform number each output token is drawn with
     output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output, appended to (set in __post_init__)
     logprobs: list[dict] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -44,14 +50,19 @@ class Sequence:
     finish_time: float | None = None
     adapter: str | None = None  # the LoRA adapter this request runs with (fivefold.serve.adapters); None: the base
     cache_salt: bytes = b""  # roots its prefix-cache chain: an adapter's keys and values are its own
+    slot: int = -1  # its row in the persistent batch while it runs (fivefold.serve.batch); -1: none
+    running: bool = False
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self):
+        self.token_ids = self.prompt_ids + self.output_ids
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def remaining(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+        return len(self.token_ids) - self.num_computed
 
     @property
     def finished(self) -> bool:
@@ -59,8 +70,8 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = blocks
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, slots=None):
+        self.blocks, self.slots = blocks, slots
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival
@@ -81,7 +92,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below by an older sequence
+            if not seq.running:  # preempted below by an older sequence
                 continue
             n = min(seq.remaining, budget)
             while not self.blocks.grow(seq, n):
@@ -100,12 +111,21 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            seq.running = True
+            if self.slots is not None:
+                self.slots.admit(seq)
             scheduled.append((seq, n))
             budget -= n
         return scheduled
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.running = False
+        if self.slots is not None:
+            self.slots.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._stop_running(seq)
         self.blocks.release(seq)
         seq.preemptions += 1
         self.preemptions += 1
@@ -118,8 +138,8 @@ class Scheduler:
             self._preempt(seq)
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq.running:
+            self._stop_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)

@@ -1,0 +1,85 @@
+"""Fused projections for serving: q/k/v as one GEMM, gate/up as one GEMM.
+
+At decode batch sizes a GEMM is bound by reading its weight and by its launch, so three thin products
+(q, k, v) or two (gate, up) cost more than one over the concatenated weight. The concatenation is made
+once, and the separate projections' parameters become views into it: parameter names, `state_dict()` and
+`Engine.update_weights` (which copies into those views) are unchanged, and no weight is held twice.
+Applied from outside, like the Triton kernels (fivefold.kernels): the model's classes change to
+subclasses whose `project` / `gate_and_up` run the fused product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.model.attention import Attention
+from fivefold.model.layers import MLP
+
+
+def _fuse(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenate the named nn.Linear's weights (and biases) along the output; re-point each parameter at
+    its rows of the result. None when they are not all plain linears of one dtype and device."""
+    linears = [getattr(module, n) for n in names]
+    if not all(type(m) is nn.Linear for m in linears):  # quantized, LoRA-wrapped, tensor-parallel: left alone
+        return None
+    weights = [m.weight for m in linears]
+    if len({(w.dtype, w.device) for w in weights}) != 1 or any(w.device.type == "meta" for w in weights):
+        return None
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in weights])
+        bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start:start + rows]
+        if bias is not None:
+            m.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
+
+
+class FusedAttention(Attention):
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+
+
+class FusedMLP(MLP):
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every attention's q/k/v and every SwiGLU MLP's gate/up in place (after the model is on its
+    device and dtype: moving it later would copy the parts apart); the number of modules fused."""
+    fused = 0
+    for module in model.modules():
+        if type(module) is Attention:
+            parts = _fuse(module, ("q_proj", "k_proj", "v_proj"))
+            if parts:
+                module.qkv_weight, module.qkv_bias = parts
+                module.qkv_sizes = [module.q_proj.weight.shape[0], module.k_proj.weight.shape[0],
+                                    module.v_proj.weight.shape[0]]
+                module.__class__ = FusedAttention
+                fused += 1
+        elif isinstance(module, MLP) and module.swiglu and type(module).__name__ in ("MLP", "TritonMLP"):
+            parts = _fuse(module, ("gate_proj", "up_proj"))
+            if parts:
+                module.gate_up_weight, module.gate_up_bias = parts
+                module.__class__ = _fused_mlp_class(type(module))
+                fused += 1
+    return fused
+
+
+_FUSED_MLPS: dict[type, type] = {MLP: FusedMLP}
+
+
+def _fused_mlp_class(cls: type) -> type:
+    """FusedMLP, or a fused subclass of the Triton MLP (whose forward calls gate_and_up too)."""
+    if cls not in _FUSED_MLPS:
+        _FUSED_MLPS[cls] = type(f"Fused{cls.__name__}", (cls,), {"gate_and_up": FusedMLP.gate_and_up})
+    return _FUSED_MLPS[cls]

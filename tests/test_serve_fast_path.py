@@ -1,0 +1,149 @@
+"""The serving fast path against the plain one: fused projections, the persistent batch's slots and
+buffers, batched penalties, and the CUDA-graph decode path (on the CPU with capture off: the same padded
+buffers a graph reads; on CUDA, captured graphs against eager)."""
+
+import numpy as np
+import pytest
+import torch
+
+from fivefold.model import build_model
+from fivefold.presets import PRESETS
+from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.batch import StepInputs
+from fivefold.serve.cuda_graphs import DecodeGraphs, batch_ladder
+from fivefold.serve.fused import FusedAttention, fuse_projections
+from fivefold.serve.sampling import _penalise, apply_penalties, slot_params
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def tiny(preset="tiny", seed=3, **changes):
+    import dataclasses
+    cfg = dataclasses.replace(PRESETS[preset], **changes)
+    return build_model(cfg, seed=seed).eval()
+
+
+def prompts(count: int, vocab: int, seed: int = 0, longest: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest, (count,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+@torch.no_grad()
+def test_fused_projections_keep_names_values_and_logits(preset):
+    plain, fused = tiny(preset), tiny(preset)
+    count = fuse_projections(fused)
+    layers = plain.cfg.num_layers
+    assert count == (2 * layers if preset == "tiny" else layers)  # experts are not an MLP: attention only
+    assert isinstance(fused.layers[0].attn, FusedAttention)
+    before, after = plain.state_dict(), fused.state_dict()
+    assert list(before) == list(after)
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0)
+    attn = fused.layers[0].attn
+    # The separate parameters are views into the fused weight: nothing is held twice.
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == attn.qkv_weight[-attn.v_proj.weight.shape[0]:].data_ptr()
+    ids = torch.randint(0, plain.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fused(ids), plain(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_update_weights_reaches_the_fused_weights():
+    old, new = tiny(seed=3), tiny(seed=4)
+    llm = LLM(old)
+    assert llm.engine.fused == 2 * old.cfg.num_layers
+    ps = prompts(4, old.cfg.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    llm.engine.update_weights(new.state_dict())
+    assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in LLM(new).generate(ps, params)]
+
+
+def test_slots_are_reused_and_all_returned():
+    model = tiny()
+    llm = LLM(model, max_num_seqs=4, num_blocks=40)
+    engine = llm.engine
+    ps = prompts(10, model.cfg.vocab_size, seed=2)
+    outs = llm.generate(ps, [SamplingParams(max_tokens=3 + i, **GREEDY) for i in range(10)])
+    assert sorted(engine.batch.free) == [0, 1, 2, 3]  # 10 requests through 4 slots, every slot back
+    alone = [LLM(model).generate(p, SamplingParams(max_tokens=3 + i, **GREEDY))[0].token_ids for i, p in enumerate(ps)]
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_batched_penalties_equal_the_per_row_rule():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g)
+    reqs = []
+    for i in range(5):
+        params = SamplingParams(repetition_penalty=1.0 + 0.3 * i, presence_penalty=0.1 * i, frequency_penalty=0.2 - 0.1 * i)
+        prompt = torch.randint(0, 50, (3 + i,), generator=g).tolist()
+        output = torch.randint(0, 50, (2 * i,), generator=g).tolist()
+        reqs.append(type("R", (), dict(params=params, prompt_ids=prompt, output_ids=output))())
+    expected = torch.stack([apply_penalties(logits[i].clone(), r.params, r.prompt_ids, r.output_ids)
+                            for i, r in enumerate(reqs)])
+    got = logits.clone()
+    _penalise(got, np.arange(5), slot_params(reqs, uniforms=[0.5] * 5), reqs)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_padded_step_rows_are_inert():
+    step = StepInputs.empty().padded(3)
+    assert step.slot_mapping.tolist() == [-1, -1, -1] and step.seq_lens.tolist() == [0, 0, 0]
+    assert step.query_start_loc.tolist() == [0, 1, 2, 3] and step.decode_only
+    assert batch_ladder(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_ladder(5) == [1, 2, 4, 5] and batch_ladder(1) == [1]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])
+def test_graph_buffers_without_capture_give_the_eager_tokens(preset):
+    """Decode steps through the CUDA-graph path's padded static buffers (capture off: the CPU runs the
+    same forward eagerly) at every ladder size a shrinking batch meets: tokens equal the plain engine's,
+    greedy and seeded sampling alike."""
+    model = tiny(preset)
+    ps = prompts(11, model.cfg.vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=2 + 2 * i, ignore_eos=True, temperature=0 if i % 2 else 0.8, top_p=0.9,
+                             seed=i) for i in range(11)]
+    plain = LLM(model, max_num_seqs=16).generate(ps, params)
+    llm = LLM(model, max_num_seqs=16)
+    engine = llm.engine
+    engine.graphs = DecodeGraphs(engine.model, engine.pool, engine.buffers, 16, kernel=False, capture=False)
+    sizes = []
+    run = engine.graphs.run
+    engine.graphs.run = lambda step: (sizes.append(engine.graphs.size_for(step.num_seqs)), run(step))[1]
+    padded = llm.generate(ps, params)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+    assert {1, 2, 4, 8, 16} <= set(sizes)  # 11 running pads to 16, and the batch shrinks through the ladder
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@torch.no_grad()
+def test_cuda_graph_replay_equals_eager_at_every_ladder_size():
+    model = tiny().cuda()
+    llm = LLM(model, device="cuda", max_num_seqs=24, cuda_graphs="true")
+    eager = LLM(tiny().cuda(), device="cuda", max_num_seqs=24, cuda_graphs="false")
+    assert llm.engine.graphs is not None and eager.engine.graphs is None
+    for n in batch_ladder(24):
+        ps = prompts(n, model.cfg.vocab_size, seed=n)
+        p = SamplingParams(max_tokens=5, **GREEDY)
+        assert [o.token_ids for o in llm.generate(ps, p)] == [o.token_ids for o in eager.generate(ps, p)]
+
+
+@cuda
+def test_cuda_greedy_equals_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fivefold.interop.hf import hf_config_from, weights_to_hf
+
+    model = tiny()
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config_from(model.cfg, "llama")))
+    hf.load_state_dict(weights_to_hf(model.state_dict(), model.cfg), strict=False)
+    hf = hf.cuda().eval()
+    llm = LLM(model.cuda(), device="cuda")
+    for prompt in prompts(4, model.cfg.vocab_size, seed=9):
+        ours = llm.generate(prompt, SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+        ids = torch.tensor([prompt], device="cuda")
+        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
+        assert ours == theirs
