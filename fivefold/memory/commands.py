@@ -89,7 +89,7 @@ def run_plan(args) -> int:
         if cfg.serve.kv_memory < 1 and not cfg.serve.num_blocks and device_memory is None:
             raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
                              f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
-        serving = plan_serving(cfg, device_memory)
+        serving = plan_serving(cfg, device_memory, device=args.device)
         print(json.dumps(serving.to_json(), indent=2) if args.json else serving.table())
         return 0
     if args.sweep:

@@ -23,15 +23,17 @@ class ServePlan:
     logits: int  # bytes of one step's fp32 logits (max_num_seqs rows)
     max_model_len: int
     free_bytes: int | None  # what a fractional serve.kv_memory was taken of
+    block_tables: int = 0  # bytes of the persistent batch's device block table (int32, a row per slot)
+    graphs: int = 0  # bytes of the CUDA graphs' memory pool (an estimate; start-up prints the measured one)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv.bytes + self.logits
+        return self.weights + self.kv.bytes + self.logits + self.block_tables + self.graphs
 
     def to_json(self) -> dict:
         lengths = sorted({n for n in (512, 2048, 8192) if n < self.max_model_len} | {self.max_model_len})
         return {"weights_bytes": self.weights, "kv_bytes": self.kv.bytes, "logits_bytes": self.logits,
-                "total_bytes": self.total, "kv_bytes_per_token": self.kv.bytes_per_token,
+                "block_table_bytes": self.block_tables, "cuda_graph_bytes": self.graphs, "total_bytes": self.total, "kv_bytes_per_token": self.kv.bytes_per_token,
                 "block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks, "kv_tokens": self.kv.tokens,
                 "max_model_len": self.max_model_len,
                 "max_sequences": {str(n): self.kv.max_sequences(n) for n in lengths}}
@@ -41,7 +43,8 @@ class ServePlan:
 
         data = self.to_json()
         rows = [("weights", self.weights), ("KV pool", self.kv.bytes), ("logits (one step)", self.logits),
-                ("total", self.total)]
+                ("block tables", self.block_tables)] + ([("CUDA graphs (est.)", self.graphs)] if self.graphs else []) + \
+               [("total", self.total)]
         lines = [f"{name:<20}{n:>16,d}  {human_bytes(n):>10}" for name, n in rows]
         lines.append(f"KV: {self.kv.bytes_per_token:,d} bytes/token, {self.kv.num_blocks:,d} blocks of "
                      f"{self.kv.block_size} tokens = {self.kv.tokens:,d} tokens"
@@ -50,9 +53,19 @@ class ServePlan:
         return "\n".join(lines)
 
 
-def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int | None = None) -> ServePlan:
+def graph_pool_bytes(cfg: Config, itemsize: int) -> int:
+    """The CUDA graphs' pool, estimated as the working set of the largest captured decode forward (the
+    smaller graphs are captured into the same pool): its logits, and the widest moment of a block (the
+    MLP's gate/up output, the activated product, and the residual stream around them)."""
+    m = cfg.model
+    return cfg.serve.max_num_seqs * (m.vocab_size + 4 * m.ffn_hidden_size + 6 * m.hidden_size) * itemsize
+
+
+def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int | None = None,
+                 device: str = "cuda") -> ServePlan:
     """`free_bytes`: memory free once the weights are loaded (what a fractional serve.kv_memory takes a
-    share of); by default `device_memory` less the weights."""
+    share of); by default `device_memory` less the weights. On `device` "cuda", decode CUDA graphs are
+    planned unless serve.cuda_graphs=false or the model cannot be captured (a mixture of experts)."""
     s, m = cfg.serve, cfg.model
     dtype = getattr(torch, s.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -62,4 +75,7 @@ def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int 
     max_model_len = s.max_model_len or m.max_seq_len
     kv = kv_plan(m, s.kv_memory, s.block_size, dtype, free_bytes=free_bytes, num_blocks=s.num_blocks,
                  max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size))
-    return ServePlan(weights, kv, s.max_num_seqs * m.vocab_size * 4, max_model_len, free_bytes)
+    tables = s.max_num_seqs * blocks_for(max_model_len, s.block_size) * 4
+    graphs = device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and not m.num_experts
+    return ServePlan(weights, kv, s.max_num_seqs * m.vocab_size * 4, max_model_len, free_bytes, tables,
+                     graph_pool_bytes(cfg, itemsize) if graphs else 0)
