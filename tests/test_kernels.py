@@ -5,12 +5,10 @@ a tail block, strided inputs."""
 
 import dataclasses
 import importlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from interpreted import rerun_interpreted
 
 # triton.jit chooses compiler or interpreter when a function is decorated, triton's own library included,
 # and importing torch._dynamo (as fivefold.model does) imports triton. So the flag must be set before
@@ -201,10 +199,7 @@ def test_apply_kernels_names_the_fix_when_triton_is_unusable(monkeypatch):
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the kernels in the interpreter itself")
 def test_in_a_fresh_process():
     """This file's tests in a child process that imports triton with TRITON_INTERPRET=1 (see the top)."""
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent,
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    rerun_interpreted(__file__)
 
 
 def test_config_refuses_triton_kernels_on_the_cpu_without_the_interpreter(monkeypatch):

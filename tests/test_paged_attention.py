@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from interpreted import rerun_interpreted
 
 # As in test_kernels.py: triton.jit chooses compiler or interpreter when a function is decorated, so the
 # flag must be set before triton's first import: here when this file is the first to import it; otherwise
@@ -328,7 +329,4 @@ def test_engine_with_the_kernel_gives_the_reference_tokens(interpreter):
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the kernels in the interpreter itself")
 def test_in_a_fresh_process():
     """This file's tests in a child process that imports triton with TRITON_INTERPRET=1 (see the top)."""
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent,
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    rerun_interpreted(__file__)

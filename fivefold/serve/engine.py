@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
+from fivefold.kernels import apply_kernels, check_usable, triton_available
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.serve.batch import InputBatch, StepInputs
@@ -128,8 +129,6 @@ class Engine:
     def _use_kernels(self) -> bool:
         """serve.kernels: whether attention runs the Triton paged kernel (and the model the Triton RMSNorm,
         RoPE and SwiGLU), or gathers blocks for SDPA."""
-        from fivefold.kernels import apply_kernels, check_usable, triton_available
-
         choice = self.cfg.kernels
         if choice == "auto":
             choice = "triton" if self.device.type == "cuda" and triton_available() else "torch"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fivefold.errors import UserError
+from fivefold.serve.batch import SlotParams
 
 MAX_LOGPROBS = 20
 
@@ -111,7 +112,7 @@ def _padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(valid).to(device, non_blocking=True)
 
 
-def _penalise(logits: torch.Tensor, rows: np.ndarray, params, requests: list) -> None:
+def _penalise(logits: torch.Tensor, rows: np.ndarray, params: SlotParams, requests: list) -> None:
     """apply_penalties for several rows at once: one gather / scatter over padded id lists."""
     device = logits.device
     sub = logits[torch.from_numpy(rows).to(device)]
@@ -130,7 +131,7 @@ def _penalise(logits: torch.Tensor, rows: np.ndarray, params, requests: list) ->
     logits[torch.from_numpy(rows).to(device)] = sub
 
 
-def sample_rows(logits: torch.Tensor, params, requests: list) -> tuple[list[int], list[dict | None]]:
+def sample_rows(logits: torch.Tensor, params: SlotParams, requests: list) -> tuple[list[int], list[dict | None]]:
     """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
     the next token of each, and its logprobs entry where asked for. One batched pass on the device and
     one device-to-host copy: greedy rows take the argmax, the others the first token whose cumulative
@@ -181,11 +182,9 @@ def sample_rows(logits: torch.Tensor, params, requests: list) -> tuple[list[int]
     return out, entries
 
 
-def slot_params(requests: list, uniforms: list[float] | None = None):
+def slot_params(requests: list, uniforms: list[float] | None = None) -> SlotParams:
     """SlotParams for requests outside an engine (each with .params and .generator): a uniform drawn from
     each request's generator unless given."""
-    from fivefold.serve.batch import SlotParams
-
     ps = [r.params for r in requests]
     if uniforms is None:
         uniforms = [float(torch.rand((), generator=r.generator)) for r in requests]
