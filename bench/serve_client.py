@@ -23,17 +23,28 @@ class Request:
     max_tokens: int
 
 
+OUTPUT_DISTRIBUTIONS = ("loguniform", "uniform")
+
+
 def make_requests(n: int, vocab: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  seed: int) -> list[Request]:
-    """Prompt lengths uniform in prompt_range; output lengths log-uniform in output_range, so most
-    answers are short and a few are long (with 16..256: median 64, mean ~87, 1 in 4 above 128). That
-    long tail is what static batching pays for: a batch runs as long as its longest request."""
+                  seed: int, output_dist: str = "loguniform") -> list[Request]:
+    """Prompt lengths uniform in prompt_range. Output lengths log-uniform in output_range by default, so
+    most answers are short and a few are long (with 16..256: median 64, mean ~87, 1 in 4 above 128); that
+    long tail is what static batching pays for: a batch runs as long as its longest request.
+    output_dist="uniform": output lengths uniform integers in output_range too (the anchor workload:
+    prompts and outputs both uniform in 100..1024). Each request draws its prompt length, its prompt
+    tokens, then its output length, in that order, so the log-uniform sets stay as they always were."""
+    if output_dist not in OUTPUT_DISTRIBUTIONS:
+        raise ValueError(f"output_dist={output_dist!r}: one of {', '.join(OUTPUT_DISTRIBUTIONS)}")
     rng = random.Random(seed)
     lo, hi = output_range
     out = []
     for _ in range(n):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(*prompt_range))]
-        length = round(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))) - 0.5)
+        if output_dist == "uniform":
+            length = rng.randint(lo, hi)
+        else:
+            length = round(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))) - 0.5)
         out.append(Request(prompt, min(max(length, lo), hi)))
     return out
 

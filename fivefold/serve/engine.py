@@ -238,8 +238,10 @@ class Engine:
     # ---- one step
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """One forward over the scheduled tokens; the outputs of the requests that got a token (or finished)."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One forward over the scheduled tokens; the outputs of the requests that got a token (or finished);
+        `finished_only`: of those that finished (an output copies the tokens so far: offline generation
+        needs only the last)."""
         with self.lock:
             self._take_inbox()
             work = self.scheduler.schedule()
@@ -265,7 +267,7 @@ class Engine:
             for seq, token, entry in zip(seqs, tokens, entries):
                 self._append(seq, token, entry, now)
             self.stats["generation_tokens"] += len(seqs)
-            return [self.output(s) for s in seqs]
+            return [self.output(s) for s in seqs if s.finished or not finished_only]
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The model over one flattened batch; the logits (full vocabulary) of the sampled rows."""
@@ -440,7 +442,7 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         while len(done) < len(ids):
-            for out in engine.step():
+            for out in engine.step(finished_only=True):
                 if out.finished:
                     done[out.request_id] = out
                     if bar:
