@@ -220,6 +220,9 @@ class ServeConfig:
     # Decode-only steps replay a CUDA graph captured for the next batch size up (fivefold.serve.cuda_graphs):
     # "auto" = on CUDA with the triton kernels, for models that can be captured (no LoRA adapters, tp=1).
     cuda_graphs: Literal["auto", "true", "false"] = "auto"
+    # Schedule and launch step n+1 while step n's tokens are still on the device, so the host's work
+    # overlaps the device's: "auto" = on CUDA with tp=1 (on a CPU the device is the host: nothing to overlap).
+    async_scheduling: Literal["auto", "true", "false"] = "auto"
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -56,7 +56,8 @@ def test_paged_attention_equals_full_forward(preset, attention):
     plan = [[(0, 5), (0, 3)], [(5, 1), (3, 7)], [(6, 1), (10, 1)], [(7, 14), (11, 2)]]  # (past, n) per step
     batch = InputBatch(max_num_seqs=2, max_model_len=24, block_size=4)
     buffers = StepBuffers(64, 2, 2, batch.max_blocks_per_seq, "cpu")
-    rows = [SimpleNamespace(token_ids=s, block_table=t, num_computed=0, params=SamplingParams()) for s, t in zip(seqs, tables)]
+    rows = [SimpleNamespace(token_ids=s, block_table=t, num_computed=0, params=SamplingParams(), pending=False)
+            for s, t in zip(seqs, tables)]
     for row in rows:
         batch.admit(row)
     for step in plan:

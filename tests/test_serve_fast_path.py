@@ -109,7 +109,7 @@ def test_graph_buffers_without_capture_give_the_eager_tokens(preset):
     engine.graphs = DecodeGraphs(engine.model, engine.pool, engine.buffers, 16, kernel=False, capture=False)
     sizes = []
     run = engine.graphs.run
-    engine.graphs.run = lambda step: (sizes.append(engine.graphs.size_for(step.num_seqs)), run(step))[1]
+    engine.graphs.run = lambda step, pending=None: (sizes.append(engine.graphs.size_for(step.num_seqs)), run(step, pending))[1]
     padded = llm.generate(ps, params)
     assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
     assert {1, 2, 4, 8, 16} <= set(sizes)  # 11 running pads to 16, and the batch shrinks through the ladder
@@ -147,3 +147,87 @@ def test_cuda_greedy_equals_transformers():
         ids = torch.tensor([prompt], device="cuda")
         theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
         assert ours == theirs
+
+
+def mixed_requests(model, count: int = 12):
+    """Prompts and parameters that exercise every way a request ends or draws: stop token ids met early,
+    max_tokens, seeded sampling with filters, penalties, logprobs."""
+    ps = prompts(count, model.cfg.vocab_size, seed=7)
+    greedy = LLM(model).generate(ps[0], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+    params = []
+    for i in range(count):
+        kind = i % 4
+        params.append(SamplingParams(max_tokens=4 + i, ignore_eos=True, seed=i,
+                                     temperature=0 if kind == 0 else 0.9, top_k=20 if kind == 1 else 0,
+                                     top_p=0.9 if kind == 2 else 1.0, repetition_penalty=1.3 if kind == 3 else 1.0,
+                                     frequency_penalty=0.5 if kind == 3 else 0.0, logprobs=2 if kind == 1 else None,
+                                     stop_token_ids=[greedy[2]] if kind == 0 else []))
+    return ps, params
+
+
+def outputs(llm, ps, params):
+    return [(o.token_ids, o.finish_reason, o.logprobs) for o in llm.generate(ps, params)]
+
+
+def assert_same_outputs(got, expected):
+    """Tokens and finish reasons exactly; logprobs to 1e-5 (another batch shape rounds the matmuls apart)."""
+    assert [(t, r) for t, r, _ in got] == [(t, r) for t, r, _ in expected]
+    for (_, _, a), (_, _, b) in zip(got, expected):
+        assert (a is None) == (b is None)
+        for x, y in zip(a or [], b or []):
+            assert x["token_id"] == y["token_id"] and [i for i, _ in x["top"]] == [i for i, _ in y["top"]]
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-5)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+@pytest.mark.parametrize("num_blocks", [0, 14], ids=["roomy", "preempting"])
+def test_async_scheduling_gives_the_synchronous_outputs(graphs, num_blocks):
+    """Step n+1 scheduled and launched before step n's tokens reach the host (its decode inputs read from
+    the device): tokens, finish reasons and logprobs equal the synchronous engine's, when a stop token ends
+    a request a step early (its extra row dropped), with seeded filters and penalties, and under preemption."""
+    model = tiny()
+    ps, params = mixed_requests(model)
+    options = dict(max_num_seqs=8, max_num_batched_tokens=48, block_size=4)
+    if num_blocks:
+        options["num_blocks"] = num_blocks
+    sync = LLM(model, async_scheduling="false", **options)
+    asynchronous = LLM(model, async_scheduling="true", **options)
+    assert asynchronous.engine.async_scheduling and not sync.engine.async_scheduling
+    if graphs:
+        e = asynchronous.engine
+        e.graphs = DecodeGraphs(e.model, e.pool, e.buffers, 8, kernel=False, capture=False)
+    expected = outputs(sync, ps, params)
+    assert any(reason == "stop" for _, reason, _ in expected)  # a stop token ended some request early
+    assert_same_outputs(outputs(asynchronous, ps, params), expected)
+    assert asynchronous.engine.pending is None and sorted(asynchronous.engine.batch.free) == list(range(8))
+    assert asynchronous.engine.blocks.num_free == sync.engine.blocks.num_free
+    if num_blocks:
+        assert asynchronous.engine.scheduler.preemptions > 0
+
+
+def test_async_scheduling_abort_and_new_weights_between_steps():
+    """An abort while a request's token is still on the device drops that token; new weights take in the
+    tokens drawn under the old ones first. Both as the synchronous engine does them."""
+    old, new = tiny(seed=3), tiny(seed=4)
+    ps = prompts(4, old.cfg.vocab_size, seed=11)
+    runs = {}
+    for mode in ("false", "true"):
+        engine = LLM(tiny(seed=3), async_scheduling=mode).engine
+        ids = [engine.add_request(p, SamplingParams(max_tokens=10, **GREEDY)) for p in ps]
+        done = {}
+        for i in range(4):
+            for out in engine.step():
+                done[out.request_id] = out
+        engine.abort(ids[0])
+        engine.update_weights(new.state_dict())
+        while engine.has_unfinished():
+            for out in engine.step():
+                done[out.request_id] = out
+        runs[mode] = {k: (v.token_ids, v.finish_reason) for k, v in done.items() if v.finished}
+        assert PLACEHOLDER_FREE(done.values())
+    assert runs["true"] == runs["false"]
+    assert ids[0] not in runs["true"] and len(runs["true"]) == 3
+
+
+def PLACEHOLDER_FREE(outs) -> bool:
+    return all(t >= 0 for o in outs for t in o.token_ids)

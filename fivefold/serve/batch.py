@@ -36,6 +36,10 @@ class StepInputs:
     # Block-table entries written since the last step: flat index slot * max_blocks_per_seq + column, value.
     table_index: np.ndarray  # (D,) int32
     table_value: np.ndarray  # (D,) int32
+    # Asynchronous scheduling: rows whose input token is still on the device (a placeholder here), and
+    # where each is among the previous step's sampled tokens.
+    patch_rows: np.ndarray = None  # (P,) int32
+    patch_from: np.ndarray = None  # (P,) int32
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +67,7 @@ class StepInputs:
         qsl = np.concatenate([self.query_start_loc, self.query_start_loc[-1] + np.arange(1, extra + 1, dtype=np.int32)])
         return StepInputs(grow(self.input_ids, 0), grow(self.positions, 0), grow(self.slot_mapping, -1), qsl,
                           grow(self.seq_lens, 0), grow(self.slots, 0), self.logits_indices, self.sampled, rows, 1,
-                          self.max_blocks, self.table_index, self.table_value)
+                          self.max_blocks, self.table_index, self.table_value, self.patch_rows, self.patch_from)
 
     @classmethod
     def empty(cls) -> "StepInputs":
@@ -165,10 +169,13 @@ class InputBatch:
         blocks = self.block_tables[slots[row], positions // bs].astype(np.int64)
         slot_mapping = blocks * bs + positions % bs
         sampled = np.flatnonzero(seq_lens == total)
+        pending = np.fromiter((s.pending_row if s.pending else -1 for s in seqs), dtype=np.int64, count=b)
+        patch = np.flatnonzero(pending >= 0)  # decode rows all: a pending token is a sequence's last
         return StepInputs(input_ids, positions.astype(np.int32), slot_mapping.astype(np.int32),
                           qsl.astype(np.int32), seq_lens.astype(np.int32), slots.astype(np.int32),
                           (qsl[1:][sampled] - 1).astype(np.int32), sampled, num_decodes, int(n.max()),
-                          blocks_for(int(seq_lens.max()), bs), index, value)
+                          blocks_for(int(seq_lens.max()), bs), index, value,
+                          qsl[patch].astype(np.int32), pending[patch].astype(np.int32))
 
     def sampling_params(self, seqs) -> SlotParams:
         """The sampled sequences' parameters, and the uniform each draws its next token with (its own,

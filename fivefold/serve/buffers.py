@@ -16,7 +16,8 @@ import torch
 
 from fivefold.serve.batch import StepInputs
 
-SEGMENTS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "slots", "logits_indices")
+SEGMENTS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "slots", "logits_indices",
+            "patch_rows", "patch_from")
 
 
 @dataclass
@@ -44,7 +45,7 @@ class StepBuffers:
         self.device = torch.device(device)
         self.sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
                       "query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "slots": max_seqs,
-                      "logits_indices": max_seqs}
+                      "logits_indices": max_seqs, "patch_rows": max_seqs, "patch_from": max_seqs}
         self.offsets, total = {}, 0
         for name in SEGMENTS:
             self.offsets[name] = total
@@ -61,21 +62,32 @@ class StepBuffers:
         start = self.offsets[name]
         return (self.dev if device else self.host)[start:start + (self.sizes[name] if n is None else n)]
 
-    def upload(self, step: StepInputs, max_blocks: int | None = None) -> DeviceStep:
+    def upload(self, step: StepInputs, max_blocks: int | None = None,
+               pending: torch.Tensor | None = None) -> DeviceStep:
         """Send `step` to the device (one copy, plus one for new block-table entries); the device views.
-        `max_blocks`: the table columns attention may read (default: what the step needs)."""
+        `max_blocks`: the table columns attention may read (default: what the step needs). `pending`: the
+        previous step's sampled tokens, still on the device, that the step's placeholder rows read."""
         t, b, n = step.num_tokens, step.num_seqs, len(step.logits_indices)
+        p = 0 if step.patch_rows is None else len(step.patch_rows)
         for name, values in (("input_ids", step.input_ids), ("positions", step.positions),
                              ("slot_mapping", step.slot_mapping), ("query_start_loc", step.query_start_loc),
                              ("seq_lens", step.seq_lens), ("slots", step.slots),
-                             ("logits_indices", step.logits_indices)):
-            start = self.offsets[name]
-            self.host_np[start:start + len(values)] = values
+                             ("logits_indices", step.logits_indices), ("patch_rows", step.patch_rows),
+                             ("patch_from", step.patch_from)):
+            if values is not None:
+                start = self.offsets[name]
+                self.host_np[start:start + len(values)] = values
         if self.on_device:
-            end = self.offsets["logits_indices"] + n
+            end = self.offsets["patch_from"] + p if p else self.offsets["logits_indices"] + n
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
         self._write_table(step.table_index, step.table_value)
-        return self.views(t, b, n, step.max_query_len, max_blocks or step.max_blocks)
+        views = self.views(t, b, n, step.max_query_len, max_blocks or step.max_blocks)
+        if p:
+            if pending is None:
+                raise RuntimeError("a step reads tokens still being sampled, but none were given")
+            rows, source = self.segment("patch_rows", p).long(), self.segment("patch_from", p).long()
+            views.input_ids.index_copy_(0, rows, pending.index_select(0, source).to(views.input_ids.dtype))
+        return views
 
     def views(self, tokens: int, seqs: int, sampled: int, max_query_len: int, max_blocks: int) -> DeviceStep:
         """The device tensors of a step of these sizes, as they stand (no copy)."""

@@ -45,11 +45,11 @@ class DecodeGraphs:
     def size_for(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
-    def _upload(self, step: StepInputs, size: int) -> StepInputs:
+    def _upload(self, step: StepInputs, size: int, pending: torch.Tensor | None = None) -> StepInputs:
         """`step` padded to `size` rows, in the step buffers. Full-width block tables: the columns a step
         needs change from step to step, a captured graph's inputs cannot."""
         padded = step.padded(size)
-        self.buffers.upload(padded, max_blocks=self.buffers.max_blocks_per_seq)
+        self.buffers.upload(padded, max_blocks=self.buffers.max_blocks_per_seq, pending=pending)
         return padded
 
     def _model(self, size: int, host: StepInputs | None = None) -> torch.Tensor:
@@ -59,8 +59,8 @@ class DecodeGraphs:
         ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=self.rows[:size])
         return self.model(dev.input_ids[None], ctx)
 
-    def _forward(self, step: StepInputs, size: int) -> torch.Tensor:
-        return self._model(size, self._upload(step, size))
+    def _forward(self, step: StepInputs, size: int, pending: torch.Tensor | None = None) -> torch.Tensor:
+        return self._model(size, self._upload(step, size, pending))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -85,13 +85,14 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_allocated(device) - before
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Logits (B, V) of a decode-only step of B <= max_num_seqs sequences, every row sampled or not."""
+    def run(self, step: StepInputs, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, V) of a decode-only step of B <= max_num_seqs sequences, every row sampled or not;
+        `pending`: the previous step's sampled tokens on the device (asynchronous scheduling)."""
         b = step.num_seqs
         size = self.size_for(b)
         if not self.capture:
-            return self._forward(step, size)[:b]
-        self._upload(step, size)
+            return self._forward(step, size, pending)[:b]
+        self._upload(step, size, pending)
         self.graphs[size].replay()
         return self.outputs[size][:b]
 

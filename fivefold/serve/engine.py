@@ -28,9 +28,24 @@ from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.loading import load_model_for_serving
-from fivefold.serve.sampling import RequestError, SamplingParams, sample_rows
+from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
 from fivefold.serve.scheduler import Scheduler, Sequence
 
+
+# A sequence's last token while it is still being sampled on the device (asynchronous scheduling): never
+# fed to the model (the forward reads the real token from the device) nor seen outside the engine.
+PLACEHOLDER = -1
+
+
+@dataclass
+class Pending:
+    """A launched draw whose tokens have not reached the host: the sequences, one row each."""
+    seqs: list[Sequence]
+    sampled: SampledTokens
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.sampled.tokens
 
 
 @dataclass
@@ -115,6 +130,15 @@ class Engine:
         # projections, so an engine serving LoRA keeps them apart.
         self.fused = 0 if self.adapters else fuse_projections(model)
         self.graphs = self._graphs()
+        # serve.async_scheduling: the next step is scheduled and launched before this one's tokens are on
+        # the host. Pays only where the device runs apart from the host (CUDA); tensor-parallel followers
+        # would need the driver's device tokens, so tp serves synchronously.
+        choice = self.cfg.async_scheduling
+        self.async_scheduling = choice == "true" or (choice == "auto" and self.device.type == "cuda" and not tp)
+        if self.async_scheduling and tp:
+            raise ConfigError("serve.async_scheduling=true cannot be used with tensor parallelism; set it to auto")
+        self.pending: Pending | None = None
+        self.undelivered: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.seeds = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
         self.ids = itertools.count()
@@ -220,12 +244,16 @@ class Engine:
             self._take_inbox()
             seq = self.requests.pop(request_id, None)
             if seq is not None and not seq.finished:
+                if seq.pending:  # its token still being sampled is dropped with it
+                    seq.pending = False
+                    seq.output_ids.pop()
+                    seq.token_ids.pop()
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
                 self.stats["aborted"] += 1
 
     def has_unfinished(self) -> bool:
-        return bool(self.inbox) or self.scheduler.has_work()
+        return bool(self.inbox) or self.scheduler.has_work() or self.pending is not None or bool(self.undelivered)
 
     @property
     def num_running(self) -> int:
@@ -241,40 +269,98 @@ class Engine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One forward over the scheduled tokens; the outputs of the requests that got a token (or finished);
         `finished_only`: of those that finished (an output copies the tokens so far: offline generation
-        needs only the last)."""
+        needs only the last).
+
+        Under asynchronous scheduling the step's tokens are returned by the next call: the forward is
+        launched first, and while the device runs it the host takes in the previous step's tokens
+        (stop conditions, outputs, the prefix cache), then launches this step's sampling and returns. A
+        sequence still being sampled is scheduled as if it continues, its input read from the device; if
+        its token then ends it, the row computed for it is dropped."""
         with self.lock:
             self._take_inbox()
             work = self.scheduler.schedule()
-            if not work:
-                return []
-            work.sort(key=lambda e: e[1] != 1)  # single tokens first: they attend as one batch
-            step = self.batch.prepare(work)
-            if self.tp:
-                self.tp.broadcast(("forward", step))
-            if self.adapters is not None:
-                self.adapters.select([s.adapter for s, n in work for _ in range(n)])
-            logits = self._forward(step)
-            for s, n in work:
-                s.num_computed += n
-                self.blocks.register(s)
-            self.stats["steps"] += 1
-            self.stats["prompt_tokens"] += step.num_tokens - len(step.sampled)  # every token fed but those sampled from
-            if not len(step.sampled):
-                return []
-            seqs = [work[i][0] for i in step.sampled]
-            tokens, entries = sample_rows(logits, self.batch.sampling_params(seqs), seqs)
-            now = time.perf_counter()
-            for seq, token, entry in zip(seqs, tokens, entries):
-                self._append(seq, token, entry, now)
-            self.stats["generation_tokens"] += len(seqs)
-            return [self.output(s) for s in seqs if s.finished or not finished_only]
+            launched = None
+            if work:
+                work.sort(key=lambda e: e[1] != 1)  # single tokens first: they attend as one batch
+                step = self.batch.prepare(work)
+                if self.tp:
+                    self.tp.broadcast(("forward", step))
+                if self.adapters is not None:
+                    self.adapters.select([s.adapter for s, n in work for _ in range(n)])
+                logits = self._forward(step, self.pending.tokens if self.pending else None)
+                for s, n in work:
+                    s.num_computed += n
+                self.stats["steps"] += 1
+                self.stats["prompt_tokens"] += step.num_tokens - len(step.sampled)  # fed, but not sampled from
+                launched = (work, step, logits)
+            # The previous step's tokens (none when scheduling synchronously), as outputs before any of
+            # these sequences gets its next placeholder.
+            outputs = self._outputs(self._take_pending(), finished_only)
+            if launched:
+                work, step, logits = launched
+                for s, n in work:
+                    if not s.finished:
+                        self.blocks.register(s)  # its tokens are all known now
+                self._launch_sampling(work, step, logits)
+            if not self.async_scheduling:
+                outputs += self._outputs(self._take_pending(), finished_only)
+            return outputs
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
-        """The model over one flattened batch; the logits (full vocabulary) of the sampled rows."""
+    def _outputs(self, seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
+        return [self.output(s) for s in seqs if s.finished or not finished_only]
+
+    def _launch_sampling(self, work, step: StepInputs, logits: torch.Tensor) -> None:
+        """Sample the step's last tokens of the sequences still running (a token taken in since the forward
+        may have ended some); each gets a placeholder until the tokens reach the host."""
+        seqs = [work[i][0] for i in step.sampled]
+        keep = [i for i, s in enumerate(seqs) if not s.finished]
+        if not keep:
+            return
+        if len(keep) < len(seqs):
+            seqs = [seqs[i] for i in keep]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        sampled = launch_sampling(logits, self.batch.sampling_params(seqs), seqs)
+        for row, seq in enumerate(seqs):
+            seq.append(PLACEHOLDER)
+            seq.pending, seq.pending_row = True, row
+        self.pending = Pending(seqs, sampled)
+
+    def _take_pending(self) -> list[Sequence]:
+        """The pending draw's tokens into their sequences (stop conditions, finishing); the sequences."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return self._take_undelivered()
+        tokens, entries = pending.sampled.result()
+        now = time.perf_counter()
+        taken = []
+        for seq, token, entry in zip(pending.seqs, tokens, entries):
+            if not seq.pending:  # aborted meanwhile
+                continue
+            seq.pending = False
+            seq.output_ids[-1] = seq.token_ids[-1] = token
+            self._accept(seq, token, entry, now)
+            taken.append(seq)
+        self.stats["generation_tokens"] += len(taken)
+        return taken + self._take_undelivered()
+
+    def _take_undelivered(self) -> list[Sequence]:
+        out, self.undelivered = self.undelivered, []
+        return out
+
+    def _drain(self) -> None:
+        """Take in the pending draw now (before the running sequences are rearranged); its outputs are
+        returned by the next step."""
+        if self.pending is not None:
+            pending = self._take_pending()
+            self.undelivered.extend(pending)
+
+    def _forward(self, step: StepInputs, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over one flattened batch; the logits (full vocabulary) of the sampled rows. `pending`:
+        the previous step's tokens on the device, which the step's placeholder rows take as input."""
         if self.graphs is not None and step.decode_only and self.graphs.size_for(step.num_seqs):
-            logits = self.graphs.run(step)
+            logits = self.graphs.run(step, pending)
             return logits if len(step.sampled) == step.num_seqs else logits[torch.from_numpy(step.sampled).to(self.device)]
-        dev = self.buffers.upload(step)
+        dev = self.buffers.upload(step, pending=pending)
         batch = PagedBatch(self.pool, dev, step, kernel=self.kernel)
         ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=dev.logits_indices)
         logits = self.model(dev.input_ids[None], ctx)
@@ -301,10 +387,10 @@ class Engine:
             else:
                 self.tp.broadcast(("error", str(error), isinstance(error, RequestError)))
 
-    def _append(self, seq: Sequence, token: int, entry: dict | None, now: float) -> None:
+    def _accept(self, seq: Sequence, token: int, entry: dict | None, now: float) -> None:
+        """A new last token of `seq` (already in its lists): its logprobs, and whether it ends the request."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.append(token)
         if entry is not None:
             seq.logprobs.append(entry)
         p = seq.params
@@ -364,6 +450,7 @@ class Engine:
                 raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, "
                                  f"the model's is {tuple(params[name].shape)}")
         with self.lock:
+            self._drain()  # the tokens being sampled were drawn under the old weights: take them in first
             for name, value in weights.items():
                 params[name].copy_(value)
             self.scheduler.preempt_all()

@@ -131,12 +131,46 @@ def _penalise(logits: torch.Tensor, rows: np.ndarray, params: SlotParams, reques
     logits[torch.from_numpy(rows).to(device)] = sub
 
 
-def sample_rows(logits: torch.Tensor, params: SlotParams, requests: list) -> tuple[list[int], list[dict | None]]:
+class SampledTokens:
+    """One step's draw, launched on the device: `tokens` (N,) stay there for the next forward to read;
+    `result()` brings them (and any logprobs) to the host in one copy, waiting only for this draw."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, asked: list[int | None], logprob_rows: list[int],
+                 top: int):
+        self.tokens, self.asked, self.logprob_rows, self.top = tokens, asked, logprob_rows, top
+        if packed.device.type == "cuda":
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = packed, None
+
+    def result(self) -> tuple[list[int], list[dict | None]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        packed = self.host.numpy()
+        n, m, top = len(self.asked), len(self.logprob_rows), self.top
+        out = packed[:n].astype(np.int64).tolist()
+        entries: list[dict | None] = [None] * n
+        if not m:
+            return out, entries
+        chosen_lp = packed[n:n + m]
+        top_ids = packed[n + m:n + m + m * top].reshape(m, top).astype(np.int64)
+        top_lp = packed[n + m + m * top:].reshape(m, top)
+        for row, i in enumerate(self.logprob_rows):
+            k = self.asked[i]
+            entries[i] = {"token_id": out[i], "logprob": float(chosen_lp[row]),
+                          "top": list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))}
+        return out, entries
+
+
+def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list) -> SampledTokens:
     """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
     the next token of each, and its logprobs entry where asked for. One batched pass on the device and
     one device-to-host copy: greedy rows take the argmax, the others the first token whose cumulative
     probability passes the row's own pre-drawn uniform (inverse-CDF sampling)."""
-    device, n = logits.device, logits.shape[0]
+    device = logits.device
     logits = logits.float()
     asked = [r.params.logprobs for r in requests]
     logprob_rows = [i for i, k in enumerate(asked) if k is not None]
@@ -161,25 +195,19 @@ def sample_rows(logits: torch.Tensor, params: SlotParams, requests: list) -> tup
         greedy = torch.from_numpy(params.greedy).to(device, non_blocking=True)
         tokens = torch.where(greedy, tokens, picked)
     if not logprob_rows:
-        return tokens.tolist(), [None] * n
+        return SampledTokens(tokens, tokens, asked, [], 0)
     top = max(asked[i] for i in logprob_rows)
     rows = torch.tensor(logprob_rows, device=device)
     chosen = raw.gather(1, tokens[rows][:, None])
     values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
     # One copy to the host: tokens, the chosen tokens' logprobs, the top ids and logprobs.
-    packed = torch.cat([tokens.double(), chosen.double().flatten(), ids.double().flatten(),
-                        values.double().flatten()]).cpu().numpy()
-    out = packed[:n].astype(np.int64).tolist()
-    m = len(logprob_rows)
-    chosen_lp = packed[n:n + m]
-    top_ids = packed[n + m:n + m + m * top].reshape(m, top).astype(np.int64)
-    top_lp = packed[n + m + m * top:].reshape(m, top)
-    entries: list[dict | None] = [None] * n
-    for row, i in enumerate(logprob_rows):
-        k = asked[i]
-        entries[i] = {"token_id": out[i], "logprob": float(chosen_lp[row]),
-                      "top": list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))}
-    return out, entries
+    packed = torch.cat([tokens.double(), chosen.double().flatten(), ids.double().flatten(), values.double().flatten()])
+    return SampledTokens(tokens, packed, asked, logprob_rows, top)
+
+
+def sample_rows(logits: torch.Tensor, params: SlotParams, requests: list) -> tuple[list[int], list[dict | None]]:
+    """`launch_sampling`, waited for."""
+    return launch_sampling(logits, params, requests).result()
 
 
 def slot_params(requests: list, uniforms: list[float] | None = None) -> SlotParams:

@@ -52,6 +52,11 @@ class Sequence:
     cache_salt: bytes = b""  # roots its prefix-cache chain: an adapter's keys and values are its own
     slot: int = -1  # its row in the persistent batch while it runs (fivefold.serve.batch); -1: none
     running: bool = False
+    # Under asynchronous scheduling (fivefold.serve.engine): its last token is still being sampled on the
+    # device; token_ids ends with a placeholder the next forward reads from the device (`pending_row`:
+    # its row among that step's sampled tokens).
+    pending: bool = False
+    pending_row: int = -1
 
     def __post_init__(self):
         self.token_ids = self.prompt_ids + self.output_ids
@@ -62,6 +67,10 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
+        """Tokens to compute before the next one can be sampled; 0 once every wanted token is sampled
+        (under asynchronous scheduling, before the last is known)."""
+        if len(self.output_ids) >= self.params.max_tokens:
+            return 0
         return len(self.token_ids) - self.num_computed
 
     @property
@@ -95,6 +104,8 @@ class Scheduler:
             if not seq.running:  # preempted below by an older sequence
                 continue
             n = min(seq.remaining, budget)
+            if n == 0:  # its last token is being sampled: it finishes when that is known
+                continue
             while not self.blocks.grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
