@@ -51,12 +51,16 @@ class StepBuffers:
             self.offsets[name] = total
             total += self.sizes[name]
         self.on_device = self.device.type != "cpu"
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=self.on_device)
-        self.host_np = self.host.numpy()
+        # Two pinned host buffers, used in turn: under asynchronous scheduling a step's inputs are written
+        # while the previous step's copy may still wait in the stream behind the step before it (the
+        # host only waits for a step's sampled tokens one step later).
+        self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=self.on_device)
+                      for _ in range(2 if self.on_device else 1)]
+        self.turn = 0
+        self.host = self.hosts[0]
         self.dev = torch.zeros(total, dtype=torch.int32, device=self.device) if self.on_device else self.host
         self.table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=self.device)
         self.max_blocks_per_seq = max_blocks_per_seq
-        self._entries = torch.zeros(0, dtype=torch.int32)
 
     def segment(self, name: str, n: int | None = None, device: bool = True) -> torch.Tensor:
         start = self.offsets[name]
@@ -69,6 +73,9 @@ class StepBuffers:
         previous step's sampled tokens, still on the device, that the step's placeholder rows read."""
         t, b, n = step.num_tokens, step.num_seqs, len(step.logits_indices)
         p = 0 if step.patch_rows is None else len(step.patch_rows)
+        self.turn = (self.turn + 1) % len(self.hosts)
+        self.host = self.hosts[self.turn]
+        host = self.host.numpy()
         for name, values in (("input_ids", step.input_ids), ("positions", step.positions),
                              ("slot_mapping", step.slot_mapping), ("query_start_loc", step.query_start_loc),
                              ("seq_lens", step.seq_lens), ("slots", step.slots),
@@ -76,7 +83,7 @@ class StepBuffers:
                              ("patch_from", step.patch_from)):
             if values is not None:
                 start = self.offsets[name]
-                self.host_np[start:start + len(values)] = values
+                host[start:start + len(values)] = values
         if self.on_device:
             end = self.offsets["patch_from"] + p if p else self.offsets["logits_indices"] + n
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
@@ -103,9 +110,6 @@ class StepBuffers:
         if not self.on_device:
             self.table.view(-1).numpy()[index] = value
             return
-        if self._entries.numel() < 2 * d:
-            self._entries = torch.zeros(max(2 * d, 1024), dtype=torch.int32, pin_memory=True)
-        staged = self._entries.numpy()
-        staged[:d], staged[d:2 * d] = index, value
-        entries = self._entries[:2 * d].to(self.device, non_blocking=True)
+        # From pageable memory: the copy is staged before it returns, so the array is free to change after.
+        entries = torch.from_numpy(np.concatenate([index, value])).to(self.device)
         self.table.view(-1).index_copy_(0, entries[:d].long(), entries[d:])
