@@ -30,7 +30,14 @@ def register(sub) -> None:
     plan.add_argument("--png", help="with --sweep or --search: write the plot here")
     plan.add_argument("--serve", action="store_true",
                       help="serving instead of training: weights, the KV pool (serve.*), and how many "
-                           "sequences of each length fit at once")
+                           "sequences of each length fit at once; with --cluster, also the throughput and "
+                           "latency of --workload (fivefold.serve.simulator)")
+    plan.add_argument("--workload", metavar="SPEC",
+                      help="with --serve --cluster: the traffic, e.g. requests=256,prompt=100:1024,output=100:1024,"
+                           "dist=uniform,rate=4 (rate 0: all at t=0), a name (default, chat, summarise, anchors) "
+                           "or a JSONL trace of {arrival, prompt, output}; default: default")
+    plan.add_argument("--max-tpot", type=float, default=0.05, metavar="SECONDS",
+                      help="with --serve --search: the p99 time-per-output-token bound layouts must meet (0.05)")
     from fivefold.planner.speed_commands import add_arguments
 
     add_arguments(plan)
@@ -66,7 +73,7 @@ def run_plan(args) -> int:
         profile = load_profile(args.cluster)
         device_memory = device_memory or int(profile.memory_bytes)
         args.device = args.device or profile.device
-    elif args.search or args.gpus or args.global_batch:
+    elif (args.search and not args.serve) or args.gpus or args.global_batch:
         from fivefold.config import ConfigError
 
         raise ConfigError("--search, --gpus and --global-batch predict speed: give the hardware with --cluster "
@@ -86,9 +93,16 @@ def run_plan(args) -> int:
         from fivefold.config import ConfigError
         from fivefold.serve.plan import plan_serving
 
+        if profile is None and (args.workload or args.search):
+            raise ConfigError("--workload and --search with --serve predict speed: give the hardware with "
+                              "--cluster PROFILE (a shipped one, or `fivefold calibrate --serve --out FILE`)")
         if cfg.serve.kv_memory < 1 and not cfg.serve.num_blocks and device_memory is None:
             raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
                              f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
+        if profile is not None:
+            from fivefold.serve import predict_commands
+
+            return predict_commands.run(args, cfg, profile, device_memory)
         serving = plan_serving(cfg, device_memory, device=args.device)
         print(json.dumps(serving.to_json(), indent=2) if args.json else serving.table())
         return 0

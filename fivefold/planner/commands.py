@@ -18,6 +18,9 @@ def register(sub) -> None:
     cal.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                      help="measure all-reduce / all-to-all between N processes on this machine (torchrun)")
     cal.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    cal.add_argument("--serve", action="store_true",
+                     help="also measure the serving engine's step costs (the profile's [serving] table, read by "
+                          "`fivefold plan --serve --cluster FILE --workload ...`)")
     cal.set_defaults(func=run_calibrate)
     hw = sub.add_parser("hardware", help="list the shipped hardware profiles, or show one (name or file)")
     hw.add_argument("profile", nargs="?", help="a profile name (e.g. h100-sxm) or a TOML file")
@@ -45,6 +48,13 @@ def run_calibrate(args) -> int:
     profile, raw = calibrate(device, args.name or out.stem)
     if os.environ.get("RANK", "0") != "0":
         return 0
+    if args.serve:
+        import dataclasses
+
+        from fivefold.serve.step_cost import measure_serving
+
+        profile = dataclasses.replace(profile, serving=measure_serving(device, profile,
+                                                                       "bf16" if device.type == "cuda" else "fp32"))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.write_text(profile.to_toml(), encoding="utf-8")
     os.replace(tmp, out)

@@ -29,16 +29,26 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
                           NCCL's kernels hold one SM per channel (CTA) for the whole collective, so the
                           kernels they overlap run on the rest (0: not modelled, as in a calibrated profile)
 
+The serving engine's step costs (fivefold.serve.step_cost; an optional [serving] table, written by `fivefold
+calibrate --serve`; defaults there):
+
+    skinny_knee           the token dimension of a serving step's matmuls runs at m / (m + knee) of the peak:
+                          a decode batch is a skinny product, far below the square-matmul rate
+    step_s, seq_s         the engine's host work per step, and per sequence in it (scheduling, inputs, sampling)
+    layer_s, layer_seq_s  per layer of a step run eagerly (launches; a CUDA-graph replay has none), and per
+                          sequence and layer (the CPU attention's gathers and calls)
+
 Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb from vendor datasheets;
 h100-hbm2e-500w, the power-limited H100s torchtitan benchmarked on, from that page).
 A user's own file is given by path. A link figure of 0 means "not measured" (e.g. a calibration run on one
-process cannot see a link).
+process cannot see a link). `profile_for_device_name` finds the shipped profile of a CUDA device by its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +60,7 @@ DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0, "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
+SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
             "inter_node_bandwidth", "inter_node_latency")
 
@@ -75,6 +86,7 @@ class HardwareProfile:
     op_overhead: float = EFFICIENCY["op_overhead"]
     overlap: float = EFFICIENCY["overlap"]
     comm_interference: float = EFFICIENCY["comm_interference"]
+    serving: dict[str, float] = field(default_factory=dict)  # [serving]: measured engine step costs
 
     def peak_flops(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` (bf16, fp16, fp8, fp32); an error if the device has none."""
@@ -91,6 +103,8 @@ class HardwareProfile:
                  f"gpus_per_node = {self.gpus_per_node}"]
         lines += [f"{key} = {getattr(self, key):.6g}" for key in (*_NUMBERS, *EFFICIENCY)]
         lines += ["", "[flops]"] + [f"{dtype} = {value:.6g}" for dtype, value in self.flops.items()]
+        if self.serving:
+            lines += ["", "[serving]"] + [f"{key} = {value:.6g}" for key, value in self.serving.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -100,6 +114,31 @@ def _quote(text: str) -> str:
 
 def shipped_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+# The words of a CUDA device name (torch.cuda.get_device_name, split at spaces and dashes, lower case) that
+# identify the part each shipped profile describes. All of a profile's words must be there. The profiles are
+# SXM parts: a name with "pcie" or "nvl" is another card of the same chip at lower clocks and power (the H100
+# PCIe: 756 dense bf16 TFLOP/s, not 989) and matches nothing. Examples:
+#   "NVIDIA H200" -> h200; "NVIDIA H100 80GB HBM3" -> h100-sxm; "NVIDIA A100-SXM4-80GB" -> a100-80gb;
+#   nothing for "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA GH200 480GB" (word gh200),
+#   "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA H800", and h100-hbm2e-500w's power-limited
+#   HBM2e part (its device name does not tell it from other H100s).
+DEVICE_NAME_WORDS = {
+    "h200": {"h200"},
+    "h100-sxm": {"h100", "hbm3"},  # the SXM5 part; the PCIe card's name has no memory type
+    "a100-80gb": {"a100", "sxm4", "80gb"},
+    "a100-40gb": {"a100", "sxm4", "40gb"},
+}
+_OTHER_BOARDS = {"pcie", "nvl"}
+
+
+def profile_for_device_name(device_name: str) -> str | None:
+    """The shipped profile whose part has this CUDA device name (rule above DEVICE_NAME_WORDS), or None."""
+    words = set(re.split(r"[\s\-_]+", device_name.lower()))
+    if words & _OTHER_BOARDS:
+        return None
+    return next((name for name, needed in DEVICE_NAME_WORDS.items() if needed <= words), None)
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
@@ -152,5 +191,12 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
     for dtype, value in flops.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"hardware profile {where}: flops.{dtype}={value!r} must be a number >= 0")
+    serving = values.get("serving", {})
+    if not isinstance(serving, dict) or set(serving) - set(SERVING):
+        raise ConfigError(f"hardware profile {where}: [serving] takes {', '.join(SERVING)}")
+    for key, value in serving.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"hardware profile {where}: serving.{key}={value!r} must be a number >= 0")
     return HardwareProfile(**{**values, "flops": {k: float(v) for k, v in flops.items()},
+                              "serving": {k: float(v) for k, v in serving.items()},
                               **{k: float(values[k]) for k in (*_NUMBERS, *EFFICIENCY) if k in values}})

@@ -1,0 +1,198 @@
+"""What one serving step costs on given hardware: the clock of the serving simulator (fivefold.serve.simulator).
+
+A step is a batch of decode rows and prompt chunks (fivefold.serve.scheduler). Its time is the sum of:
+- the linear layers: each product takes its FLOPs at the matmul rate or its weight bytes at the memory
+  bandwidth, whichever binds. A serving step's products are skinny (the batch's tokens by the weight), so
+  the token dimension m runs at m / (m + skinny_knee) of the rate (a calibrated profile's [serving] table,
+  fitted to skinny products on this machine);
+- paged attention: the keys and values it reads (three times over on the CPU path, which gathers blocks
+  then runs SDPA over the copy), or its FLOPs for long prompt chunks;
+- the LM head at the sampled rows, sampling, and elementwise work (norms, residuals, RoPE);
+- tensor parallelism's all-reduces (two per layer) and the logits' all-gather, on the profile's links;
+- the engine's own host work: per step, per sequence, and per layer when the step runs eagerly (launches;
+  a CUDA-graph replay has none), measured by `fivefold calibrate --serve` (`measure_serving`).
+
+Defaults where a profile has no [serving] table are assumptions for CUDA graphs on a datacenter GPU,
+until a GPU run calibrates them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fivefold.config import Config
+from fivefold.planner.hardware import HardwareProfile
+
+# Without a [serving] table: tensor-core tiles of 64 rows; host work of a graph-replayed decode step
+# (scheduling, inputs, sampling) ~0.3 ms plus ~4 us a sequence; an eager step's launches per layer.
+SERVING_DEFAULTS = {"skinny_knee": 64.0, "step_s": 3e-4, "seq_s": 4e-6, "layer_s": 1.5e-4, "layer_seq_s": 0.0}
+
+
+def matmul_rate(profile: HardwareProfile, peak: float) -> float:
+    """The large-product rate the skinny knee is relative to: a datasheet peak discounted by the profile's
+    matmul_efficiency; a calibrated profile's measured [flops] as it stands (its efficiency, an asymptote
+    fitted for the training model, may exceed 1)."""
+    return peak * min(1.0, profile.matmul_efficiency)
+
+
+@dataclass
+class StepShape:
+    """One engine step as the cost model sees it: per sequence, tokens computed now and context after."""
+    tokens: np.ndarray  # (B,) int
+    context: np.ndarray  # (B,) int: each sequence's length after this step
+    sampled: int  # rows whose logits are sampled
+    graphed: bool = False  # replayed as a CUDA graph (decode-only steps under serve.cuda_graphs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.sum())
+
+
+class StepCostModel:
+    def __init__(self, cfg: Config, profile: HardwareProfile, tp: int = 1):
+        m, s = cfg.model, cfg.serve
+        self.cfg, self.hw, self.tp = cfg, profile, tp
+        self.itemsize = torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
+        self.peak = profile.peak_flops({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[s.dtype])
+        self.rate = matmul_rate(profile, self.peak)
+        self.bandwidth = profile.memory_bandwidth * profile.memory_efficiency
+        self.serving = {**SERVING_DEFAULTS, **profile.serving}
+        self.cpu_attention = profile.device == "cpu"  # the gather + SDPA path reads the keys and values thrice
+        h, q, kv, f = m.hidden_size, m.q_size // tp, m.kv_size // tp, m.ffn_hidden_size // tp
+        up = 2 * f if m.activation == "swiglu" else f
+        # (K, N) of each block product, the fused ones as served (fivefold.serve.fused).
+        self.attention_products = [(h, q + 2 * kv), (q, h)]
+        self.mlp_products = [(h, up), (f, h)]
+        self.kv_row_bytes = 2 * kv * self.itemsize  # one token's keys and values in one layer
+
+    def matmul(self, m: float, k: float, n: float, experts: float = 1.0) -> float:
+        """A (m x k) @ (k x n) product: FLOPs at the skinny rate, or the weights' bytes, whichever binds."""
+        if m <= 0:
+            return 0.0
+        knee = self.serving["skinny_knee"]
+        compute = 2 * m * k * n / (self.rate * m / (m + knee))
+        return max(compute, experts * k * n * self.itemsize / self.bandwidth)
+
+    def mlp(self, tokens: int) -> float:
+        m = self.cfg.model
+        if not m.num_experts:
+            return sum(self.matmul(tokens, k, n) for k, n in self.mlp_products)
+        # Top-k routing: each token's k experts compute; the experts touched are read once each.
+        routed = tokens * m.experts_per_token
+        touched = min(m.num_experts, routed)
+        scale = m.expert_size / m.ffn_hidden_size
+        return sum(self.matmul(routed, k * (1 if i == 0 else scale), n * (scale if i == 0 else 1), touched)
+                   for i, (k, n) in enumerate(self.mlp_products))
+
+    def attention(self, shape: StepShape) -> float:
+        """One layer's paged attention over the step's sequences."""
+        m = self.cfg.model
+        n, ctx = shape.tokens.astype(np.float64), shape.context.astype(np.float64)
+        pairs = float((n * ctx - n * (n - 1) / 2).sum())  # (query, key) pairs, causal within a chunk
+        flops = 4 * pairs * m.q_size / self.tp
+        reads = float(ctx.sum()) * self.kv_row_bytes * (3 if self.cpu_attention else 1)
+        return max(flops / (self.peak * self.hw.attention_efficiency), reads / self.bandwidth)
+
+    def collectives(self, tokens: int, sampled: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        m, hw, g = self.cfg.model, self.hw, self.tp
+        bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
+        if not bw:
+            return 0.0
+        reduce = 2 * (g - 1) / g * tokens * m.hidden_size * self.itemsize / bw + 2 * (g - 1) * lat
+        gather = (g - 1) / g * sampled * m.vocab_size * 4 / bw + (g - 1) * lat
+        return 2 * m.num_layers * reduce + gather
+
+    def host(self, shape: StepShape) -> float:
+        s, b = self.serving, len(shape.tokens)
+        layers = 0.0 if shape.graphed else self.cfg.model.num_layers * (s["layer_s"] + s["layer_seq_s"] * b)
+        return s["step_s"] + s["seq_s"] * b + layers
+
+    def seconds(self, shape: StepShape) -> float:
+        m = self.cfg.model
+        t = shape.num_tokens
+        layer = sum(self.matmul(t, k, n) for k, n in self.attention_products) + self.mlp(t) + self.attention(shape)
+        elementwise = 12 * t * m.hidden_size * self.itemsize / self.bandwidth  # norms, residuals, RoPE, act
+        head = self.matmul(shape.sampled, m.hidden_size, m.vocab_size / self.tp)
+        sampling = 4 * shape.sampled * m.vocab_size * 4 / self.bandwidth
+        return (m.num_layers * (layer + elementwise) + head + sampling + self.collectives(t, shape.sampled)
+                + self.host(shape))
+
+    def breakdown(self, shape: StepShape) -> dict[str, float]:
+        m, t = self.cfg.model, shape.num_tokens
+        linear = m.num_layers * (sum(self.matmul(t, k, n) for k, n in self.attention_products) + self.mlp(t))
+        return {"linear": linear, "attention": m.num_layers * self.attention(shape),
+                "head": self.matmul(shape.sampled, m.hidden_size, m.vocab_size / self.tp),
+                "collectives": self.collectives(t, shape.sampled), "host": self.host(shape)}
+
+
+# ---- calibration (fivefold calibrate --serve)
+
+
+def _skinny_knee(device: torch.device, dtype: torch.dtype, rate: float) -> float:
+    """The token-dimension knee: products of m rows by weights larger than any cache (as a served model's
+    are), timed at m = 8 and 32, each giving knee = m (rate / measured - 1); their mean."""
+    from fivefold.train.metrics import synchronize
+
+    k = n = 2048
+    weights = [torch.randn(k, n, device=device).to(dtype) for _ in range(8 if device.type == "cpu" else 64)]
+    knees = []
+    for m in (8, 32):
+        x = torch.randn(m, k, device=device).to(dtype)
+        for w in weights[:2]:
+            x @ w
+        best = float("inf")
+        for _ in range(3):
+            synchronize(device)
+            start = time.perf_counter()
+            for w in weights:
+                x @ w
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        measured = 2 * m * k * n * len(weights) / best
+        knees.append(max(0.0, m * (rate / measured - 1)))
+    return float(np.mean(knees))
+
+
+def _engine_step_seconds(device: torch.device, layers: int, batch: int, steps: int = 12) -> float:
+    """Median decode step of the engine on a model too small to compute anything: its host work."""
+    import dataclasses
+    import statistics
+
+    from fivefold.model import build_model
+    from fivefold.presets import PRESETS
+    from fivefold.serve.engine import LLM
+    from fivefold.serve.sampling import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=layers)
+    llm = LLM(build_model(cfg, device, seed=0).eval(), device=str(device), max_num_seqs=max(batch, 1))
+    engine = llm.engine
+    for i in range(batch):
+        engine.add_request([1 + i % 100] * 8, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+    while engine.num_waiting or any(s.remaining > 1 for s in engine.scheduler.running):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str = "fp32") -> dict[str, float]:
+    """The [serving] table of this machine's profile: the skinny knee against the profile's matmul rate,
+    and the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    knee = _skinny_knee(device, torch_dtype, matmul_rate(profile, profile.peak_flops(dtype)))
+    t = {(layers, b): _engine_step_seconds(device, layers, b) for layers in (2, 4) for b in (1, 32)}
+    per_layer = {b: (t[4, b] - t[2, b]) / 2 for b in (1, 32)}
+    base = {b: t[2, b] - 2 * per_layer[b] for b in (1, 32)}
+    layer_seq = max(0.0, (per_layer[32] - per_layer[1]) / 31)
+    seq = max(0.0, (base[32] - base[1]) / 31)
+    return {"skinny_knee": knee, "step_s": max(0.0, base[1] - seq), "seq_s": seq,
+            "layer_s": max(0.0, per_layer[1] - layer_seq), "layer_seq_s": layer_seq}
