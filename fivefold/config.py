@@ -139,7 +139,7 @@ class TrainConfig:
     # Start from these weights instead of the seeded init: a Hugging Face model directory (streamed, each
     # rank reading only its slices) or a fivefold run / checkpoint (its weights; optimizer starts afresh).
     init_from: str = ""
-    peak_flops: float = 0.0  # FLOP/s for MFU; 0 = measure a matmul on this device at start
+    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 = a known GPU's datasheet peak, else a measured matmul
     # On resume, skip a damaged newest checkpoint (with a warning) for the newest intact one;
     # false: refuse to start instead (`fivefold train --no-fallback`).
     checkpoint_fallback: bool = True

@@ -125,8 +125,10 @@ def measured_memory(nproc: int, preset: str, *overrides: str) -> dict:
 WHOLE_SEQUENCE = 4 * 2 * 128 * 64
 
 
-def assert_matches_plan(rows: dict, activations: bool = True, late: float = 0.0) -> None:
-    """Model states within 1% of the plan, activations within 5%, the start-up peak at most the plan's.
+def assert_matches_plan(rows: dict, activations: bool = True, late: float = 0.0, tolerance: float = 0.005) -> None:
+    """Model states within 1% of the plan, activations within `tolerance` (0.5%, as for one process in
+    test_memory_measured, where the replay agrees to bytes), the start-up peak at most the plan's. A layout
+    that measurably differs more passes its own `tolerance`, with the measured figures beside it.
     `late`: bytes of a buffer that a
     collective whose result is copied out and dropped at once (SP's gathered sequence, EP's sent tokens)
     may still hold when the peak comes: gloo's worker thread releases the buffers of a finished call a
@@ -134,11 +136,11 @@ def assert_matches_plan(rows: dict, activations: bool = True, late: float = 0.0)
     peak may exceed the plan by up to that much, and by no more."""
     if "startup" in rows:  # the plan's start-up peak is a bound (the largest parameter made last)
         assert rows["startup"]["measured"] <= 1.001 * rows["startup"]["predicted"], rows["startup"]
-    checks = [(name, 0.01) for name in MODEL_STATES] + ([("activations", 0.05)] if activations else [])
-    for name, tolerance in checks:
+    checks = [(name, 0.01) for name in MODEL_STATES] + ([("activations", tolerance)] if activations else [])
+    for name, limit in checks:
         row = rows[name]
         if name == "activations" and late and row["measured"] > row["predicted"]:
             over = row["measured"] - row["predicted"]
-            assert over <= late + tolerance * row["predicted"], row
+            assert over <= late + limit * row["predicted"], row
         else:
-            assert abs(row["error"]) <= tolerance, row
+            assert abs(row["error"]) <= limit, row

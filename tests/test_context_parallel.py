@@ -106,15 +106,16 @@ def test_invalid_context_parallel_layouts_are_rejected(tiny_config, overrides, m
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "packed_documents"])
 def test_measured_activations_per_rank_are_divided_by_cp(docs):
-    """`fivefold memory --nproc 2` with cp=2: model states within 1% and activations within 5% of the
+    """`fivefold memory --nproc 2` with cp=2: model states within 1% and activations within 0.5% of the
     plan, which divides the single process's by cp (ring attention keeps no s x s scores), and the total
-    within 2%. At 512 tokens a block's scores are large next to the tiny model's activations: when the
-    blocks ran as explicit matmuls their transient scores put the activations 28% and the total 32% over
-    the plan with packed documents; the fused kernel's blocks make none."""
+    within 0.5% (measured: activations exact to 8 B, total +0.04% and -0.08%). At 512 tokens a block's
+    scores are large next to the tiny model's activations: when the blocks ran as explicit matmuls their
+    transient scores put the activations 28% and the total 32% over the plan with packed documents; the
+    fused kernel's blocks make none."""
     rows = measured_memory(2, "tiny", "train.seq_len=512", "train.micro_batch_size=2", "parallel.cp=2",
                            f"model.document_mask={str(docs).lower()}")
     assert_matches_plan(rows)
-    assert abs(rows["total"]["error"]) <= 0.02, rows["total"]
+    assert abs(rows["total"]["error"]) <= 0.005, rows["total"]
 
 
 def test_model_states_are_sharded_over_dp_x_cp():
@@ -125,4 +126,4 @@ def test_model_states_are_sharded_over_dp_x_cp():
     rows = measured_memory(2, "tiny", "train.seq_len=128", "train.micro_batch_size=2", "parallel.cp=2",
                            "parallel.zero=1", "train.precision=bf16-mixed")
     assert_matches_plan(rows)
-    assert abs(rows["total"]["error"]) <= 0.02, rows["total"]
+    assert abs(rows["total"]["error"]) <= 0.005, rows["total"]  # measured +0.03%

@@ -10,7 +10,7 @@ import pytest
 
 from fivefold import cli
 from fivefold.config import ConfigError
-from fivefold.planner.hardware import load_profile, profile_from_dict, shipped_profiles
+from fivefold.planner.hardware import load_profile, profile_for_device_name, profile_from_dict, shipped_profiles
 
 
 def test_shipped_profiles_load_and_round_trip(tmp_path):
@@ -84,3 +84,19 @@ def test_calibrate_measures_this_machine_into_a_profile(tmp_path, data_cache):
     assert 0 < profile.attention_efficiency <= 1 and 0 < profile.memory_efficiency <= 1
     assert profile.overlap == 0 and 1e-7 < profile.op_overhead < 1e-2
     assert profile_from_dict(__import__("tomllib").loads(out.read_text()), str(out)) == profile
+
+
+@pytest.mark.parametrize("device_name, profile", [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    # other boards of the same chips (lower clocks and power), other chips, and names that cannot tell
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None), ("NVIDIA GH200 480GB", None),
+    ("NVIDIA A100-PCIE-40GB", None), ("NVIDIA A100 80GB PCIe", None), ("NVIDIA H800", None), ("NVIDIA H20", None),
+    ("NVIDIA H100", None), ("Tesla T4", None),
+])
+def test_a_cuda_device_name_finds_its_profile(device_name, profile):
+    assert profile_for_device_name(device_name) == profile
+    if profile is not None:
+        assert load_profile(profile).device == "cuda"

@@ -2,22 +2,28 @@
 
 The issue's targets: parameters, gradients and optimizer states within 1%; the activation peak within
 5% for every recompute mode and both attention implementations. The replay in
-fivefold.memory.activations is exact on these models (errors of a few bytes: 0-dim scalars), so the
-tolerances below leave room for kernel changes, not for a broken formula: dropping a single saved
-(b, s, h) tensor per layer moves the activation peak of these models by more than 5%.
+fivefold.memory.activations is exact on these models (errors of a few bytes: 0-dim scalars; the largest,
+the chunked loss's, 0.26%), so activations and the total are held to 0.5%: dropping eager attention's
+output from the replay moves the planned activations by 2.8%, which 5% let pass. The total also counts
+the transients of a block's backward, which the plan models (fivefold.memory.planner) rather than
+replays: the few cases where that is off by more are given their own, measured tolerance where they run.
 """
 
 import json
 
 import pytest
+import torch
 
 from fivefold.cli import main
 from parity import measured_memory
 from fivefold.config import load_config
-from fivefold.memory.tracker import CATEGORIES, measure_memory, random_datasets
+from fivefold.memory.tracker import CATEGORIES, StartupPeak, measure_memory, random_datasets, reset_rss_peak
 
-TOLERANCE = {"parameters": 0.01, "gradients": 0.01, "optimizer_states": 0.01, "activations": 0.05,
-             "temporary": 0.10, "total": 0.05}
+TOLERANCE = {"parameters": 0.01, "gradients": 0.01, "optimizer_states": 0.01, "activations": 0.005,
+             "temporary": 0.10, "total": 0.005}
+
+
+STARTUP_PAGES = 128 * 2 ** 20  # bytes of code and library pages a Trainer's start-up may touch first
 
 
 def measure(preset: str, *overrides: str, steps: int = 2):
@@ -34,25 +40,50 @@ def assert_startup_within_one_parameter(predicted: float, measured: float, model
     assert predicted - largest <= measured <= 1.001 * predicted, (predicted, measured, largest)  # 0-dim tensors
 
 
-def assert_matches_plan(timeline):
+def assert_matches_plan(timeline, **tolerances: float):
+    """Every category within TOLERANCE of the plan; `tolerances` (category=fraction) loosen one case."""
+    tolerance = {**TOLERANCE, **tolerances}
     rows = {name: (predicted, measured, error) for name, predicted, measured, error in timeline.comparison()}
     # The start-up peak: on CPU the tensors made while the Trainer is built (the resident set's growth,
     # megabytes of interpreter and library pages for a tiny model, is reported beside it as startup_rss;
     # bench/startup_memory.py checks that where it means something, a 300M model).
     assert set(rows) == set(CATEGORIES) | {"total", "startup"}
-    assert timeline.peaks["startup_rss"] >= 0  # later tests in this process reuse pages: can be 0
     predicted, measured, _ = rows.pop("startup")
+    # The growth can be 0 (later tests in this process reuse pages; test_startup_peak_measures_a_known_
+    # allocation checks the lower side) but not above the tensors plus the pages first touched: measured
+    # 8-14 MB in a fresh process, 37 MB where fp8 imports torchao. A measurement that lost its base would
+    # read the whole resident set, ~430 MB.
+    assert 0 <= timeline.peaks["startup_rss"] <= predicted + STARTUP_PAGES, timeline.peaks["startup_rss"]
     assert_startup_within_one_parameter(predicted, measured, timeline.config["model"])
     for name, (predicted, measured, error) in rows.items():
-        assert abs(error) <= TOLERANCE[name], f"{name}: predicted {predicted:,.0f}, measured {measured:,.0f}"
+        assert abs(error) <= tolerance[name], f"{name}: predicted {predicted:,.0f}, measured {measured:,.0f}"
+
+
+def test_startup_peak_measures_a_known_allocation():
+    """StartupPeak on CPU (the resident set's high-water mark over its base) reads a 32 MiB block allocated
+    and freed inside it: within 4 MiB (measured: +1.3 MiB the first time, when code pages are touched too;
+    -0.2 MiB after), not the larger peak before it, which a high-water mark not reset would read."""
+    if not reset_rss_peak():
+        pytest.skip("this kernel does not let a process reset its resident-set peak (/proc/self/clear_refs)")
+    size = 32 * 2 ** 20
+    earlier = torch.ones(3 * size, dtype=torch.uint8)  # a higher peak before the measurement
+    del earlier
+    for _ in range(2):
+        with StartupPeak(torch.device("cpu")) as startup:
+            block = torch.ones(size, dtype=torch.uint8)  # every page written
+            del block
+        assert abs(startup.bytes - size) <= 4 * 2 ** 20, startup.bytes
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "ops", "full"])
 def test_tiny_model_matches_plan(recompute, attention, precision):
+    # Op-level recomputation with eager attention: the measured peak lies in a block's backward, where the
+    # plan's modelled transients are high by 116 kB in fp32 and 59 kB in bf16-mixed (total +2.6%, +1.4%).
+    total = 0.03 if (recompute, attention) == ("ops", "eager") else TOLERANCE["total"]
     assert_matches_plan(measure("tiny", f"train.recompute={recompute}", f"model.attention={attention}",
-                                f"train.precision={precision}"))
+                                f"train.precision={precision}"), total=total)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -157,7 +188,10 @@ def test_lora_matches_plan(overrides):
     fewer activations (no input of a frozen weight, no normalised x of a frozen gain, nothing for the first
     norm after a frozen embedding); each adapter saves its r-wide A output, with dropout its dropped input
     and mask. Exact on these runs, as for full training."""
-    assert_matches_plan(measure("tiny", *overrides))
+    # Full recomputation with dropout: the measured peak, in backward, holds 55,484 B more than the plan's
+    # modelled backward (total -1.8%); the same bytes as a frozen head's chunked loss (there -1.7%): open.
+    total = 0.02 if overrides == ("lora.r=8", "lora.dropout=0.1", "train.recompute=full") else TOLERANCE["total"]
+    assert_matches_plan(measure("tiny", *overrides), total=total)
 
 
 def test_lora_in_gpt2_layout_matches_plan():
@@ -174,7 +208,10 @@ def test_lora_in_gpt2_layout_matches_plan():
 def test_chunked_loss_matches_plan(overrides):
     """The fused chunked head + loss (fivefold.train.chunked_loss): the normed input and 4 bytes of
     log-sum-exp per token are saved, one chunk's logits live at a time in forward and in backward."""
-    assert_matches_plan(measure("tiny", *overrides))
+    # A frozen head: the measured peak, in backward, holds 55,484 B more than the plan's modelled backward
+    # (total -1.7%), as in test_lora_matches_plan's full recomputation with dropout: open.
+    total = 0.02 if overrides == ("train.loss_chunk=64", "lora.r=8") else TOLERANCE["total"]
+    assert_matches_plan(measure("tiny", *overrides), total=total)
 
 
 def test_chunked_loss_needs_a_fraction_of_the_logits_memory():

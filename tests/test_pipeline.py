@@ -52,6 +52,28 @@ def test_each_schedule_runs_its_own_order(schedule):
             for actions in lists] == ORDERS[schedule]
 
 
+# 1F1B at pp=4, written out by hand from its definition (PipeDream-Flush, Narayanan et al. 2021): rank r warms
+# up with pp - r - 1 forwards, alternates one forward and one backward, and cools down with the remaining
+# backwards oldest first. At pp=2 the cool-down is one backward, so only these pin its order.
+ONE_F_ONE_B_PP4 = {
+    8: ["F0 F1 F2 | F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 | B5 B6 B7",
+        "F0 F1 | F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 | B6 B7",
+        "F0 | F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 | B7",
+        "| F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 |"],
+    4: ["F0 F1 F2 | F3 B0 | B1 B2 B3",  # m = pp: one steady pair on rank 0, three backwards to cool down
+        "F0 F1 | F2 B0 F3 B1 | B2 B3",
+        "F0 | F1 B0 F2 B1 F3 B2 | B3",
+        "| F0 B0 F1 B1 F2 B2 F3 B3 |"],
+}
+
+
+@pytest.mark.parametrize("m", sorted(ONE_F_ONE_B_PP4))
+def test_1f1b_at_pp4_warms_up_alternates_and_cools_down_in_order(m):
+    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards in micro-batch order, per rank."""
+    expected = [" ".join(order.replace("|", "").split()) for order in ONE_F_ONE_B_PP4[m]]
+    assert [" ".join(str(a) for a in actions) for actions in build_schedule("1f1b", 4, m)] == expected
+
+
 @pytest.mark.parametrize("pp, m", GRID)
 def test_simulated_bubbles_are_the_textbook_ones(pp, m):
     bubbles = {s: simulate(build_schedule(s, pp, m, 2 if s == "interleaved" else 1)).bubble for s in SCHEDULES}
@@ -206,7 +228,7 @@ def test_two_stage_checkpoint_resumes_in_four_stages(runs):
 @pytest.mark.parametrize("schedule", ["1f1b", "afab", "interleaved", "zero-bubble"])
 def test_measured_stage_memory_matches_the_plan(schedule):
     """Rank 0 (the first stage) against its stage's plan: model states within 1%, activations (its
-    in-flight micro-batches: 2 under 1F1B, all 4 under AFAB) within 5%, the total within 1%. The total
+    in-flight micro-batches: 2 under 1F1B, all 4 under AFAB) within 1.5%, the total within 0.5%. The total
     counts what the executor holds besides autograd (each held micro-batch's output, kept to start its
     backward from), the embedding's dense gradient made while later micro-batches are held, and under
     AFAB no accumulated gradient before the step's first backward, under zero-bubble a block's backward
@@ -214,5 +236,8 @@ def test_measured_stage_memory_matches_the_plan(schedule):
     1.5% under here under 1F1B, 1.8% under interleaved, 3.0% under zero-bubble and 4.3% over AFAB."""
     rows = measured_memory(2, "tiny", "model.num_layers=4", "train.seq_len=64", "train.micro_batch_size=2",
                            "train.grad_accum=4", "parallel.pp=2", f"parallel.pp_schedule={schedule}")
-    assert_matches_plan(rows)
-    assert abs(rows["total"]["error"]) <= 0.01, rows["total"]
+    # Measured, the same in repeated runs: activations +1.05% under AFAB (49,152 B high), -0.67% under 1F1B and
+    # zero-bubble, -0.45% interleaved (15,872 B low), while the total is within 0.05%: which category the
+    # plan and the tracker count those bytes in is open.
+    assert_matches_plan(rows, tolerance=0.015)
+    assert abs(rows["total"]["error"]) <= 0.005, rows["total"]

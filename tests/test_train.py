@@ -1,5 +1,6 @@
 """Trainer: the loss convention under accumulation, recomputation, mixed precision, resume, failures."""
 
+import contextlib
 import math
 
 import pytest
@@ -236,3 +237,86 @@ def test_peak_flops_of_an_emulated_dtype_keeps_the_probe(monkeypatch):
     assert metrics.probed_peak_flops(torch.device("cpu"), torch.bfloat16) == 2e9 and sizes == [512]
     sizes.clear()
     assert metrics.probed_peak_flops(torch.device("cpu"), torch.float32) == 1.5e11 and sizes == [512, 2048]
+
+
+@pytest.mark.parametrize("device, gpu, override, expected", [
+    ("cuda", "NVIDIA H200", 0.0, (989e12, "bf16 datasheet, hardware profile h200", 7e14)),
+    ("cuda", "NVIDIA A100-SXM4-80GB", 0.0, (312e12, "bf16 datasheet, hardware profile a100-80gb", 7e14)),
+    ("cuda", "NVIDIA H200", 5e14, (5e14, "train.peak_flops", None)),
+    ("cuda", "NVIDIA H100 PCIe", 0.0, (7e14, "measured: no hardware profile matches 'NVIDIA H100 PCIe', so MFU "
+                                             "is against the measured achievable peak", None)),
+    ("cpu", None, 0.0, (2e11, "measured", None)),
+    ("cpu", None, 1e11, (1e11, "train.peak_flops", None)),
+])
+def test_mfu_peak_is_the_datasheet_of_a_known_gpu(monkeypatch, device, gpu, override, expected):
+    """MFU divides by a known GPU's dense datasheet peak, with the measured achievable peak beside it;
+    train.peak_flops wins and measures nothing; an unknown GPU and a CPU use the measured peak. The device
+    name and the measurement are stubbed, so no GPU is needed."""
+    from fivefold.train import metrics
+
+    measured = []
+
+    def fake_measured(dev, dtype, threads):
+        measured.append(dev.type)
+        return 7e14 if dev.type == "cuda" else 2e11
+    monkeypatch.setattr(metrics, "peak_flops", fake_measured)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    peaks = metrics.mfu_peaks(torch.device(device), torch.bfloat16, override, threads=2)
+    assert (peaks.peak, peaks.source, peaks.achievable) == expected
+    assert measured == ([] if override else [device])
+
+
+def test_trainer_logs_and_prints_mfu_against_both_peaks(tiny_config, monkeypatch, capsys):
+    """With a datasheet peak, each step logs `mfu` against it and `mfu_achievable` against the measured peak,
+    and prints both; with one peak (here train.peak_flops) there is one figure."""
+    from fivefold.train import trainer as trainer_module
+    from fivefold.train.metrics import MfuPeaks
+
+    single = Trainer(tiny_config(**{"train.steps": 1}), quiet=True).train_step()
+    assert "mfu_achievable" not in single
+    monkeypatch.setattr(trainer_module, "mfu_peaks", lambda *args: MfuPeaks(1e12, "bf16 datasheet", 2.5e11))
+    trainer = Trainer(tiny_config(**{"train.steps": 1}))
+    record = trainer.train_step()
+    assert record["mfu_achievable"] == pytest.approx(4 * record["mfu"], rel=1e-12)
+    trainer._print(record)
+    assert f"mfu {100 * record['mfu']:.1f}% of datasheet, {100 * record['mfu_achievable']:.1f}% of measured " \
+           f"achievable" in capsys.readouterr().out
+
+
+def test_cuda_peak_is_timed_by_events_over_back_to_back_products(monkeypatch):
+    """measure_cuda_peak_flops' arithmetic, on stand-in events (no GPU): `reps` products between two events
+    per round, the fastest round kept, milliseconds to seconds."""
+    from fivefold.train import metrics
+
+    rounds = iter([30.0, 20.0, 25.0])  # ms per round of 10 products: the best is 2 ms a product
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(rounds)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(metrics, "CUDA_PEAK_SIZE", {torch.float32: 64})
+    flops = metrics.measure_cuda_peak_flops(torch.device("cpu"), torch.float32, reps=10, rounds=3)
+    assert flops == pytest.approx(2 * 64 ** 3 / 2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measured_cuda_peak_is_below_the_datasheet():
+    """On a GPU a profile describes, the measured achievable bf16 peak lies under the datasheet's (so MFU
+    against either stays under 100%) and well above what the old 2048^3 host-timed figure read (55%)."""
+    from fivefold.train.metrics import datasheet_peak_flops, measure_cuda_peak_flops
+
+    device = torch.device("cuda")
+    datasheet = datasheet_peak_flops(device, torch.bfloat16)
+    if datasheet is None:
+        pytest.skip(f"no hardware profile describes {torch.cuda.get_device_name(device)}")
+    assert 0.6 * datasheet[0] < measure_cuda_peak_flops(device, torch.bfloat16) < datasheet[0]

@@ -114,8 +114,7 @@ def _train(cfg, args, out: Path) -> int:
         f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x dp {cfg.parallel.dp} x {cfg.train.seq_len}) | "
         f"{cfg.train.precision} | recompute={cfg.train.recompute} | zero={cfg.parallel.zero} | tp={cfg.parallel.tp}"
         f"{'+sp' if cfg.parallel.sequence_parallel else ''} | "
-        f"device {trainer.device} | "
-        f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s")
+        f"device {trainer.device} | {trainer.peaks.describe()}")
     if trainer.step >= cfg.train.steps:
         say(f"already at step {trainer.step} of train.steps={cfg.train.steps}; nothing to train "
             f"(raise train.steps or pass --overwrite)")

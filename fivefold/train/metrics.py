@@ -1,4 +1,5 @@
-"""Step metrics: model FLOPs utilisation against a measured peak, a JSONL log, TensorBoard, a progress bar."""
+"""Step metrics: model FLOPs utilisation (against the datasheet peak of a known GPU, beside the measured
+achievable peak; against the measured peak on a CPU), a JSONL log, TensorBoard, a progress bar."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,20 +41,57 @@ def probed_peak_flops(device: torch.device, dtype: torch.dtype, budget_s: float 
     return measure_peak_flops(device, dtype) if full <= budget_s else probe
 
 
+# Square matmul size of the CUDA measurement: 8192^3 16-bit products fill every SM with large tiles for many
+# waves, where 2048^3 reads ~55% of an H200's rate (432 of ~790 TFLOP/s). fp32 (no tensor cores, ~1/15 the
+# rate) saturates sooner, and 4096^3 keeps its run under a second and its operands at 200 MB.
+CUDA_PEAK_SIZE = {torch.float32: 4096}
+
+
+def measure_cuda_peak_flops(device: torch.device, dtype: torch.dtype, reps: int = 10, rounds: int = 3) -> float:
+    """Achievable dense-matmul FLOP/s of a GPU: `reps` back-to-back products timed by CUDA events (GPU
+    time, no host launch gap or sync in it), the best of `rounds` such runs after a warm-up that settles
+    clocks and cuBLAS's kernel choice. Random operands: constant ones let the GPU keep boost clocks that
+    real data does not (the profiles' matmul_efficiency comment)."""
+    size = CUDA_PEAK_SIZE.get(dtype, 8192)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)  # one output, reused: no allocator traffic
+    for _ in range(3):
+        torch.matmul(a, b, out=out)
+    best = float("inf")
+    with torch.cuda.device(device):  # events record on the current device's stream: make it this one
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                torch.matmul(a, b, out=out)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3 / reps)  # elapsed_time is in milliseconds
+    del a, b, out
+    torch.cuda.empty_cache()  # give the ~0.4 GB of operands back before training allocates
+    return 2 * size ** 3 / best
+
+
 @functools.lru_cache(maxsize=None)
 def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
-    """Measured matmul peak, remembered across runs as the best ever seen for this device, dtype and
-    thread count: a measurement taken while the machine is busy reads low and would inflate MFU."""
+    """Measured achievable matmul peak (CUDA: measure_cuda_peak_flops; CPU: probed_peak_flops), remembered
+    across runs as the best ever seen for this device, dtype and thread count: a measurement taken while
+    the machine is busy reads low and would inflate MFU."""
     from fivefold.data.corpus import cache_dir
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = f"{name}|{dtype}|{threads}|{torch.__version__}"
+    if device.type == "cuda":  # the method is in the key: figures of the old 2048^3 host-timed one read low
+        key = f"{torch.cuda.get_device_name(device)}|{dtype}|cuda-events-{CUDA_PEAK_SIZE.get(dtype, 8192)}"
+    else:
+        key = f"cpu|{dtype}|{threads}"
+    key += f"|{torch.__version__}"
     path = cache_dir() / "peak_flops.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    peak = max(probed_peak_flops(device, dtype), known.get(key, 0.0))
+    measured = measure_cuda_peak_flops(device, dtype) if device.type == "cuda" else probed_peak_flops(device, dtype)
+    peak = max(measured, known.get(key, 0.0))
     if peak != known.get(key):
         known[key] = peak
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +99,63 @@ def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, path)
     return peak
+
+
+PROFILE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def datasheet_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
+    """(dense FLOP/s of `dtype`, profile name) from the shipped hardware profile of this GPU
+    (fivefold.planner.hardware.profile_for_device_name), or None: a CPU, or a GPU no profile describes."""
+    from fivefold.planner.hardware import load_profile, profile_for_device_name
+
+    if device.type != "cuda":
+        return None
+    name = profile_for_device_name(torch.cuda.get_device_name(device))
+    if name is None:
+        return None
+    return load_profile(name).peak_flops(PROFILE_DTYPES[dtype]), name
+
+
+@dataclass(frozen=True)
+class MfuPeaks:
+    """The FLOP/s per device MFU is computed against. `peak` is the denominator of `mfu`; `achievable`,
+    when set, the measured peak beside a datasheet one (the `mfu_achievable` metric). `source` says where
+    `peak` comes from, for the start-up line."""
+    peak: float
+    source: str
+    achievable: float | None = None
+
+    def describe(self) -> str:
+        text = f"peak {_rate(self.peak)} ({self.source})"
+        if self.achievable is not None:
+            text += f", measured achievable {_rate(self.achievable)}"
+        return text
+
+
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+
+
+def mfu_peaks(device: torch.device, dtype: torch.dtype, override: float, threads: int) -> MfuPeaks:
+    """Which peak MFU divides by. `override` (train.peak_flops, 0 = unset) wins and nothing is measured. On
+    a GPU a hardware profile describes: its dense datasheet figure for `dtype`, the one every published MFU
+    uses, with the measured achievable peak beside it. Otherwise the measured peak: on a CPU (there is no
+    datasheet) and on a GPU no profile describes (the start-up line says so). A datasheet peak is above any
+    rate the kernels reach, and the measured one is the best large matmul, which a training step's smaller
+    and mixed work does not exceed: so neither MFU should read above 100%. (Not against fp32's datasheet
+    figure with TF32 switched on, which the profiles do not hold; nor fp8, whose MFU is against bf16.)"""
+    if override:
+        return MfuPeaks(override, "train.peak_flops")
+    datasheet = datasheet_peak_flops(device, dtype)
+    measured = peak_flops(device, dtype, threads)
+    if datasheet is not None:
+        flops, profile = datasheet
+        return MfuPeaks(flops, f"{PROFILE_DTYPES[dtype]} datasheet, hardware profile {profile}", measured)
+    if device.type == "cuda":
+        return MfuPeaks(measured, f"measured: no hardware profile matches {torch.cuda.get_device_name(device)!r}, "
+                                  f"so MFU is against the measured achievable peak")
+    return MfuPeaks(measured, "measured")
 
 
 def synchronize(device: torch.device) -> None:

@@ -26,7 +26,7 @@ from fivefold.train import checkpoint as ckpt
 from fivefold.train.batch_ramp import AutoBatchRamp
 from fivefold.train.interrupt import GracefulStop
 from fivefold.train.loss import IGNORE_INDEX
-from fivefold.train.metrics import MetricsLog, memory_bytes, peak_flops, progress_bar
+from fivefold.train.metrics import MetricsLog, memory_bytes, mfu_peaks, progress_bar
 from fivefold.train.noise_scale import NoiseScale
 from fivefold.train.optim import grad_accum_at, lr_at
 from fivefold.train.routing import RouterLosses
@@ -82,7 +82,9 @@ class Trainer:
         # Float8 matmuls emulated off CUDA multiply in fp32: that is the peak they run against there.
         peak_dtype = torch.float32 if cfg.train.precision == "fp8" and self.device.type != "cuda" \
             else compute_dtype(cfg)
-        self.peak_flops = cfg.train.peak_flops or peak_flops(self.device, peak_dtype, torch.get_num_threads())
+        # A known GPU's datasheet peak (with the measured one beside it), train.peak_flops, or the measured peak.
+        self.peaks = mfu_peaks(self.device, peak_dtype, cfg.train.peak_flops, torch.get_num_threads())
+        self.peak_flops = self.peaks.peak
         self.num_params = count_params(cfg.model)
         # The gradient noise scale, and the batch ramp that follows it (train.batch_ramp=auto).
         self.noise = NoiseScale(cfg.train.gns_ema)
@@ -161,10 +163,13 @@ class Trainer:
         self.tokens_seen += batch_tokens
         tokens_per_sec = batch_tokens / elapsed
         routing = self.routing.record() if self.routing is not None else {}
+        flops_per_device = tokens_per_sec * self.flops_per_token / self.mesh.world_size
         record = {**routing, "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_sec": tokens_per_sec, "mfu": tokens_per_sec * self.flops_per_token / (self.peak_flops * self.mesh.world_size),
+                  "tokens_per_sec": tokens_per_sec, "mfu": flops_per_device / self.peak_flops,
                   "batch_tokens": batch_tokens, "grad_accum": accum, "tokens_seen": self.tokens_seen,
                   "step_time": elapsed, **self.noise.record()}
+        if self.peaks.achievable is not None:  # a datasheet MFU: the fraction of the measured peak beside it
+            record["mfu_achievable"] = flops_per_device / self.peaks.achievable
         if self.ramp is not None and self.ramp.due(self.step):
             self._reconsider_batch(target_tokens / accum)
         return record
@@ -301,8 +306,11 @@ class Trainer:
             return
         val = f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else ""
         gns = f" | gns {r['gns']:,.0f} tok" if "gns" in r else ""
+        mfu = f"mfu {100 * r['mfu']:.1f}%"
+        if "mfu_achievable" in r:
+            mfu += f" of datasheet, {100 * r['mfu_achievable']:.1f}% of measured achievable"
         msg = (f"step {r['step']:>5d} | loss {r['loss']:.4f}{val} | lr {r['lr']:.2e} | grad_norm "
-               f"{r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
+               f"{r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s | {mfu} | "
                f"batch {r['batch_tokens']} tok{gns}")
         from tqdm import tqdm
         tqdm.write(msg)
