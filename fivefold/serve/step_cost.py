@@ -18,6 +18,8 @@ until a GPU run calibrates them.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -25,7 +27,13 @@ import numpy as np
 import torch
 
 from fivefold.config import Config
+from fivefold.model import build_model
 from fivefold.planner.hardware import HardwareProfile
+from fivefold.presets import PRESETS
+from fivefold.serve.engine import LLM
+from fivefold.serve.kv_pool import DECODE_GROUP
+from fivefold.serve.sampling import SamplingParams
+from fivefold.train.metrics import synchronize
 
 # Without a [serving] table: tensor-core tiles of 64 rows; host work of a graph-replayed decode step
 # (scheduling, inputs, sampling) ~0.3 ms plus ~4 us a sequence; an eager step's launches per layer.
@@ -94,7 +102,16 @@ class StepCostModel:
         n, ctx = shape.tokens.astype(np.float64), shape.context.astype(np.float64)
         pairs = float((n * ctx - n * (n - 1) / 2).sum())  # (query, key) pairs, causal within a chunk
         flops = 4 * pairs * m.q_size / self.tp
-        reads = float(ctx.sum()) * self.kv_row_bytes * (3 if self.cpu_attention else 1)
+        if self.cpu_attention:
+            # fivefold.serve.kv_pool's CPU path: decodes in length-sorted groups of DECODE_GROUP, each padded
+            # to its longest (whole blocks); the gather reads and writes that, SDPA reads it again.
+            decodes = np.sort(ctx[n == 1])
+            groups = [decodes[i:i + DECODE_GROUP] for i in range(0, len(decodes), DECODE_GROUP)]
+            bs = self.cfg.serve.block_size
+            padded = sum(len(g) * -(-g[-1] // bs) * bs for g in groups) + float(np.ceil(ctx[n != 1] / bs).sum() * bs)
+            reads = 3 * padded * self.kv_row_bytes
+        else:
+            reads = float(ctx.sum()) * self.kv_row_bytes  # the kernel reads each key and value once, in place
         return max(flops / (self.peak * self.hw.attention_efficiency), reads / self.bandwidth)
 
     def collectives(self, tokens: int, sampled: int) -> float:
@@ -136,13 +153,12 @@ class StepCostModel:
 
 def _skinny_knee(device: torch.device, dtype: torch.dtype, rate: float) -> float:
     """The token-dimension knee: products of m rows by weights larger than any cache (as a served model's
-    are), timed at m = 8 and 32, each giving knee = m (rate / measured - 1); their mean."""
-    from fivefold.train.metrics import synchronize
-
+    are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving
+    knee = m (rate / measured - 1); their median."""
     k = n = 2048
     weights = [torch.randn(k, n, device=device).to(dtype) for _ in range(8 if device.type == "cpu" else 64)]
     knees = []
-    for m in (8, 32):
+    for m in (2, 8, 32):
         x = torch.randn(m, k, device=device).to(dtype)
         for w in weights[:2]:
             x @ w
@@ -156,19 +172,11 @@ def _skinny_knee(device: torch.device, dtype: torch.dtype, rate: float) -> float
             best = min(best, time.perf_counter() - start)
         measured = 2 * m * k * n * len(weights) / best
         knees.append(max(0.0, m * (rate / measured - 1)))
-    return float(np.mean(knees))
+    return float(np.median(knees))
 
 
 def _engine_step_seconds(device: torch.device, layers: int, batch: int, steps: int = 12) -> float:
     """Median decode step of the engine on a model too small to compute anything: its host work."""
-    import dataclasses
-    import statistics
-
-    from fivefold.model import build_model
-    from fivefold.presets import PRESETS
-    from fivefold.serve.engine import LLM
-    from fivefold.serve.sampling import SamplingParams
-
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=layers)
     llm = LLM(build_model(cfg, device, seed=0).eval(), device=str(device), max_num_seqs=max(batch, 1))
     engine = llm.engine

@@ -1,0 +1,136 @@
+"""The serving simulator against the engine it predicts, on this machine: output tok/s and p50 TTFT / TPOT.
+
+For each workload, the engine serves it (greedy to each request's output length, all requests at t=0, as
+bench/serve.py does) and `fivefold plan --serve`'s simulator predicts it from a calibrated profile of this
+machine (`fivefold calibrate --serve`); the errors are printed side by side.
+
+    python bench/serve_predict.py --profile cpu.toml --json bench/results/serve_predict_cpu.json
+    python bench/serve_predict.py                     # calibrates this machine first (~1 min)
+
+Workloads: default (bench/serve.py's own request set: 32 requests, prompt and output 16-256 log-uniform),
+chat (short prompts, medium answers), summarise (long prompts, short answers); --workloads takes names or
+specs (fivefold.serve.workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from fivefold.config import Config, ServeConfig
+from fivefold.model import build_model
+from fivefold.planner.hardware import load_profile
+from fivefold.presets import get_preset
+from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.blocks import blocks_for
+from fivefold.serve.predict_commands import predict
+from fivefold.serve.workload import Request, Workload, parse_workload
+
+sys.path.insert(0, os.path.dirname(__file__))
+from serve_client import make_requests  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="", help="a profile from `fivefold calibrate --serve`; default: calibrate now")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--workloads", default="default,chat,summarise")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--reps", type=int, default=2,
+                   help="engine runs per workload; the fastest is kept (outside load only slows a run down)")
+    p.add_argument("--json", default="")
+    return p.parse_args(argv)
+
+
+def workload(name: str, vocab: int) -> Workload:
+    if name == "default":  # bench/serve.py's request set, to the token
+        reqs = make_requests(32, vocab, (16, 256), (16, 256), 0)
+        return Workload([Request(0.0, len(r.prompt), r.max_tokens) for r in reqs], "default (bench/serve.py)")
+    return parse_workload(name)
+
+
+def serve_config(args, w: Workload) -> ServeConfig:
+    # As bench/serve.py: room for every request at once plus a spare block each (no preemption).
+    blocks = sum(blocks_for(r.prompt + r.output, 16) for r in w.requests) + len(w.requests)
+    return dataclasses.replace(ServeConfig(), num_blocks=blocks, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def measure(model, serve: ServeConfig, w: Workload, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (r.prompt,), generator=g).tolist() for r in w.requests]
+    params = [SamplingParams(max_tokens=r.output, temperature=0, ignore_eos=True) for r in w.requests]
+    llm = LLM(model, device="cpu", **{f.name: getattr(serve, f.name) for f in dataclasses.fields(serve)})
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)  # warm up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"output_tokens_per_s": tokens / wall, "wall_s": wall, "steps": llm.engine.stats["steps"],
+            "ttft_p50_s": statistics.median(o.ttft for o in outs),
+            "tpot_p50_s": statistics.median(o.tpot for o in outs if o.tpot is not None)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        profile = load_profile(args.profile)
+    else:
+        from fivefold.planner.calibrate import calibrate
+        from fivefold.serve.step_cost import measure_serving
+
+        print("calibrating this machine (fivefold calibrate --serve) ...", flush=True)
+        profile, _ = calibrate(torch.device("cpu"), "this-cpu")
+        profile = dataclasses.replace(profile, serving=measure_serving(torch.device("cpu"), profile))
+    print(f"profile {profile.name}: fp32 {profile.flops['fp32'] / 1e9:.0f} GFLOP/s, {profile.memory_bandwidth / 1e9:.1f} "
+          f"GB/s, serving {profile.serving}")
+    cfg_model = get_preset(args.model)
+    model = build_model(cfg_model, "cpu", seed=0).eval()
+    rows = []
+    for name in args.workloads.split(","):
+        w = workload(name, cfg_model.vocab_size)
+        serve = serve_config(args, w)
+        cfg = Config(model=cfg_model, serve=serve)
+        predicted = predict(cfg, profile, w, num_blocks=serve.num_blocks).summary()
+        print(f"{name}: {len(w.requests)} requests, {w.prompt_tokens} prompt + {w.output_tokens} output tokens; "
+              f"engine ...", flush=True)
+        runs = [measure(model, serve, w) for _ in range(args.reps)]
+        measured = max(runs, key=lambda r: r["output_tokens_per_s"])
+        measured["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+        error = {k: predicted[k] / measured[k] - 1 for k in ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_s")}
+        rows.append({"workload": name, "measured": measured, "predicted": predicted, "error": error})
+    print(f"\n{'workload':<12} | {'out tok/s':>19} {'err':>6} | {'TTFT p50 ms':>19} {'err':>6} | "
+          f"{'TPOT p50 ms':>17} {'err':>6}")
+    print(f"{'':<12} | {'engine':>9} {'model':>9} {'':>6} | {'engine':>9} {'model':>9} {'':>6} | {'engine':>8} "
+          f"{'model':>8}")
+    for r in rows:
+        m, p, e = r["measured"], r["predicted"], r["error"]
+        print(f"{r['workload']:<12} | {m['output_tokens_per_s']:>9.1f} {p['output_tokens_per_s']:>9.1f} "
+              f"{100 * e['output_tokens_per_s']:>+5.1f}% | {1e3 * m['ttft_p50_s']:>9.0f} {1e3 * p['ttft_p50_s']:>9.0f} "
+              f"{100 * e['ttft_p50_s']:>+5.1f}% | {1e3 * m['tpot_p50_s']:>8.1f} {1e3 * p['tpot_p50_s']:>8.1f} "
+              f"{100 * e['tpot_p50_s']:>+5.1f}%")
+    worst = max(abs(v) for r in rows for v in r["error"].values())
+    print(f"worst error {100 * worst:.1f}% (target: within 15%)")
+    out = {"profile": dataclasses.asdict(profile), "model": args.model, "rows": rows, "worst_error": worst,
+           "threads": torch.get_num_threads()}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
