@@ -615,13 +615,7 @@ def profile_decode(model, args, requests: list[Request], steps: int = 3, rows: i
     until every one is past its prompt, then profile `steps` decode steps: torch ops and Python."""
     from torch.profiler import ProfilerActivity, profile
 
-    long = [Request(r.prompt, args.max_output) for r in requests]
-    llm = make_llm(model, args, long)
-    engine = llm.engine
-    for r in long:
-        engine.add_request(r.prompt, greedy(r))
-    while engine.num_waiting or any(s.remaining > 1 for s in engine.scheduler.running):
-        engine.step()
+    engine = fill_for_decode(model, args, requests, len(requests)).engine
     engine.step()  # one warm decode step
     batch = engine.num_running
     start = time.perf_counter()

@@ -185,18 +185,17 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
                           f"integer >= 1")
     if values["device"] not in ("cuda", "cpu"):
         raise ConfigError(f"hardware profile {where}: device={values['device']!r} must be cuda or cpu")
-    flops = values.get("flops", {})
-    if not isinstance(flops, dict) or set(flops) - set(DTYPES):
-        raise ConfigError(f"hardware profile {where}: [flops] takes {', '.join(DTYPES)}")
-    for dtype, value in flops.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"hardware profile {where}: flops.{dtype}={value!r} must be a number >= 0")
-    serving = values.get("serving", {})
-    if not isinstance(serving, dict) or set(serving) - set(SERVING):
-        raise ConfigError(f"hardware profile {where}: [serving] takes {', '.join(SERVING)}")
-    for key, value in serving.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"hardware profile {where}: serving.{key}={value!r} must be a number >= 0")
-    return HardwareProfile(**{**values, "flops": {k: float(v) for k, v in flops.items()},
-                              "serving": {k: float(v) for k, v in serving.items()},
+    return HardwareProfile(**{**values, "flops": _table(values, "flops", DTYPES, where),
+                              "serving": _table(values, "serving", SERVING, where),
                               **{k: float(values[k]) for k in (*_NUMBERS, *EFFICIENCY) if k in values}})
+
+
+def _table(values: dict, name: str, keys: tuple[str, ...], where: str) -> dict[str, float]:
+    """A profile's [name] table of numbers >= 0 under the given keys (absent: empty)."""
+    table = values.get(name, {})
+    if not isinstance(table, dict) or set(table) - set(keys):
+        raise ConfigError(f"hardware profile {where}: [{name}] takes {', '.join(keys)}")
+    for key, value in table.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"hardware profile {where}: {name}.{key}={value!r} must be a number >= 0")
+    return {k: float(v) for k, v in table.items()}
