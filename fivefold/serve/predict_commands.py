@@ -193,7 +193,7 @@ def _plot_rates(path: str, cfg: Config, profile: HardwareProfile, workload: Work
     ax.axvline(k["rate"], color="gray", linestyle=":")
     ax.annotate(f"knee {k['rate']:.2f}/s", (k["rate"], k["output_tokens_per_s"]), textcoords="offset points",
                 xytext=(5, -15))
-    ax.set_title(f"{workload.spec} on {profile.name}: predicted")
+    ax.set_title(f"predicted on {profile.name}: {len(workload.requests)} requests, {workload.spec}"[:90], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
