@@ -10,9 +10,17 @@ datasheet figure, with MFU against the measured achievable peak (8192^3, CUDA ev
     python bench/train_throughput.py --compile both        # eager and torch.compile side by side
     python bench/train_throughput.py --profile             # + top ops of one bf16 step of ours
     python bench/train_throughput.py --device cuda --precision bf16,fp8   # fp8: GPUs with fp8 tensor cores
+    python bench/train_throughput.py --device cuda --json auto            # bench/results/train_throughput_h100.json
+    python bench/train_throughput.py --cluster cpu.toml    # a profile from `fivefold calibrate --out cpu.toml`
 
 fp8 is ours under train.precision=fp8 (float8 linears, fivefold.train.fp8) against HF's bf16 autocast, its
 MFU over the bf16 matmul peak; on a CPU torchao only emulates it, so it is refused there.
+
+The planner against its own runs: beside each of our rows, the step-time model's tokens/s
+(fivefold.planner.speed.predict_step on --cluster; on cuda by default the shipped profile matched from
+the device name) and, on cuda, the memory plan's peak (fivefold.memory.planner.plan_memory, its total)
+against torch.cuda.max_memory_allocated over that row's timed steps, each for the exact Config the row
+trained with.
 """
 
 from __future__ import annotations
@@ -20,19 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
 
 import torch
 
-from fivefold.config import load_config
+from fivefold.config import ConfigError, load_config
 from fivefold.data.dataset import ResumableSampler
 from fivefold.interop.hf import hf_config_from, weights_to_hf
 from fivefold.memory.formulas import count_params, flops_per_token
 from fivefold.model import build_model
 from fivefold.train.metrics import datasheet_peak_flops, measure_cuda_peak_flops, measure_peak_flops
 from fivefold.memory.formulas import is_no_decay
+from fivefold.memory.planner import plan_memory
+from fivefold.planner.hardware import load_profile, profile_for_device_name
+from fivefold.planner.speed import predict_step
 from fivefold.train.optim import lr_at
 from fivefold.train.trainer import Trainer
 
@@ -58,7 +70,11 @@ def parse_args(argv=None):
                    help="on: ours compiles each block, HF model.compile(); both: time eager and compiled")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--profile", action="store_true", help="profile one bf16 step of ours (top ops)")
-    p.add_argument("--json", default="", help="write all numbers here")
+    p.add_argument("--cluster", metavar="PROFILE",
+                   help="hardware profile the planner predicts each row on (a shipped name or a file from `fivefold "
+                        "calibrate --out FILE`); default on cuda: the shipped profile matching the device name")
+    p.add_argument("--json", default="", help="write all numbers to this file; a directory or 'auto' (bench/results/): "
+                   "train_throughput_<device>.json, e.g. train_throughput_h100.json")
     args = p.parse_args(argv)
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     bad = [x for x in args.precision if x not in PRECISIONS]
@@ -72,11 +88,106 @@ def parse_args(argv=None):
     return args
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, device: str) -> dict:
     import transformers
     from machine import base_info
-    return {**base_info(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    gpu = {"gpu": torch.cuda.get_device_name()} if device == "cuda" else {}
+    return {**base_info(), **gpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "transformers": transformers.__version__, "threads": threads}
+
+
+def device_slug(device: str) -> str:
+    """A short name of the device for result files: the part number of a GPU's name ("NVIDIA H100 80GB HBM3"
+    -> h100, "NVIDIA A100-SXM4-80GB" -> a100, "NVIDIA H200" -> h200; a PCIe or NVL board adds -pcie / -nvl),
+    the whole name made file-safe when it has none; "cpu" on the CPU."""
+    if device != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    words = re.split(r"[\s\-_]+", name)
+    part = next((w for w in words if re.fullmatch(r"[a-z]{1,2}\d{2,4}[a-z]?", w)), None)
+    if part is None:
+        return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+    return "-".join([part] + [w for w in words if w in ("pcie", "nvl")])
+
+
+def json_path(given: str, slug: str) -> str:
+    """--json: a file as given; a directory (existing, or written with a trailing slash) or "auto"
+    (bench/results) gets train_throughput_<device>.json."""
+    name = f"train_throughput_{slug}.json"
+    if given == "auto":
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+    if os.path.isdir(given) or given.endswith(os.sep):
+        return os.path.join(given, name)
+    return given
+
+
+def planner_profile(args):
+    """The hardware profile the planner predicts on, and where it came from; (None, reason) for none."""
+    if args.cluster:
+        try:
+            return load_profile(args.cluster), f"--cluster {args.cluster}"
+        except ConfigError as e:
+            raise SystemExit(f"train_throughput.py: error: {e}") from None
+    if args.device == "cuda":
+        name = torch.cuda.get_device_name()
+        match = profile_for_device_name(name)
+        if match is None:
+            print(f"planner: no shipped hardware profile matches {name!r}: predictions skipped; give --cluster "
+                  f"FILE (e.g. from `fivefold calibrate --out gpu.toml`)")
+            return None, "no profile matches"
+        return load_profile(match), f"matched from {name!r}"
+    print("planner: no --cluster on cpu: predictions skipped (`fivefold calibrate --out cpu.toml`, then "
+          "--cluster cpu.toml)")
+    return None, "none given"
+
+
+def add_predictions(results: list[dict], configs: dict, profile, device: str) -> None:
+    """Beside each of our rows, from the Config it trained with: the step-time model's tokens/s and its
+    error against the measured median (and best) step; on cuda the memory plan's peak (its total on the
+    most loaded rank) against the measured peak. Errors are predicted / measured - 1."""
+    for r in results:
+        if r["impl"] != "ours":
+            continue
+        cfg = configs[r["precision"], r["compiled"]]
+        speed = predict_step(cfg, profile)
+        predicted = speed.tokens_per_s_per_gpu * speed.world
+        r.update(predicted_tokens_per_s=predicted, predicted_step_s=speed.step_time_s, predicted_mfu=speed.mfu,
+                 predicted_error=predicted / r["tokens_per_s"] - 1,
+                 predicted_error_best=predicted / r["best_tokens_per_s"] - 1, predicted_notes=speed.notes)
+        if device == "cuda":
+            planned = plan_memory(cfg, device=device, suggest=False).memory["total"]
+            r.update(planned_peak_bytes=planned, peak_error=planned / r["measured_peak_bytes"] - 1)
+
+
+def print_predictions(results: list[dict], planner: dict, device: str) -> None:
+    cuda = device == "cuda"
+    print(f"\nplanner beside our rows: profile {planner['profile']} ({planner['profile_source']}); error = "
+          f"predicted / measured - 1")
+    if planner["profile_device"] != device:
+        print(f"warning: profile {planner['profile']} describes a {planner['profile_device']} device, this run is "
+              f"on {device}: the predictions are for another machine")
+    memory = f" | {'peak GiB':>8} | {'planned':>7} | {'error':>7}" if cuda else ""
+    print(f"{'precision':<9} | {'impl':<13} | {'tokens/s':>8} | {'predicted':>9} | {'error':>7} | "
+          f"{'vs best':>7}{memory}")
+    for r in results:
+        if "predicted_tokens_per_s" not in r:
+            continue
+        impl = r["impl"] + ("+compile" if r["compiled"] else "")
+        memory = (f" | {r['measured_peak_bytes'] / 2**30:>8.2f} | {r['planned_peak_bytes'] / 2**30:>7.2f} | "
+                  f"{100 * r['peak_error']:>+6.1f}%" if cuda else "")
+        print(f"{r['precision']:<9} | {impl:<13} | {r['tokens_per_s']:>8.0f} | {r['predicted_tokens_per_s']:>9.0f} | "
+              f"{100 * r['predicted_error']:>+6.1f}% | {100 * r['predicted_error_best']:>+6.1f}%{memory}")
+    for note in dict.fromkeys(n for r in results for n in r.get("predicted_notes", [])):
+        print(f"note: {note}")
+    if cuda:
+        print("peak: torch.cuda.max_memory_allocated over the row's timed steps, less the other runners' resident "
+              "memory; planned: fivefold.memory.planner.plan_memory's total")
+        if any(r["compiled"] for r in results):
+            print("note: compiled rows: the plan replays the eager model's saved tensors; torch.compile's min-cut "
+                  "partitioning usually saves less")
+    else:
+        print(f"peak memory: not compared on {device} (no CUDA allocator statistic; `fivefold memory` measures a "
+              f"CPU run's by category)")
 
 
 def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str):
@@ -87,34 +198,57 @@ def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str)
     return load_config(preset=args.preset, overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 
-class Ours:
+def cuda_allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
+class Runner:
+    """`resident`: the GPU bytes this runner holds between its steps (model, optimizer states, ...), the
+    allocation its construction and its steps left behind. Runners work one at a time, so the change in
+    torch.cuda.memory_allocated across one runner's own calls is its own; the other runners' memory,
+    resident all along, is what a timed window's peak must not be charged with (time_alternating)."""
+
+    device, resident = "cpu", 0
+
+    def step(self) -> float:
+        before = cuda_allocated(self.device)
+        loss = self._step()
+        self.resident += cuda_allocated(self.device) - before
+        return loss
+
+
+class Ours(Runner):
     """The real training path: Trainer.train_step (sampler + memmap batch, fwd/bwd, master-weight AdamW)."""
 
     def __init__(self, cfg, datasets):
+        self.device = cfg.train.device
+        before = cuda_allocated(self.device)
         self.trainer = Trainer(cfg, quiet=True, datasets=datasets)
+        self.resident = cuda_allocated(self.device) - before
 
     @property
     def steps_done(self) -> int:
         return self.trainer.step
 
-    def step(self) -> float:
+    def _step(self) -> float:
         record = self.trainer.train_step()
         self.grad_norm = record["grad_norm"]
         return record["loss"]
 
 
-class HF:
+class HF(Runner):
     """LlamaForCausalLM (sdpa) + torch AdamW(foreach), the usual HF recipe: an fp32 model, and for bf16
     the HF Trainer's `bf16=True` path, autocast around the forward with fp32 weights and optimizer."""
 
     def __init__(self, cfg, datasets, initial: dict, bf16: bool, compiled: bool):
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        self.device = cfg.train.device
+        before = cuda_allocated(self.device)
         hf_cfg = LlamaConfig(**{**hf_config_from(cfg.model, "llama"), "use_cache": False},
                              attn_implementation="sdpa")
         self.model = LlamaForCausalLM(hf_cfg).train()
         self.model.load_state_dict(weights_to_hf(initial, cfg.model), strict=True)
-        self.device = torch.device(cfg.train.device)
         self.model.to(self.device)
         if compiled:
             self.model.compile()
@@ -127,14 +261,15 @@ class HF:
         # Same seed, same dataset: the same batches as our Trainer, step for step.
         self.data, self.sampler = datasets.train, ResumableSampler(len(datasets.train), t.seed)
         self.cfg, self.bf16, self.steps_done = cfg, bf16, 0
+        self.resident = cuda_allocated(self.device) - before
 
-    def step(self) -> float:
+    def _step(self) -> float:
         t = self.cfg.train
         batch = self.data.batch(self.sampler.take(t.micro_batch_size))  # (B, S + 1)
         batch = batch.to(self.device)
         inputs, labels = batch[:, :-1], batch[:, 1:].contiguous()  # HF's loss .view()s the labels
         # shift_labels: HF's own loss on exactly our next-token labels (all S positions, not S - 1).
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.model(input_ids=inputs, labels=labels, shift_labels=labels).loss
         loss.backward()
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True).item()
@@ -146,25 +281,37 @@ class HF:
         return loss.item()
 
 
-def time_alternating(runners: dict, warmup: int, steps: int, rounds: int) -> tuple[dict, dict]:
+def time_alternating(runners: dict, warmup: int, steps: int, rounds: int) -> tuple[dict, dict, dict]:
     """Warm each runner up, then interleave timed windows (A, B, A, B, ...), so a burst of outside load
     lands on every implementation rather than on whichever happened to run then. Also returns each
     step's CPU utilisation, process CPU time / (wall * threads): well below 1 means the threads were
-    not all running (other load, or a host taking vCPUs away), so that step's time is inflated."""
+    not all running (other load, or a host taking vCPUs away), so that step's time is inflated. And on
+    cuda each runner's peak memory over its timed windows, as if it ran alone: the allocator's peak in
+    the window above the allocation at its start (which holds every runner's resident memory), plus the
+    runner's own resident bytes; and beside it the allocator's peak itself (all runners)."""
     for runner in runners.values():
         while runner.steps_done < warmup:  # a runner reused from the loss check has one step done
             runner.step()
     times, utils = {name: [] for name in runners}, {name: [] for name in runners}
+    peaks = {}
     per_round = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
     for n in per_round:
         for name, runner in runners.items():
+            cuda = runner.device == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                start_allocated, own = torch.cuda.memory_allocated(), runner.resident
             for _ in range(n):
                 start, cpu = time.perf_counter(), time.process_time()
                 runner.step()
                 wall = time.perf_counter() - start
                 times[name].append(wall)
                 utils[name].append((time.process_time() - cpu) / (wall * torch.get_num_threads()))
-    return times, utils
+            if cuda:
+                raw = torch.cuda.max_memory_allocated()
+                was = peaks.get(name, (0, 0))
+                peaks[name] = (max(was[0], raw - start_allocated + own), max(was[1], raw))
+    return times, utils, peaks
 
 
 def check_same_start(ours: Ours, hf: HF) -> dict:
@@ -201,7 +348,7 @@ def sample_peaks(peaks: dict[str, list[float]], device: str) -> None:
         peaks[p].append(measure(torch.device(device), dtype))
 
 
-def summarize(times: dict, utils: dict, precision: str, tokens: int) -> list[dict]:
+def summarize(times: dict, utils: dict, peaks: dict, precision: str, tokens: int) -> list[dict]:
     rows = []
     for (impl, compiled), ts in times.items():
         util = utils[(impl, compiled)]
@@ -209,6 +356,8 @@ def summarize(times: dict, utils: dict, precision: str, tokens: int) -> list[dic
                      "cpu_util": util, "median_cpu_util": statistics.median(util),
                      "median_step_s": statistics.median(ts), "best_step_s": min(ts),
                      "tokens_per_s": tokens / statistics.median(ts), "best_tokens_per_s": tokens / min(ts)})
+        if (impl, compiled) in peaks:  # on cuda: this runner's own, and the device's (every runner resident)
+            rows[-1]["measured_peak_bytes"], rows[-1]["device_peak_bytes"] = peaks[impl, compiled]
     for r in rows:
         hf = next(x for x in rows if x["impl"] == "hf" and x["compiled"] == r["compiled"])
         r["ratio_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
@@ -238,9 +387,10 @@ def print_table(results: list[dict]) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    info = machine_info(torch.get_num_threads())
+    info = machine_info(torch.get_num_threads(), args.device)
     print(f"{info['cpu_model']} ({info['cpu_capability']}), {info['threads']} threads, torch {info['torch']}, "
           f"transformers {info['transformers']}")
+    profile, profile_source = planner_profile(args)
     peak_samples = {p: [] for p in PRECISIONS}
     for _ in range(3):
         sample_peaks(peak_samples, args.device)
@@ -259,6 +409,7 @@ def main(argv=None) -> dict:
     check = check_same_start(*checked.values())
     if "fp32" not in args.precision:
         checked.clear()
+    configs = {("fp32", False): base}  # each row's exact Config, for the planner's predictions
 
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results = []
@@ -270,6 +421,7 @@ def main(argv=None) -> dict:
                 runners.update(checked)
                 checked = {}
                 continue
+            configs[precision, compiled] = cfg
             runners[("ours", compiled)] = Ours(cfg, datasets)
             runners[("hf", compiled)] = HF(cfg, datasets, initial, bf16=precision != "fp32", compiled=compiled)
         print(f"timing {precision}: {', '.join(i + ('+compile' if c else '') for i, c in runners)}; warmup "
@@ -293,21 +445,27 @@ def main(argv=None) -> dict:
         if r["precision"] in datasheet:
             r["mfu_achievable"] = r["tokens_per_s"] * fpt / peaks[r["precision"]]
     print_table(results)
+    planner = {"profile": None, "profile_source": profile_source}  # predictions skipped
+    if profile is not None:
+        planner = {"profile": profile.name, "profile_source": profile_source, "profile_device": profile.device}
+        add_predictions(results, configs, profile, args.device)
+        print_predictions(results, planner, args.device)
 
-    profile = ""
+    top_ops = ""
     if args.profile:
-        profile = profile_ours(make_config(args, "bf16", args.compile == "on", peaks["bf16"], tmp.name), datasets)
-        print("\nours, one bf16-mixed step, top ops by self CPU time:\n" + profile)
+        top_ops = profile_ours(make_config(args, "bf16", args.compile == "on", peaks["bf16"], tmp.name), datasets)
+        print("\nours, one bf16-mixed step, top ops by self CPU time:\n" + top_ops)
     out = {"machine": info, "peak_flops": peaks, "peak_flops_samples": peak_samples, "datasheet_peak_flops": datasheet,
-           "first_step_loss_fp32": check, "results": results, "profile_bf16_ours": profile,
+           "first_step_loss_fp32": check, "results": results, "profile_bf16_ours": top_ops, "planner": planner,
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+        path = json_path(args.json, device_slug(args.device))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {path}")
     tmp.cleanup()
     return out
 

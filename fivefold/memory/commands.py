@@ -38,9 +38,10 @@ def register(sub) -> None:
                            "or a JSONL trace of {arrival, prompt, output}; default: default")
     plan.add_argument("--max-tpot", type=float, default=0.05, metavar="SECONDS",
                       help="with --serve --search: the p99 time-per-output-token bound layouts must meet (0.05)")
-    from fivefold.planner.speed_commands import add_arguments
+    from fivefold.planner import fit, speed_commands
 
-    add_arguments(plan)
+    speed_commands.add_arguments(plan)
+    fit.add_arguments(plan)
     plan.set_defaults(func=run_plan)
 
     mem = sub.add_parser("memory", help="measure memory by category over the first training steps, plot "
@@ -73,12 +74,20 @@ def run_plan(args) -> int:
         profile = load_profile(args.cluster)
         device_memory = device_memory or int(profile.memory_bytes)
         args.device = args.device or profile.device
-    elif (args.search and not args.serve) or args.gpus or args.global_batch:
+    elif not args.fit and ((args.search and not args.serve) or args.gpus or args.global_batch):
         from fivefold.config import ConfigError
 
         raise ConfigError("--search, --gpus and --global-batch predict speed: give the hardware with --cluster "
                           "PROFILE (see `fivefold hardware`)")
     args.device = args.device or "cuda"
+    if args.fit:
+        from fivefold.planner.fit import run_fit
+
+        return run_fit(args, cfg, device_memory, profile)
+    if args.headroom is not None or args.grow_batch:
+        from fivefold.config import ConfigError
+
+        raise ConfigError("--headroom and --grow-batch choose how --fit fills memory: add --fit")
     if profile is not None and not args.serve and not args.sweep:
         from fivefold.planner import speed_commands
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fivefold.config import Config
+from fivefold.config import Config, ModelConfig
 from fivefold.memory import formulas
 from fivefold.memory.communication import Collective, step_collectives
 from fivefold.planner.hardware import HardwareProfile
@@ -113,6 +113,22 @@ def _seconds(t: float) -> str:
 # -- costs ------------------------------------------------------------------------------------------------
 
 
+def recomputed_matmul_share(m: ModelConfig) -> float:
+    """The share of a layer's matmul FLOPs that train.recompute=ops runs again: it keeps every other
+    matmul in the order the block runs them (q, k, v, o, then the MLP's, or the router's and the
+    experts'), so it recomputes k, o and up of a SwiGLU block."""
+    h, q, kv = m.hidden_size, m.q_size, m.kv_size  # each matmul's input x output width, per token
+    sizes = [h * q, h * kv, h * kv, q * h]
+    if m.num_experts:
+        sizes.append(h * m.num_experts)
+        widths = [m.experts_per_token * m.expert_size] + ([m.shared_expert_size] if m.shared_expert_size else [])
+    else:
+        widths = [m.ffn_hidden_size]
+    for f in widths:
+        sizes += [h * f] * (2 if m.activation == "swiglu" or m.num_experts else 1) + [f * h]
+    return sum(sizes[1::2]) / sum(sizes)
+
+
 class _Costs:
     """Seconds of one micro-batch's work on this hardware, by kind."""
 
@@ -159,20 +175,7 @@ class _Costs:
         return out + self.linear(T, h, up * m.ffn_hidden_size / tp) + self.linear(T, m.ffn_hidden_size / tp, h)
 
     def recomputed_matmul_share(self) -> float:
-        """The share of a layer's matmul FLOPs that train.recompute=ops runs again: it keeps every other
-        matmul in the order the block runs them (q, k, v, o, then the MLP's, or the router's and the
-        experts'), so it recomputes k, o and up of a SwiGLU block."""
-        m = self.cfg.model
-        h, q, kv = m.hidden_size, m.q_size, m.kv_size  # each matmul's input x output width, per token
-        sizes = [h * q, h * kv, h * kv, q * h]
-        if m.num_experts:
-            sizes.append(h * m.num_experts)
-            widths = [m.experts_per_token * m.expert_size] + ([m.shared_expert_size] if m.shared_expert_size else [])
-        else:
-            widths = [m.ffn_hidden_size]
-        for f in widths:
-            sizes += [h * f] * (2 if m.activation == "swiglu" or m.num_experts else 1) + [f * h]
-        return sum(sizes[1::2]) / sum(sizes)
+        return recomputed_matmul_share(self.cfg.model)
 
     @property
     def eager_attention(self) -> bool:
