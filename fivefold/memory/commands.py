@@ -64,8 +64,11 @@ def register(sub) -> None:
 
 def run_plan(args) -> int:
     from fivefold.memory.planner import parse_bytes, plan_memory, sweep
+    from fivefold.parallel.rules import check_implemented
 
     cfg = config_from_args(args)
+    if not args.serve:
+        check_implemented(cfg)  # what `fivefold train` refuses, the plan refuses with the same message
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     profile = None
     if args.cluster:

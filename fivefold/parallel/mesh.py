@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, ConfigError, validate
+from fivefold.config import Config, validate
+from fivefold.parallel.rules import check_implemented
 
 # Collectives that wait longer than this fail (and torchrun tears the job down) instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("FIVEFOLD_COLLECTIVE_TIMEOUT", "120")))
@@ -77,29 +78,13 @@ def launched_world_size() -> int:
 
 
 def check_supported(cfg: Config) -> None:
-    """Dimensions whose implementation has not landed yet are refused up front, with what to use."""
-    p = cfg.parallel
+    """What this machine must have for the layout (Triton kernels), and the layout rules themselves
+    (fivefold.parallel.rules: the same check `fivefold plan` and the layout search make)."""
     if cfg.train.kernels == "triton":  # a device question validate() cannot answer without torch
         from fivefold.kernels import check_usable
 
         check_usable()
-    if cfg.model.num_experts:
-        if p.cp > 1 and cfg.model.capacity_factor > 0:
-            raise ConfigError(f"parallel.cp={p.cp} with model.capacity_factor={cfg.model.capacity_factor} is not "
-                              f"supported: capacity is granted in token order over the whole micro-batch, which cp "
-                              f"splits; use model.capacity_factor=0 (dropless)")
-        if p.zero > 0 and p.dp > 1:
-            raise ConfigError(f"parallel.zero={p.zero} with a mixture-of-experts model is not supported yet: an "
-                              f"expert may get no tokens on a rank; use parallel.zero=0")
-    if p.cp > 1:
-        if cfg.model.document_mask and p.pp > 1:
-            raise ConfigError("model.document_mask with parallel.cp>1 and parallel.pp>1 is not supported yet: "
-                              "pipeline stages find documents from their own tokens only; use one of cp and pp, "
-                              "or model.document_mask=false")
-    if p.pp > 1 and p.zero >= 2 and p.dp > 1:
-        raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp} is not supported: a pipeline runs each "
-                          f"micro-batch's backward at a different time on each stage; use parallel.zero=1 "
-                          f"(optimizer states sharded) or 0")
+    check_implemented(cfg)
 
 
 def init_mesh(cfg: Config, device: torch.device) -> Mesh:

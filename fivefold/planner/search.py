@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from fivefold.config import Config, ConfigError, validate
+from fivefold.parallel.rules import check_implemented, check_layout
 from fivefold.memory import formulas
 from fivefold.memory.planner import stage_total
 from fivefold.planner.hardware import HardwareProfile
@@ -102,10 +103,11 @@ def _schedules(pp: int, layers: int):
 
 def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batch_tokens: int, top: int = 10,
                    fused: bool | None = None, device_memory: float | None = None,
-                   only: dict | None = None) -> SearchResult:
+                   only: dict | None = None, implemented_only: bool = True) -> SearchResult:
     """Rank the layouts of `cfg`'s model on `gpus` devices of `profile` for a global batch of
     `global_batch_tokens` (a multiple of train.seq_len). `only`: Candidate.layout() keys held fixed
-    (e.g. a published run's stated dp, tp, pp; the search fills in the rest)."""
+    (e.g. a published run's stated dp, tp, pp; the search fills in the rest). `implemented_only`: rank only
+    what `fivefold train` runs (fivefold.parallel.rules); False to model another framework's run."""
     only = only or {}
     start = time.perf_counter()
     seq = cfg.train.seq_len
@@ -128,7 +130,7 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
         par.pp_layers, par.pp_schedule, par.pp_virtual_stages = "", "1f1b", 1
         base.train.micro_batch_size, base.train.grad_accum, base.train.batch_schedule = 1, per_rank, ""
         try:
-            validate(base)
+            check_layout(base) if implemented_only else validate(base)
         except ConfigError:
             continue
         meshes += 1
@@ -143,7 +145,7 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
                 trial.parallel.pp_schedule, trial.parallel.pp_virtual_stages = schedule, v
                 trial.train.micro_batch_size, trial.train.grad_accum = mbs, per_rank // mbs
                 try:
-                    validate(trial)
+                    check_layout(trial) if implemented_only else validate(trial)
                 except ConfigError:
                     continue
                 fitted_any, best_zero = False, 4
@@ -153,6 +155,11 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
                         if only.get("zero", zero) != zero or states[schedule, v, zero] > limit:
                             continue
                         trial.parallel.zero = zero
+                        try:  # what train refuses is not ranked (e.g. ZeRO with a mixture of experts)
+                            if implemented_only:
+                                check_implemented(trial)
+                        except ConfigError:
+                            continue
                         memory = _most_loaded(trial, profile.device, limit)
                         if memory > limit:
                             continue
