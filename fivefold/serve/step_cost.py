@@ -76,6 +76,11 @@ class StepCostModel:
         self.attention_products = [(h, q + 2 * kv), (q, h)]
         self.mlp_products = [(h, up), (f, h)]
         self.kv_row_bytes = 2 * kv * self.itemsize  # one token's keys and values in one layer
+        # Bytes one token's elementwise work moves in one layer, reads and writes: two RMSNorms (~6 passes of
+        # h each), two residual adds (3 each), RoPE on q and k (~4 passes), attention's output brought back
+        # to (tokens, heads x d) (2 of q), and the MLP's activation and product (5 passes of the FFN width).
+        ffn = f if m.activation == "swiglu" else 2 * f
+        self.elementwise_bytes = (18 * h + 6 * q + 4 * kv + 5 * ffn) * self.itemsize
 
     def matmul(self, m: float, k: float, n: float, experts: float = 1.0) -> float:
         """A (m x k) @ (k x n) product: FLOPs at the skinny rate, or the weights' bytes, whichever binds."""
@@ -134,7 +139,7 @@ class StepCostModel:
         m = self.cfg.model
         t = shape.num_tokens
         layer = sum(self.matmul(t, k, n) for k, n in self.attention_products) + self.mlp(t) + self.attention(shape)
-        elementwise = 12 * t * m.hidden_size * self.itemsize / self.bandwidth  # norms, residuals, RoPE, act
+        elementwise = t * self.elementwise_bytes / self.bandwidth
         head = self.matmul(shape.sampled, m.hidden_size, m.vocab_size / self.tp)
         sampling = 4 * shape.sampled * m.vocab_size * 4 / self.bandwidth
         return (m.num_layers * (layer + elementwise) + head + sampling + self.collectives(t, shape.sampled)
