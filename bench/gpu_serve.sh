@@ -75,11 +75,13 @@ pytest_step "tests" 90 tests/test_paged_attention.py tests/test_serve_engine.py
 pytest_step "cuda-tests" 45 tests/test_serve_fast_path.py
 # (b) the anchor workload: 256 requests, prompts and outputs uniform 100..1024, against transformers
 #     static batches of 256, 128 and 64; per-step times, batch-1 decode, and the profiled batch-256 decode step
-step "anchors" 300 "$PY" bench/serve.py --device cuda --model "$MODEL" --workload anchors --profile \
+step "anchors" 255 "$PY" bench/serve.py --device cuda --model "$MODEL" --workload anchors --profile \
     --json "bench/results/serve_anchors_$gpu.json"
 # (c) the default workload (the CPU results' request set: 32 requests, log-uniform outputs 16..256)
 step "default" 90 "$PY" bench/serve.py --device cuda --model "$MODEL" \
     --json "bench/results/serve_default_$gpu.json"
+step "serve-predict" 75 "$PY" bench/serve_predict.py --device cuda --model "$MODEL" \
+    --json "bench/results/serve_predict_$gpu.json"
 
 echo
 echo "== summary: $name ($gpu), $SECONDS s in all"

@@ -6,10 +6,11 @@ machine (`fivefold calibrate --serve`); the errors are printed side by side.
 
     python bench/serve_predict.py --profile cpu.toml --json bench/results/serve_predict_cpu.json
     python bench/serve_predict.py                     # calibrates this machine first (~1 min)
+    python bench/serve_predict.py --device cuda --model llama3.2-1b   # on a GPU (bf16, its own calibration)
 
 Workloads: default (bench/serve.py's own request set: 32 requests, prompt and output 16-256 log-uniform),
 chat (short prompts, medium answers), summarise (long prompts, short answers); --workloads takes names or
-specs (fivefold.serve.workload).
+specs (fivefold.serve.workload), separated by ';'.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.predict_commands import predict
 from fivefold.serve.workload import Request, Workload, parse_workload
+from fivefold.train.metrics import synchronize
 
 sys.path.insert(0, os.path.dirname(__file__))
 from serve_client import make_requests  # noqa: E402
@@ -41,14 +43,20 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="", help="a profile from `fivefold calibrate --serve`; default: calibrate now")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--workloads", default="default,chat,summarise")
+    p.add_argument("--workloads", default="default;chat;summarise",
+                   help="';'-separated names or specs (a spec's own fields are ','-separated)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"],
+                   help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--reps", type=int, default=2,
                    help="engine runs per workload; the fastest is kept (outside load only slows a run down)")
     p.add_argument("--json", default="")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return args
 
 
 def workload(name: str, vocab: int) -> Workload:
@@ -61,23 +69,26 @@ def workload(name: str, vocab: int) -> Workload:
 def serve_config(args, w: Workload) -> ServeConfig:
     # As bench/serve.py: room for every request at once plus a spare block each (no preemption).
     blocks = sum(blocks_for(r.prompt + r.output, 16) for r in w.requests) + len(w.requests)
+    longest = max(r.prompt + r.output for r in w.requests)
     return dataclasses.replace(ServeConfig(), num_blocks=blocks, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens)
+                               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                               max_model_len=blocks_for(longest, 16) * 16)
 
 
-def measure(model, serve: ServeConfig, w: Workload, seed: int = 0) -> dict:
+def measure(model, serve: ServeConfig, w: Workload, device: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = model.cfg.vocab_size
     prompts = [torch.randint(0, vocab, (r.prompt,), generator=g).tolist() for r in w.requests]
     params = [SamplingParams(max_tokens=r.output, temperature=0, ignore_eos=True) for r in w.requests]
-    llm = LLM(model, device="cpu", **{f.name: getattr(serve, f.name) for f in dataclasses.fields(serve)})
+    llm = LLM(model, device=device, **{f.name: getattr(serve, f.name) for f in dataclasses.fields(serve)})
     # Warm up on prompts of its own: the workload's would sit in the prefix cache and shorten its prefill.
     warm = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(2)]
     llm.generate(warm, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)
     assert llm.engine.blocks.hit_tokens == 0
+    synchronize(torch.device(device))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start  # the engine waited for the device at each step's tokens
     tokens = sum(len(o.token_ids) for o in outs)
     assert sum(o.num_cached_tokens for o in outs) == 0, "a prompt hit the prefix cache: the simulator assumes none"
     return {"output_tokens_per_s": tokens / wall, "wall_s": wall, "steps": llm.engine.stats["steps"],
@@ -95,21 +106,23 @@ def main(argv=None) -> dict:
         from fivefold.serve.step_cost import measure_serving
 
         print("calibrating this machine (fivefold calibrate --serve) ...", flush=True)
-        profile, _ = calibrate(torch.device("cpu"), "this-cpu")
-        profile = dataclasses.replace(profile, serving=measure_serving(torch.device("cpu"), profile))
+        device = torch.device(args.device)
+        profile, _ = calibrate(device, f"this-{args.device}")
+        key = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
+        profile = dataclasses.replace(profile, serving=measure_serving(device, profile, key))
     print(f"profile {profile.name}: fp32 {profile.flops['fp32'] / 1e9:.0f} GFLOP/s, {profile.memory_bandwidth / 1e9:.1f} "
           f"GB/s, serving {profile.serving}")
     cfg_model = get_preset(args.model)
-    model = build_model(cfg_model, "cpu", seed=0).eval()
+    model = build_model(cfg_model, args.device, seed=0, dtype=getattr(torch, args.dtype)).eval()
     rows = []
-    for name in args.workloads.split(","):
+    for name in filter(None, (x.strip() for x in args.workloads.split(";"))):
         w = workload(name, cfg_model.vocab_size)
         serve = serve_config(args, w)
         cfg = Config(model=cfg_model, serve=serve)
         predicted = predict(cfg, profile, w, num_blocks=serve.num_blocks).summary()
         print(f"{name}: {len(w.requests)} requests, {w.prompt_tokens} prompt + {w.output_tokens} output tokens; "
               f"engine ...", flush=True)
-        runs = [measure(model, serve, w) for _ in range(args.reps)]
+        runs = [measure(model, serve, w, args.device) for _ in range(args.reps)]
         measured = max(runs, key=lambda r: r["output_tokens_per_s"])
         measured["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
         error = {k: predicted[k] / measured[k] - 1 for k in ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_s")}
@@ -126,8 +139,9 @@ def main(argv=None) -> dict:
               f"{100 * e['tpot_p50_s']:>+5.1f}%")
     worst = max(abs(v) for r in rows for v in r["error"].values())
     print(f"worst error {100 * worst:.1f}% (target: within 15%)")
-    out = {"profile": dataclasses.asdict(profile), "model": args.model, "rows": rows, "worst_error": worst,
-           "threads": torch.get_num_threads()}
+    out = {"profile": dataclasses.asdict(profile), "model": args.model, "device": args.device, "dtype": args.dtype,
+           "rows": rows, "worst_error": worst, "threads": torch.get_num_threads(),
+           "device_name": torch.cuda.get_device_name() if args.device == "cuda" else None}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
