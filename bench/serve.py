@@ -916,6 +916,8 @@ def main(argv=None) -> dict:
 
     llm = make_llm(model, args, requests)
     print(llm.engine.plan.describe(args.max_prompt + args.max_output))
+    print(f"engine path: {llm.engine.path}")
+    out["engine_path"] = llm.engine.path
     check = None
     if hf is not None:
         try:

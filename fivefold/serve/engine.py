@@ -181,10 +181,12 @@ class Engine:
 
     @property
     def path(self) -> str:
-        """Which path each kind of step takes, in words (bench and start-up lines)."""
+        """Which path each kind of step takes, in words (bench/serve.py prints and stores it)."""
         attention = "Triton paged attention" if self.kernel else "block gather + SDPA"
         decode = "CUDA graphs" if self.graphs else "eager"
-        return f"attention: {attention}; decode steps: {decode}; fused q/k/v and gate/up: {self.fused} modules"
+        scheduling = "asynchronous" if self.async_scheduling else "synchronous"
+        return (f"attention: {attention}; decode steps: {decode}; scheduling: {scheduling}; fused q/k/v and "
+                f"gate/up: {self.fused} modules")
 
     # ---- requests
 
