@@ -57,14 +57,13 @@ class StepBuffers:
         self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=self.on_device)
                       for _ in range(2 if self.on_device else 1)]
         self.turn = 0
-        self.host = self.hosts[0]
-        self.dev = torch.zeros(total, dtype=torch.int32, device=self.device) if self.on_device else self.host
+        self.dev = torch.zeros(total, dtype=torch.int32, device=self.device) if self.on_device else self.hosts[0]
         self.table = torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=self.device)
         self.max_blocks_per_seq = max_blocks_per_seq
 
-    def segment(self, name: str, n: int | None = None, device: bool = True) -> torch.Tensor:
+    def segment(self, name: str, n: int | None = None) -> torch.Tensor:
         start = self.offsets[name]
-        return (self.dev if device else self.host)[start:start + (self.sizes[name] if n is None else n)]
+        return self.dev[start:start + (self.sizes[name] if n is None else n)]
 
     def upload(self, step: StepInputs, max_blocks: int | None = None,
                pending: torch.Tensor | None = None) -> DeviceStep:
@@ -74,19 +73,15 @@ class StepBuffers:
         t, b, n = step.num_tokens, step.num_seqs, len(step.logits_indices)
         p = 0 if step.patch_rows is None else len(step.patch_rows)
         self.turn = (self.turn + 1) % len(self.hosts)
-        self.host = self.hosts[self.turn]
-        host = self.host.numpy()
-        for name, values in (("input_ids", step.input_ids), ("positions", step.positions),
-                             ("slot_mapping", step.slot_mapping), ("query_start_loc", step.query_start_loc),
-                             ("seq_lens", step.seq_lens), ("slots", step.slots),
-                             ("logits_indices", step.logits_indices), ("patch_rows", step.patch_rows),
-                             ("patch_from", step.patch_from)):
+        host = self.hosts[self.turn]
+        staged = host.numpy()
+        for name in SEGMENTS:  # StepInputs' fields of the same names
+            values = getattr(step, name)
             if values is not None:
-                start = self.offsets[name]
-                host[start:start + len(values)] = values
+                staged[self.offsets[name]:self.offsets[name] + len(values)] = values
         if self.on_device:
             end = self.offsets["patch_from"] + p if p else self.offsets["logits_indices"] + n
-            self.dev[:end].copy_(self.host[:end], non_blocking=True)
+            self.dev[:end].copy_(host[:end], non_blocking=True)
         self._write_table(step.table_index, step.table_value)
         views = self.views(t, b, n, step.max_query_len, max_blocks or step.max_blocks)
         if p:
