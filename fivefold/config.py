@@ -399,6 +399,11 @@ def _divisors(n: int) -> list[int]:
 
 def validate_serve(cfg: Config) -> None:
     s = cfg.serve
+    # The choices (dtype, kernels, cuda_graphs, async_scheduling) as --set checks them, also for values given
+    # through the Python API (LLM(..., cuda_graphs=True)): booleans become "true" / "false".
+    for key, typ in _field_types(ServeConfig).items():
+        if get_origin(typ) is Literal:
+            setattr(s, key, _coerce(f"serve.{key}", getattr(s, key), typ))
     for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
         if getattr(s, key) < 1:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be at least 1")

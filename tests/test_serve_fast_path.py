@@ -231,3 +231,23 @@ def test_async_scheduling_abort_and_new_weights_between_steps():
 
 def PLACEHOLDER_FREE(outs) -> bool:
     return all(t >= 0 for o in outs for t in o.token_ids)
+
+
+def test_fast_path_options_refuse_what_cannot_run_here(monkeypatch):
+    """One-line errors naming the fix: graphs forced on a CPU, the Triton kernel without a GPU or the
+    interpreter, a value that is not a choice; booleans from the Python API are taken as the switches."""
+    from fivefold.config import ConfigError
+
+    model = tiny()
+    with pytest.raises(ConfigError, match="serve.cuda_graphs=true cannot be used here: the device is not CUDA"):
+        LLM(model, cuda_graphs=True)
+    with pytest.raises(ConfigError, match="serve.cuda_graphs='maybe' is not valid; choose one of auto, true, false"):
+        LLM(model, cuda_graphs="maybe")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import fivefold.kernels as kernels
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    monkeypatch.setattr(kernels, "_unavailable", lambda: "no CUDA GPU is available to compile them for")
+    with pytest.raises(ConfigError, match="serve.kernels=triton cannot run here: no CUDA GPU.*use serve.kernels=torch"):
+        LLM(model, kernels="triton")
+    engine = LLM(model, cuda_graphs=False, async_scheduling=False).engine
+    assert engine.cfg.cuda_graphs == "false" and engine.graphs is None and not engine.async_scheduling

@@ -43,12 +43,12 @@ def triton_available() -> bool:
     return _unavailable() is None
 
 
-def check_usable() -> None:
+def check_usable(key: str = "train.kernels") -> None:
     """Raise a ConfigError saying what to do unless the Triton kernels can run in this process (checked
     again before any process group starts: fivefold.parallel.mesh.check_supported)."""
     if not triton_available():
-        raise ConfigError(f"train.kernels=triton cannot run here: {_unavailable() or 'Triton is not usable'}; "
-                          f"install triton and run on a CUDA GPU, use train.kernels=torch, or (for tests only) "
+        raise ConfigError(f"{key}=triton cannot run here: {_unavailable() or 'Triton is not usable'}; "
+                          f"install triton and run on a CUDA GPU, use {key}=torch, or (for tests only) "
                           f"set TRITON_INTERPRET=1 to run the kernels in Triton's slow CPU interpreter")
 
 

@@ -158,7 +158,7 @@ class Engine:
             choice = "triton" if self.device.type == "cuda" and triton_available() else "torch"
         if choice == "torch":
             return False
-        check_usable()
+        check_usable("serve.kernels")
         apply_kernels(self.model, "triton")
         return True
 
