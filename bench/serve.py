@@ -56,7 +56,7 @@ from fivefold.interop.hf import hf_config_from, weights_to_hf
 from fivefold.memory.formulas import count_params, matmul_params
 from fivefold.model import build_model
 from fivefold.planner.calibrate import measure_bandwidth
-from fivefold.planner.hardware import load_profile
+from fivefold.planner.hardware import load_profile, profile_for_device_name
 from fivefold.presets import PRESETS, get_preset
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.blocks import blocks_for
@@ -221,24 +221,6 @@ def sync(device) -> None:
 # Rooflines on a GPU: the datasheet figures of its hardware profile
 
 
-def gpu_profile_name(gpu: str) -> str | None:
-    """The shipped hardware profile (fivefold/planner/profiles/<name>.toml, read by
-    fivefold.planner.hardware.load_profile) whose part is this GPU, from its CUDA device name; None if
-    none is. The profiles are SXM parts: PCIe and NVL cards have other bandwidths and clocks."""
-    name = gpu.lower()
-    if "pcie" in name or "nvl" in name:
-        return None
-    if "h200" in name and "gh200" not in name:
-        return "h200"
-    if "h100" in name and "hbm3" in name:  # "NVIDIA H100 80GB HBM3": the SXM5 part
-        return "h100-sxm"
-    if "a100" in name and "sxm4-80gb" in name:
-        return "a100-80gb"
-    if "a100" in name and "sxm4-40gb" in name:
-        return "a100-40gb"
-    return None
-
-
 def gpu_rooflines(dtype_name: str, measure: bool) -> dict:
     """HBM bandwidth and the dense matmul peak of `dtype_name` for the compute and bandwidth rooflines:
     the matching hardware profile's datasheet figures; with no profile, a device-to-device copy of 1 GB
@@ -248,7 +230,7 @@ def gpu_rooflines(dtype_name: str, measure: bool) -> dict:
     gpu = torch.cuda.get_device_name(0)
     measured = measure_bandwidth(1.0, 5, "cuda") if measure else {"read_gb_per_s": nan, "copy_gb_per_s": nan,
                                                                    "tensor_gb": nan}
-    name = gpu_profile_name(gpu)
+    name = profile_for_device_name(gpu)
     if name is not None:
         profile = load_profile(name)
         return {"bandwidth_gb_per_s": profile.memory_bandwidth / 1e9,
@@ -343,7 +325,8 @@ def make_llm(model, args, requests: list[Request], tokenizer=None) -> LLM:
     # Room for every request at once, plus a spare block each, so the run never preempts: this measures
     # batching, not a pool sized too small (that is --kv-blocks N).
     block = ServeConfig().block_size
-    blocks = args.kv_blocks or sum(blocks_for(len(r.prompt) + r.max_tokens, block) for r in requests) + len(requests)
+    blocks = args.kv_blocks or max(sum(blocks_for(len(r.prompt) + r.max_tokens, block) for r in requests) + len(requests),
+                                   blocks_for(args.decode_prompt + args.decode_output, block) + 1)  # batch-1 decode too
     return LLM(model, tokenizer=tokenizer, device=args.device, seed=args.seed, num_blocks=blocks,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len)
