@@ -94,19 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as e:
-        if not is_anticipated(e):
-            traceback.print_exc()
-            print(f"fivefold {args.command}: internal error ({type(e).__name__}); this is a bug in fivefold: please "
-                  f"report it with the command line and the traceback above", file=sys.stderr)
-            return 1
-        if args.debug or os.environ.get("FIVEFOLD_DEBUG"):
-            traceback.print_exc()
-        rank = os.environ.get("RANK", "0")
-        if rank != "0" and getattr(e, "every_rank", False):
-            return 2  # rank 0 reports the same error
-        where = f" (rank {rank})" if rank != "0" else ""
-        print(f"fivefold {args.command}: error{where}: {one_line(e)}", file=sys.stderr)
-        return 2
+        from fivefold.parallel.mesh import leave_failed_worker
+
+        code = _report(e, args)
+        leave_failed_worker(code)  # a torchrun worker ends here; a single process returns
+        return code
+
+
+def _report(e: Exception, args) -> int:
+    """Print what went wrong (one line, or a traceback for a bug); the exit code."""
+    if not is_anticipated(e):
+        traceback.print_exc()
+        print(f"fivefold {args.command}: internal error ({type(e).__name__}); this is a bug in fivefold: please "
+              f"report it with the command line and the traceback above", file=sys.stderr)
+        return 1
+    if args.debug or os.environ.get("FIVEFOLD_DEBUG"):
+        traceback.print_exc()
+    rank = os.environ.get("RANK", "0")
+    if rank != "0" and getattr(e, "every_rank", False):
+        return 2  # rank 0 reports the same error
+    where = f" (rank {rank})" if rank != "0" else ""
+    print(f"fivefold {args.command}: error{where}: {one_line(e)}", file=sys.stderr)
+    return 2
 
 
 def is_anticipated(e: BaseException) -> bool:

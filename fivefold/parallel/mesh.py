@@ -73,6 +73,16 @@ def exit_worker(code: int = 0) -> None:
         os._exit(code)
 
 
+def leave_failed_worker(code: int) -> None:
+    """End a torchrun worker whose command failed, without interpreter finalization, for the reason
+    exit_worker gives (gloo's threads can abort the process at finalization, turning an exit 2 with a
+    one-line error into a SIGABRT). No barrier: the other ranks may be anywhere. A single process returns."""
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
