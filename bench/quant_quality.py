@@ -6,7 +6,7 @@ Trains nothing.
     python bench/quant_quality.py runs/default            # the demo model `fivefold train` writes
     python bench/quant_quality.py RUN --threads 1 --json bench/results/quant_quality.json
 
-Each row goes through `fivefold quantize`'s own code (fivefold.quant.commands): the same calibration windows
+Each row goes through `fivefold quantize`'s own code (fivefold.commands.quantize): the same calibration windows
 (GPTQ: --calib-samples windows of train.seq_len from the run's training split, seeded) and the same
 held-out windows (the first --eval-samples windows of the validation split) for every method.
 "linear bytes" are the block linears as stored (codes + scales + zero points); "model bytes" adds every
@@ -26,7 +26,7 @@ import torch
 
 def main() -> None:
     from fivefold.config import ConfigError
-    from fivefold.quant.commands import (check_group_size, format_table, fp32_row, linear_bytes_fp32, load_data,
+    from fivefold.commands.quantize import (check_group_size, format_table, fp32_row, linear_bytes_fp32, load_data,
                                          load_source, quality_row)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

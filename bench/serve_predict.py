@@ -31,7 +31,7 @@ from fivefold.planner.hardware import load_profile
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.blocks import blocks_for
-from fivefold.serve.predict_commands import predict
+from fivefold.commands.plan_serve import predict
 from fivefold.serve.workload import Request, Workload, parse_workload
 from fivefold.train.metrics import synchronize
 

@@ -1,6 +1,6 @@
-"""The `fivefold` command line. Each area registers its own subcommands (a `register(subparsers)`
-function next to the code it drives), so this file only assembles them and turns known errors into
-clean messages."""
+"""The `fivefold` command line. Each module of fivefold/commands/ registers its subcommands (a
+`register(subparsers)` function), so this file only assembles them and turns known errors into clean
+messages."""
 
 from __future__ import annotations
 
@@ -14,28 +14,15 @@ import warnings
 
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
-    "fivefold.train.commands",      # train, compare-runs, plot, generate
-    "fivefold.data.commands",       # prepare
-    "fivefold.interop.commands",    # import-hf, export-hf
-    "fivefold.memory.commands",     # plan, memory
-    "fivefold.parallel.commands",   # pipeline
-    "fivefold.serve.commands",      # serve
-    "fivefold.planner.commands",    # calibrate, hardware
-    "fivefold.quant.commands",      # quantize
+    "fivefold.commands.train",      # train, compare-runs, plot
+    "fivefold.commands.data",       # prepare
+    "fivefold.commands.interop",    # import-hf, export-hf
+    "fivefold.commands.plan",       # plan, memory
+    "fivefold.commands.pipeline",   # pipeline
+    "fivefold.commands.serve",      # serve, generate
+    "fivefold.commands.hardware",   # calibrate, hardware
+    "fivefold.commands.quantize",   # quantize
 ]
-
-
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """The config options every config-driven command shares."""
-    parser.add_argument("--config", help="TOML config file (see configs/)")
-    parser.add_argument("--preset", help="model preset, e.g. demo, tiny, llama3-8b (fivefold presets lists them)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set model.num_layers=2 (repeatable)")
-
-
-def config_from_args(args):
-    from fivefold.config import load_config
-    return load_config(args.config, args.preset, args.overrides)
 
 
 class Parser(argparse.ArgumentParser):
@@ -160,30 +147,6 @@ def _show_warnings_as_lines() -> None:
             return f"fivefold: warning: {message}\n"
         return original(message, category, filename, lineno, line)
     warnings.formatwarning = format_warning
-
-
-def _int_in(text: str, low: int, high: int | None = None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"{value} must be " + (f"in {low}..{high}" if high is not None
-                                                                else f"at least {low}"))
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type for counts that must be >= 1 (e.g. --nproc, --tp)."""
-    return _int_in(text, 1)
-
-
-def nonnegative_int(text: str) -> int:
-    return _int_in(text, 0)
-
-
-def port_number(text: str) -> int:
-    return _int_in(text, 0, 65535)
 
 
 if __name__ == "__main__":

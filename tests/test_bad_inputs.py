@@ -300,7 +300,7 @@ def test_debug_shows_the_traceback_of_an_anticipated_error(paths, capsys):
 
 
 def test_an_unexpected_exception_is_reported_as_a_bug_with_its_traceback(monkeypatch, capsys):
-    from fivefold.train import commands
+    from fivefold.commands import train as commands
 
     def broken(args):
         raise KeyError("internal")

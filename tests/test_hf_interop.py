@@ -14,7 +14,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, Llama
 
 from fivefold.cli import main  # noqa: E402
 from fivefold.config import ConfigError, load_config  # noqa: E402
-from fivefold.interop.commands import parse_size  # noqa: E402
+from fivefold.commands.interop import parse_size  # noqa: E402
 from fivefold.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer  # noqa: E402
 from fivefold.interop.hf import (TOKENIZER_FILES, config_from_hf, export_hf, hf_config_from, import_hf,  # noqa: E402
                                  read_hf_tensors)

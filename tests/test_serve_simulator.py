@@ -14,7 +14,7 @@ from fivefold.config import Config, ConfigError, ServeConfig, load_config
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
-from fivefold.serve.predict_commands import knee, predict
+from fivefold.commands.plan_serve import knee, predict
 from fivefold.serve.simulator import simulate
 from fivefold.serve.step_cost import StepCostModel, StepShape, measure_serving
 from fivefold.serve.workload import Request, Workload, parse_workload

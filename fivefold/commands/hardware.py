@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold.cli import positive_int
+from fivefold.commands.args import positive_int
 
 
 def register(sub) -> None:

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from fivefold.cli import add_config_args, config_from_args, positive_int
+from fivefold.commands.args import add_config_args, config_from_args, positive_int
 
 
 THEORY = {"afab": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)", "zero-bubble": "(p-1)/(3m)"}

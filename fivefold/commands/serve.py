@@ -1,4 +1,4 @@
-"""`fivefold serve`: a model behind an OpenAI-compatible HTTP API."""
+"""`fivefold serve` (a model behind an OpenAI-compatible HTTP API) and `fivefold generate` (one prompt)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fivefold.cli import port_number, positive_int
+from fivefold.commands.args import port_number, positive_int
 
 
 def register(sub) -> None:
@@ -31,6 +31,20 @@ def register(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
                    help="engine option, e.g. --set serve.kv_memory=0.3 --set serve.max_num_seqs=32 (repeatable)")
     p.set_defaults(func=run_serve)
+
+    gen = sub.add_parser("generate", help="generate text from a checkpoint (or a Hugging Face directory)")
+    gen.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=0.95, help="1.0 = off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                     help="tensor parallel over N processes (launched through torchrun; gloo on CPU, NCCL on GPU)")
+    gen.set_defaults(func=run_generate)
 
 
 def run_serve(args) -> int:
@@ -92,3 +106,34 @@ def run_serve(args) -> int:
 def _fail(error) -> int:
     print(f"fivefold serve: error: {error}", file=sys.stderr)
     return 2
+
+
+def run_generate(args) -> int:
+    from fivefold.serve import LLM, RequestError, SamplingParams
+    from fivefold.serve.loading import model_directory
+
+    src = Path(args.checkpoint)
+    if not args.tokenizer:  # before loading any weights
+        found = model_directory(src) / "tokenizer.json"
+        if not found.is_file():
+            raise FileNotFoundError(f"no tokenizer at {found}; pass --tokenizer tokenizer.json")
+    if not args.prompt:
+        raise RequestError("--prompt is empty; give the text to continue")
+    try:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
+    except RequestError as e:  # name the flag, not the field
+        message = str(e).removeprefix("SamplingParams: ")
+        for field, flag in (("max_tokens", "--max-new-tokens"), ("temperature", "--temperature"),
+                            ("top_k", "--top-k"), ("top_p", "--top-p")):
+            message = message.replace(field, flag) if message.startswith(field) else message
+        raise RequestError(message) from None
+    if args.tp > 1 and "LOCAL_RANK" not in os.environ:
+        from fivefold.serve.tensor_parallel import launch
+        return launch(src, args.tp, sys.argv[1:], "generate")
+    # One prompt: a pool for one sequence, not for a server's worth.
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp, max_num_seqs=1)
+    text = llm.generate(args.prompt, params)[0].text
+    if os.environ.get("RANK", "0") == "0":
+        print(args.prompt + text)
+    return 0

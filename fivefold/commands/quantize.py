@@ -35,7 +35,7 @@ class Source:
 
 
 def register(subparsers) -> None:
-    from fivefold.cli import positive_int
+    from fivefold.commands.args import positive_int
 
     p = subparsers.add_parser("quantize", help="quantize a model's linears to int8 / int4 (round to nearest) or "
                                                "int4 by GPTQ; print bytes and held-out perplexity")

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from fivefold.cli import add_config_args, config_from_args, nonnegative_int, positive_int
+from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
 
 
 def register(sub) -> None:
@@ -38,10 +38,10 @@ def register(sub) -> None:
                            "or a JSONL trace of {arrival, prompt, output}; default: default")
     plan.add_argument("--max-tpot", type=float, default=0.05, metavar="SECONDS",
                       help="with --serve --search: the p99 time-per-output-token bound layouts must meet (0.05)")
-    from fivefold.planner import fit, speed_commands
+    from fivefold.commands import plan_fit, plan_speed
 
-    speed_commands.add_arguments(plan)
-    fit.add_arguments(plan)
+    plan_speed.add_arguments(plan)
+    plan_fit.add_arguments(plan)
     plan.set_defaults(func=run_plan)
 
     mem = sub.add_parser("memory", help="measure memory by category over the first training steps, plot "
@@ -84,7 +84,7 @@ def run_plan(args) -> int:
                           "PROFILE (see `fivefold hardware`)")
     args.device = args.device or "cuda"
     if args.fit:
-        from fivefold.planner.fit import run_fit
+        from fivefold.commands.plan_fit import run_fit
 
         return run_fit(args, cfg, device_memory, profile)
     if args.headroom is not None or args.grow_batch:
@@ -92,14 +92,14 @@ def run_plan(args) -> int:
 
         raise ConfigError("--headroom and --grow-batch choose how --fit fills memory: add --fit")
     if profile is not None and not args.serve and not args.sweep:
-        from fivefold.planner import speed_commands
+        from fivefold.commands import plan_speed
 
         if args.search:
-            return speed_commands.run_search(args, cfg, profile, device_memory)
+            return plan_speed.run_search(args, cfg, profile, device_memory)
         if args.gpus or args.global_batch:
-            cfg = speed_commands.placed(cfg, args.gpus, speed_commands.global_batch_tokens(cfg, args.global_batch))
+            cfg = plan_speed.placed(cfg, args.gpus, plan_speed.global_batch_tokens(cfg, args.global_batch))
         plan = plan_memory(cfg, device_memory, device=args.device)
-        speed_commands.run_speed(args, cfg, plan, profile)
+        plan_speed.run_speed(args, cfg, plan, profile)
         return 0
     if args.serve:
         from fivefold.config import ConfigError
@@ -112,9 +112,9 @@ def run_plan(args) -> int:
             raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
                              f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
         if profile is not None:
-            from fivefold.serve import predict_commands
+            from fivefold.commands import plan_serve
 
-            return predict_commands.run(args, cfg, profile, device_memory)
+            return plan_serve.run(args, cfg, profile, device_memory)
         serving = plan_serving(cfg, device_memory, device=args.device)
         print(json.dumps(serving.to_json(), indent=2) if args.json else serving.table())
         return 0

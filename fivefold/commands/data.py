@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from fivefold.cli import positive_int
+from fivefold.commands.args import positive_int
 
 
 def register(subparsers) -> None:
