@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import load_config
-from fivefold.train import checkpoint as ckpt
+from fivefold.config_load import load_config
+from fivefold.checkpoint import store as ckpt
+from fivefold.checkpoint.pieces import read_state
 
 
 def hash_speeds(size: int = 512 * 2**20) -> dict[str, float]:
@@ -70,11 +71,11 @@ def drop_page_cache() -> None:
 
 
 def checkpoint_costs(cfg, root: Path, cold: bool = False) -> dict:
-    from fivefold.model import Transformer, materialize
+    from fivefold.model import Transformer, materialise
 
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    materialize(model, "cpu", seed=0, dtype=torch.float32)
+    materialise(model, "cpu", seed=0, dtype=torch.float32)
     tensors = {}
     for name, p in model.named_parameters():
         tensors[f"model.{name}"] = p.detach()
@@ -100,15 +101,15 @@ def checkpoint_costs(cfg, root: Path, cold: bool = False) -> dict:
     verify = min(_timed(lambda: ckpt.verify_checkpoint(path)) for _ in range(3))
     assert ckpt.verify_checkpoint(path) == []
     targets = {k: torch.empty_like(v) for k, v in tensors.items()}
-    load = min(_timed(lambda: ckpt.read_state(path, targets)) for _ in range(3))
+    load = min(_timed(lambda: read_state(path, targets)) for _ in range(3))
     gb = size / 1e9
     extra = {}
     if cold:
         drop_page_cache()
         cold_verify = _timed(lambda: ckpt.verify_checkpoint(path))
-        load_after = _timed(lambda: ckpt.read_state(path, targets))
+        load_after = _timed(lambda: read_state(path, targets))
         drop_page_cache()
-        cold_load = _timed(lambda: ckpt.read_state(path, targets))
+        cold_load = _timed(lambda: read_state(path, targets))
         extra = {"cold_verify_s": cold_verify, "cold_load_after_verify_s": load_after, "cold_load_s": cold_load,
                  "cold_verify_ms_per_gb": cold_verify / gb * 1e3, "cold_load_ms_per_gb": cold_load / gb * 1e3,
                  "cold_verified_load_over_load": (cold_verify + load_after) / cold_load}

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from fivefold.config import load_config
-from fivefold.memory.planner import plan_memory
+from fivefold.config_load import load_config
+from fivefold.memory.plan import plan_memory
 from fivefold.memory.tracker import measure_memory, random_datasets
 
 VOCAB = 128_256  # Llama 3

@@ -74,7 +74,8 @@ class Attention:
     def peak_bytes(self) -> int:
         """Largest sum of the tensors one forward and backward allocates while they are alive (the
         fivefold memory tracker: every op's outputs, until they are freed)."""
-        from fivefold.memory.tracker import CATEGORIES, MemoryTracker
+        from fivefold.memory.tracker import MemoryTracker
+        from fivefold.memory.units import CATEGORIES
 
         with MemoryTracker(torch.nn.Module()) as tracker:
             self.run()

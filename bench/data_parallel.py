@@ -73,7 +73,7 @@ def launch(argv: list[str], args, script: str = __file__) -> int:
 
 
 def make_config(args, world: int, out_dir: str):
-    from fivefold.config import load_config
+    from fivefold.config_load import load_config
 
     overrides = {"train.seq_len": args.seq_len, "train.micro_batch_size": args.micro_batch,
                  "train.grad_accum": args.grad_accum, "parallel.dp": world, "parallel.zero": args.zero,
@@ -174,7 +174,8 @@ class TorchReference:
         return contextlib.nullcontext()
 
     def step(self) -> tuple[float, float]:
-        from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
+        from fivefold.data.labels import IGNORE_INDEX
+        from fivefold.train.loss import token_loss_sum
 
         t = self.cfg.train
         batch = self.data.batch(self.sampler.take(t.micro_batch_size * t.grad_accum * self.world))

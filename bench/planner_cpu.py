@@ -52,7 +52,7 @@ def measure(nproc: int, overrides: list[str], steps: int) -> list[float]:
 
 
 def predict(profile: dict, overrides: list[str]) -> dict:
-    from fivefold.config import load_config
+    from fivefold.config_load import load_config
     from fivefold.planner.hardware import profile_from_dict
     from fivefold.planner.speed import predict_step
 

@@ -15,9 +15,9 @@ import json
 import time
 from pathlib import Path
 
-from fivefold.finetune.sft import DEMO_PATH, read_examples, split_examples
+from fivefold.data.sft import DEMO_PATH, read_examples, split_examples
 from fivefold.serve import LLM, SamplingParams
-from fivefold.serve.chat import ChatTemplate
+from fivefold.data.chat import ChatTemplate
 
 
 def prompts(examples):
@@ -33,7 +33,7 @@ def prompts(examples):
 
 def sft_config(runs: list[Path]):
     """The config of the first run that fine-tuned on SFT data: its held-out rows are every run's yardstick."""
-    from fivefold.train.checkpoint import read_config, resolve_checkpoint
+    from fivefold.checkpoint.store import read_config, resolve_checkpoint
 
     for run in runs:
         cfg = read_config(resolve_checkpoint(run))
@@ -47,9 +47,10 @@ def held_out_loss(run: Path, cfg) -> float:
     the run's model (a LoRA run merged)."""
     import torch
 
-    from fivefold.data.dataset import load_datasets
-    from fivefold.train.checkpoint import load_model
-    from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
+    from fivefold.data.load import load_datasets
+    from fivefold.weights import load_model
+    from fivefold.data.labels import IGNORE_INDEX
+    from fivefold.train.loss import token_loss_sum
 
     _, model = load_model(run)
     val = load_datasets(cfg).val

@@ -7,7 +7,7 @@ seeded init on `data.sft=demo`, with the embedded corpus's tokenizer:
 A step costs the same whatever the rows hold, so what packing changes is how many of a step's labels are
 target tokens (the ones the loss counts). The sides take turns one step at a time, so bursts of outside
 load hit both; the table gives the median step time, tokens/s over every position, target tokens/s, and
-the padding fraction of the rows (fivefold.finetune.sft.SFTStats).
+the padding fraction of the rows (fivefold.data.sft.SFTStats).
 
     OMP_NUM_THREADS=1 python bench/sft_packing.py --steps 12 [--json bench/results/sft_packing.json]
 """
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from fivefold.config import load_config
-from fivefold.train.loss import IGNORE_INDEX
+from fivefold.config_load import load_config
+from fivefold.data.labels import IGNORE_INDEX
 from fivefold.train.trainer import Trainer
 
 SIDES = {"pack": {"data.sft_packing": "pack", "model.document_mask": True},

@@ -1,5 +1,5 @@
 """Per-rank process memory (RSS) of real training, at start-up and over the first steps, against the
-memory planner's prediction (fivefold.memory.planner.plan_memory(cfg, device="cpu")).
+memory planner's prediction (fivefold.memory.plan.plan_memory(cfg, device="cpu")).
 
     python bench/startup_memory.py --nproc 4 --layout zero3 --steps 2
     python bench/startup_memory.py --nproc 4 --layout tp2pp2 --steps 2
@@ -67,7 +67,7 @@ def parse_args(argv=None):
 
 
 def make_config(args):
-    from fivefold.config import load_config
+    from fivefold.config_load import load_config
 
     overrides = [f"{k}={v}" for k, v in {**MODEL, **LAYOUTS[args.layout][1]}.items()]
     return load_config(preset=args.preset, overrides=overrides + args.set)
@@ -77,7 +77,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from fivefold.memory.planner import plan_memory  # noqa: F401 (all of fivefold's modules load now, together)
+    from fivefold.memory.plan import plan_memory  # noqa: F401 (all of fivefold's modules load now, together)
     from fivefold.memory.tracker import proc_status, random_datasets, reset_rss_peak
     from fivefold.train.trainer import Trainer  # imported here so the baseline holds its modules too
 
@@ -126,7 +126,7 @@ def planned(plan, stage: int) -> tuple[float | None, float]:
 def report(args, cfg, ranks: list[dict]) -> None:
     from machine import base_info
 
-    from fivefold.memory.planner import plan_memory
+    from fivefold.memory.plan import plan_memory
 
     plan = plan_memory(cfg, device="cpu")
     fmt = lambda v: "n/a" if v is None else f"{v / MiB:.0f}"  # noqa: E731
@@ -161,15 +161,13 @@ def report(args, cfg, ranks: list[dict]) -> None:
 def launch(argv: list[str], args) -> int:
     """Re-run this file under torchrun. The malloc setting must be in the environment before each worker
     starts: glibc reads it once, at start-up."""
-    from fivefold.config import validate
     from fivefold.parallel.launch import torchrun_args, without_option
     from fivefold.parallel.mesh import check_supported
 
-    from fivefold.memory.planner import plan_memory
+    from fivefold.memory.plan import plan_memory
 
     cfg = make_config(args)
-    validate(cfg, world_size=args.nproc)  # a refused layout fails here, before any worker starts
-    check_supported(cfg)
+    check_supported(cfg, args.nproc)  # a refused layout fails here, before any worker starts
     plan_memory(cfg, device="cpu")  # and so does a plan that cannot be made, before minutes of measuring
     cmd = [sys.executable, "-m", "torch.distributed.run",
            *torchrun_args(args.nproc, [os.path.abspath(__file__), *without_option(argv, "--nproc")])]

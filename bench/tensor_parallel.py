@@ -46,7 +46,7 @@ def parse_args(argv=None):
 
 
 def make_config(args, world: int, out_dir: str):
-    from fivefold.config import load_config
+    from fivefold.config_load import load_config
 
     overrides = {"train.seq_len": args.seq_len, "train.micro_batch_size": args.micro_batch,
                  "train.grad_accum": args.grad_accum, "parallel.dp": 1, "parallel.tp": world,
@@ -121,7 +121,8 @@ class TorchTP(TorchReference):
     def step(self) -> tuple[float, float]:
         from torch.distributed.tensor.experimental import implicit_replication
 
-        from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
+        from fivefold.data.labels import IGNORE_INDEX
+        from fivefold.train.loss import token_loss_sum
 
         t = self.cfg.train
         batch = self.data.batch(self.sampler.take(t.micro_batch_size * t.grad_accum))  # the same on all tp ranks
@@ -184,8 +185,8 @@ def _fivefold_site() -> str:
 
 @contextlib.contextmanager
 def count_our_collectives(log: CollectiveLog):
-    """Wrap the names our code looks the collectives up by: fivefold.parallel.tensor_parallel's _all_gather
-    / _reduce_scatter (module-level aliases taken from fivefold.parallel.zero) and dist.all_reduce (looked
+    """Wrap the names our code looks the collectives up by: fivefold.parallel.tensor_parallel's all_gather_into
+    / reduce_scatter_into (module-level aliases taken from fivefold.parallel.zero) and dist.all_reduce (looked
     up on the module at call time, by tensor_parallel and by the optimizer's gradient-norm reduction); the
     torch.distributed all-gather / reduce-scatter entry points too, in case anything else calls them. A
     depth counter keeps one collective implemented through another from counting twice."""
@@ -213,7 +214,7 @@ def count_our_collectives(log: CollectiveLog):
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
         if hasattr(dist, name):
             targets.append((dist, name, "reduce_scatter", second))
-    targets += [(tpl, "_all_gather", "all_gather", first), (tpl, "_reduce_scatter", "reduce_scatter", second)]
+    targets += [(tpl, "all_gather_into", "all_gather", first), (tpl, "reduce_scatter_into", "reduce_scatter", second)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _, _ in targets]
     try:
         for mod, name, kind, pick in targets:

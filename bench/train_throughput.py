@@ -18,7 +18,7 @@ MFU over the bf16 matmul peak; on a CPU torchao only emulates it, so it is refus
 
 The planner against its own runs: beside each of our rows, the step-time model's tokens/s
 (fivefold.planner.speed.predict_step on --cluster; on cuda by default the shipped profile matched from
-the device name) and, on cuda, the memory plan's peak (fivefold.memory.planner.plan_memory, its total)
+the device name) and, on cuda, the memory plan's peak (fivefold.memory.plan.plan_memory, its total)
 against torch.cuda.max_memory_allocated over that row's timed steps, each for the exact Config the row
 trained with.
 """
@@ -35,14 +35,15 @@ import time
 
 import torch
 
-from fivefold.config import ConfigError, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config
 from fivefold.data.dataset import ResumableSampler
 from fivefold.interop.hf import hf_config_from, weights_to_hf
 from fivefold.memory.formulas import count_params, flops_per_token
 from fivefold.model import build_model
 from fivefold.train.metrics import datasheet_peak_flops, measure_cuda_peak_flops, measure_peak_flops
 from fivefold.memory.formulas import is_no_decay
-from fivefold.memory.planner import plan_memory
+from fivefold.memory.plan import plan_memory
 from fivefold.planner.hardware import load_profile, profile_for_device_name
 from fivefold.planner.speed import predict_step
 from fivefold.train.optim import lr_at
@@ -181,7 +182,7 @@ def print_predictions(results: list[dict], planner: dict, device: str) -> None:
         print(f"note: {note}")
     if cuda:
         print("peak: torch.cuda.max_memory_allocated over the row's timed steps, less the other runners' resident "
-              "memory; planned: fivefold.memory.planner.plan_memory's total")
+              "memory; planned: fivefold.memory.plan.plan_memory's total")
         if any(r["compiled"] for r in results):
             print("note: compiled rows: the plan replays the eager model's saved tensors; torch.compile's min-cut "
                   "partitioning usually saves less")
@@ -397,7 +398,7 @@ def main(argv=None) -> dict:
 
     tmp = tempfile.TemporaryDirectory(prefix="fivefold-bench-")
     base = make_config(args, "fp32", False, max(peak_samples["fp32"]), tmp.name)
-    from fivefold.data.dataset import load_datasets
+    from fivefold.data.load import load_datasets
     datasets = load_datasets(base)  # trains/caches the tokenizer and token shards before any timing
     initial = build_model(base.model, "cpu", seed=base.train.seed).state_dict()  # the Trainer's init
     fpt = flops_per_token(base.model, args.seq_len)

@@ -1,8 +1,9 @@
 """The config tree: the single source of truth for the model, the planner and the trainer.
 
-A `Config` is four dataclasses (model, train, data, parallel). It is built from defaults, then a
-preset, then a TOML file, then `--set key=value` overrides, and validated once, before anything
-is materialised or any process group starts. Every error names the key and what would be valid.
+A `Config` is dataclasses (model, train, data, parallel, serve, lora) with each field's own rules here.
+It is built from defaults, a preset, a TOML file and `--set key=value` overrides by fivefold.config_load,
+and checked as a whole by fivefold.parallel.rules.check_layout. Every error names the key and what would
+be valid.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import math
 import os
 import re
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +165,7 @@ class DataConfig:
     tokenizer: str = ""  # path to a tokenizer.json; "" = train (and cache) a BPE on the corpus
     # Supervised fine-tuning instead of next-token pretraining: a JSONL file of {"prompt", "completion"} or
     # {"messages": [...]} examples, or "demo" (the set that ships with fivefold); the loss counts only
-    # completion tokens (fivefold.finetune.sft).
+    # completion tokens (fivefold.data.sft).
     sft: str = ""
     # pack: several examples per row, attention kept inside each (needs model.document_mask=true);
     # pad: one example per row, padded to train.seq_len.
@@ -357,38 +357,6 @@ def parse_override(text: str) -> tuple[str, str, str]:
     return parts[0], parts[1], value.strip()
 
 
-def load_config(path: str | Path | None = None, preset: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- preset <- TOML file <- --set overrides, then validate."""
-    from fivefold.presets import get_preset
-
-    file_values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            what = "is a directory; give a TOML file" if path.is_dir() else "does not exist"
-            raise ConfigError(f"config file {str(path)!r} {what}")
-        try:
-            file_values = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-    preset = preset or file_values.get("preset")
-    cfg = Config()
-    if preset:
-        cfg.model = get_preset(preset)
-    apply_dict(cfg, file_values)
-    for text in overrides:
-        section, name, value = parse_override(text)
-        apply_dict(cfg, {section: {name: value}})
-    validate(cfg)
-    return cfg
-
-
-def config_from_dict(values: dict[str, Any]) -> Config:
-    cfg = apply_dict(Config(), values)
-    validate(cfg)
-    return cfg
-
-
 # --------------------------------------------------------------------------------------------
 # Validation: every rule names the keys involved and what would be valid.
 
@@ -437,7 +405,10 @@ def recompute_layer_set(spec: str, num_layers: int, mode: str = "full") -> froze
     return layers
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
+def validate(cfg: Config) -> None:
+    """The config's own rules: each field's range, and the shapes the model and the layout need (heads
+    that tp divides, stages that have layers). The rules that need the layout's arithmetic, and the world
+    size, are fivefold.parallel.rules.check_layout's."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = {
         "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size, "model.num_layers": m.num_layers,
@@ -531,17 +502,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               f"summing to model.num_layers={m.num_layers}")
     _check_batch_ramp(cfg)
     _check_finetune(cfg)
-    if t.precision == "fp8":
-        from fivefold.train.fp8 import check_fp8_config
 
-        check_fp8_config(cfg)
-    if world_size is not None and world_size != p.world_size:
-        others = p.tp * p.pp * p.cp
-        fix = (f"set parallel.dp={world_size // others} or launch {p.world_size} processes"
-               if world_size % others == 0 else
-               f"launch {p.world_size} processes (any multiple of tp*pp*cp = {others}, with parallel.dp to match)")
-        raise ConfigError(
-            f"world size {world_size} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size}; {fix}")
 
 
 # (key, low, high, low inclusive, high inclusive): every number a user may get wrong, with its valid range.
@@ -651,15 +612,7 @@ def _check_batch_ramp(cfg: Config) -> None:
     if t.max_grad_accum <= t.grad_accum:
         raise ConfigError(f"train.batch_ramp=auto needs train.max_grad_accum > train.grad_accum={t.grad_accum} (the "
                           f"largest grad_accum the batch may grow to), e.g. train.max_grad_accum={8 * t.grad_accum}")
-    from fivefold.parallel.small_batch import layout_unavailable
 
-    reason = layout_unavailable(cfg)
-    if reason is None and cfg.parallel.pp > 1:
-        from fivefold.parallel.small_batch import unavailable
-        reason = unavailable(cfg, t.grad_accum)
-    if reason is not None:
-        raise ConfigError(f"train.batch_ramp=auto needs the gradient noise scale, which this layout cannot measure: "
-                          f"{reason}; or use train.batch_ramp=schedule")
 
 
 # What may change when a run is resumed. Anything that changes what the saved state means is refused:

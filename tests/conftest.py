@@ -2,7 +2,7 @@
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 
 TINY_DEFAULTS = {
     "train.seq_len": 32, "train.micro_batch_size": 4, "train.steps": 6, "train.lr": 1e-2,

@@ -6,7 +6,7 @@ tokens it served)."""
 import torch
 import torch.distributed as dist
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.model.moe import MoE
 from fivefold.parallel.expert_parallel import apply_expert_parallel
 from fivefold.parallel.mesh import exit_worker

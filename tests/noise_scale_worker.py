@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from fivefold.config import config_from_dict
+from fivefold.config_load import config_from_dict
 from fivefold.parallel.mesh import exit_worker
 from fivefold.train.trainer import Trainer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.train.checkpoint import load_model
+from fivefold.weights import load_model
 
 WORKER = Path(__file__).parent / "run_layouts.py"
 # Tiny fp32 runs of 10 steps, saving at step 5 (to resume under another layout) and at the end.
@@ -54,7 +54,8 @@ def final_weights(run) -> dict:
 
 def gradient_rms(run) -> dict:
     """sqrt of Adam's exp_avg_sq per parameter, from a run's latest checkpoint: each element's gradient RMS."""
-    from fivefold.train.checkpoint import read_state, resolve_checkpoint
+    from fivefold.checkpoint.pieces import read_state
+    from fivefold.checkpoint.store import resolve_checkpoint
 
     path = resolve_checkpoint(run)
     moments = {f"optim.{name}.exp_avg_sq": torch.empty_like(w) for name, w in final_weights(run).items()}

@@ -18,8 +18,8 @@ import weakref
 import torch
 from torch._dynamo.utils import counters
 
-from fivefold.config import config_from_dict
-from fivefold.memory.planner import plan_memory
+from fivefold.config_load import config_from_dict
+from fivefold.memory.plan import plan_memory
 from fivefold.parallel.mesh import exit_worker
 from fivefold.train.trainer import Trainer
 

@@ -185,8 +185,8 @@ OTHER_CASES = [
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory, data_cache):
     """The files the cases point at: a trained run, damaged copies, datasets, a learned-position model."""
-    from fivefold.config import load_config
-    from fivefold.data.dataset import load_datasets
+    from fivefold.config_load import load_config
+    from fivefold.data.load import load_datasets
 
     root = tmp_path_factory.mktemp("bad-inputs")
     overrides = [BASE[i + 1] for i in range(2, len(BASE), 2)] + [f"data.cache_dir={data_cache}"]

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from fivefold.train import checkpoint as ckpt
+from fivefold.checkpoint import store as ckpt
+from fivefold.weights import load_model
 from fivefold.train.trainer import Trainer
 
 
@@ -51,18 +52,18 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_intact(tiny_config, 
     script = textwrap.dedent(f"""
         import json, time
         from pathlib import Path
-        from fivefold.config import config_from_dict
-        from fivefold.train import checkpoint
+        from fivefold.config_load import config_from_dict
+        from fivefold.checkpoint import store as checkpoint
         from fivefold.train.trainer import Trainer
         cfg = config_from_dict(json.loads({json.dumps(json.dumps(cfg.to_dict()))}))
         trainer = Trainer(cfg, quiet=True)
         trainer.fit(until=2)  # a complete checkpoint at step 2
-        real = checkpoint._save_tensors
+        real = checkpoint.save_tensors
         def slow(path, tensors):  # write part of the next checkpoint, then hang until killed
             real(path, tensors)
             Path({str(ready)!r}).touch()
             time.sleep(60)
-        checkpoint._save_tensors = slow
+        checkpoint.save_tensors = slow
         trainer.fit(until=4)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script])
@@ -94,7 +95,7 @@ def test_checkpoint_files_are_safetensors_and_json_only(tiny_config):
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json", "manifest.json", "rng.safetensors", "state", "tokenizer.json", "trainer_state.json"]
     assert all(p.suffix == ".safetensors" for p in (path / "state").iterdir())
-    cfg, model = ckpt.load_model(path)
+    cfg, model = load_model(path)
     for (name, p), m in zip(model.named_parameters(), trainer.optimizer.masters):
         assert torch.equal(p, m), name
 
@@ -110,4 +111,4 @@ def test_loading_a_checkpoint_never_unpickles(tiny_config, monkeypatch):
     monkeypatch.setattr(pickle, "loads", forbidden)
     monkeypatch.setattr(torch, "load", forbidden)
     Trainer(trainer.cfg, resume=True, quiet=True)
-    ckpt.load_model(trainer.out_dir)
+    load_model(trainer.out_dir)

@@ -17,9 +17,10 @@ import pytest
 
 from conftest import TINY_DEFAULTS
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.errors import CheckpointError, RunLockedError
-from fivefold.train import checkpoint as ckpt
+from fivefold.checkpoint import store as ckpt
+from fivefold.weights import load_model
 from fivefold.train.run_lock import RunLock
 from fivefold.train.trainer import Trainer
 
@@ -107,7 +108,7 @@ def test_a_damaged_checkpoint_named_directly_is_refused_for_loading(two_checkpoi
     newest = run / "checkpoints" / "step_00000004"
     damage(newest / _files(newest)["weights shard"], "flip")
     with pytest.raises(CheckpointError, match="step_00000004 is damaged"):
-        ckpt.load_model(newest)
+        load_model(newest)
     with pytest.warns(ckpt.CheckpointWarning):
         assert ckpt.resolve_checkpoint(run).name == "step_00000002"  # a run dir: its newest intact one
 
@@ -119,7 +120,7 @@ def test_checkpoints_from_before_manifests_load_with_a_warning(two_checkpoints, 
     with pytest.warns(ckpt.CheckpointWarning, match="step_00000004 has no manifest.json"):
         assert Trainer(cfg, resume=True, quiet=True).step == 4
     with pytest.warns(ckpt.CheckpointWarning, match="no manifest.json"):
-        ckpt.load_model(run / "checkpoints" / "step_00000002")
+        load_model(run / "checkpoints" / "step_00000002")
 
 
 def test_the_manifest_lists_every_file_with_size_and_checksum(two_checkpoints):
@@ -170,13 +171,13 @@ def test_too_little_free_space_skips_the_save_and_the_next_one_retries(tiny_conf
 def test_a_write_error_mid_save_removes_the_temporary_and_keeps_the_earlier_checkpoints(tiny_config, monkeypatch):
     trainer = Trainer(tiny_config(**STEPS), quiet=True)
     trainer.fit(until=2)
-    real = ckpt._write_json
+    real = ckpt.write_json
 
     def failing(path, obj):  # the disk fills while the small files are written
         if path.name == "trainer_state.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, obj)
-    monkeypatch.setattr(ckpt, "_write_json", failing)
+    monkeypatch.setattr(ckpt, "write_json", failing)
     trainer.fit(until=4)
     assert "No space left on device" in trainer.save_error
     names = sorted(p.name for p in trainer.checkpoint_root.iterdir())

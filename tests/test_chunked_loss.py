@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.train.chunked_loss import FeatureHead, chunked_cross_entropy
 from fivefold.train.trainer import Trainer
 from parity import BASE, WHOLE_SEQUENCE, assert_matches_plan, assert_parity, launch_layouts, measured_memory
@@ -124,7 +125,7 @@ def test_measured_memory_under_sequence_parallelism_matches_the_plan():
 def test_planner_charges_the_recomputed_head():
     """fivefold plan: the fused loss plans far less activation memory at vocabulary 128k, and the speed
     model charges backward the head's matmul once more (about 2% of a llama3-8b step)."""
-    from fivefold.memory.planner import plan_memory
+    from fivefold.memory.plan import plan_memory
     from fivefold.planner.hardware import load_profile
     from fivefold.planner.speed import predict_step
 

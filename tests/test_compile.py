@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from fivefold.config import config_from_dict, load_config
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.train.trainer import Trainer
 from parity import BASE, assert_parity, launch_layouts
 

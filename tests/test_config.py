@@ -2,7 +2,9 @@
 
 import pytest
 
-from fivefold.config import Config, ConfigError, load_config, validate
+from fivefold.config import Config, ConfigError, validate
+from fivefold.config_load import load_config
+from fivefold.parallel.rules import check_layout
 
 
 def test_defaults_presets_toml_and_overrides_layer(tmp_path):
@@ -52,7 +54,7 @@ def test_world_size_must_match_the_layout():
     cfg = Config()
     cfg.parallel.dp, cfg.parallel.tp = 2, 2
     with pytest.raises(ConfigError, match=r"world size 8 != dp\*tp\*pp\*cp = 2\*2\*1\*1 = 4; set parallel.dp=4"):
-        validate(cfg, world_size=8)
+        check_layout(cfg, world_size=8)
 
 
 def test_example_configs_load_with_every_value_they_set():
@@ -61,7 +63,7 @@ def test_example_configs_load_with_every_value_they_set():
     import tomllib
     from pathlib import Path
 
-    from fivefold.config import config_from_dict
+    from fivefold.config_load import config_from_dict
 
     paths = sorted(Path(__file__).parent.parent.glob("configs/*.toml"))
     assert len(paths) >= 3

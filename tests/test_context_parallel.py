@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.train.trainer import Trainer
 from parity import BASE, assert_parity, assert_matches_plan, launch_layouts, measured_memory, metrics, torchrun
 

@@ -13,8 +13,8 @@ import torch
 from fivefold.cli import main
 from fivefold.config import Config, ConfigError
 from fivefold.data import corpus
-from fivefold.data.dataset import (DataError, PackedSequences, ResumableSampler, TokenStore, load_datasets,
-                                   prepare, prepare_documents)
+from fivefold.data.dataset import DataError, PackedSequences, ResumableSampler, TokenStore, prepare, prepare_documents
+from fivefold.data.load import load_datasets
 from fivefold.data.tokenizer import eos_id, get_tokenizer, load_tokenizer, tokenizer_sha, train_tokenizer
 
 WORDS = ("the model reads tokens from shards and each window predicts the next token while a sampler "

@@ -9,14 +9,16 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-from fivefold.config import ConfigError, load_config  # noqa: E402
-from fivefold.memory.planner import plan_memory  # noqa: E402
+from fivefold.config import ConfigError  # noqa: E402
+from fivefold.config_load import load_config  # noqa: E402
+from fivefold.parallel.mesh import check_supported  # noqa: E402
+from fivefold.memory.plan import plan_memory  # noqa: E402
 from fivefold.model import meta_model  # noqa: E402
 from fivefold.model.moe import GroupedExperts  # noqa: E402
 from fivefold.planner.hardware import load_profile  # noqa: E402
 from fivefold.planner.speed import _Costs, predict_step  # noqa: E402
 from fivefold.train import fp8  # noqa: E402
-from fivefold.train.checkpoint import load_model  # noqa: E402
+from fivefold.weights import load_model  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402
 from parity import BASE, assert_parity, launch_layouts  # noqa: E402
 from test_memory_measured import assert_matches_plan, measure  # noqa: E402
@@ -282,8 +284,9 @@ def test_missing_torchao_is_refused(monkeypatch):
         raise ImportError("No module named 'torchao'")
 
     monkeypatch.setattr(fp8, "_import_float8", missing)
+    cfg = load_config(preset="tiny", overrides=["train.precision=fp8"])  # a plan needs no torchao
     with pytest.raises(ConfigError, match="torchao is not installed.*pip install torchao"):
-        load_config(preset="tiny", overrides=["train.precision=fp8"])
+        check_supported(cfg)  # start-up: launch and the trainer's mesh
 
 
 def test_gpus_without_fp8_tensor_cores_are_refused_at_start(monkeypatch):

@@ -13,12 +13,13 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, Llama
                           PreTrainedTokenizerFast, Qwen2Config)
 
 from fivefold.cli import main  # noqa: E402
-from fivefold.config import ConfigError, load_config  # noqa: E402
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config  # noqa: E402
 from fivefold.commands.interop import parse_size  # noqa: E402
 from fivefold.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer  # noqa: E402
 from fivefold.interop.hf import (TOKENIZER_FILES, config_from_hf, export_hf, hf_config_from, import_hf,  # noqa: E402
                                  read_hf_tensors)
-from fivefold.train.checkpoint import resolve_checkpoint  # noqa: E402
+from fivefold.checkpoint.store import resolve_checkpoint  # noqa: E402
 
 # fp32 on CPU, same op order up to matmul blocking: observed differences are ~1e-7.
 ATOL, RTOL = 1e-5, 1e-5

@@ -11,9 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
 
-from fivefold.config import Config, ConfigError, load_config  # noqa: E402
+from fivefold.config import Config, ConfigError
+from fivefold.config_load import load_config  # noqa: E402
 from fivefold.interop.hf import config_from_hf, import_hf  # noqa: E402
-from fivefold.train.checkpoint import load_model  # noqa: E402
+from fivefold.weights import load_model  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402
 from parity import BASE, assert_parity, launch_layouts  # noqa: E402
 

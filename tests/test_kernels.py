@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fivefold.kernels as kernels  # noqa: E402
 from fivefold.config import ConfigError  # noqa: E402
-from fivefold.model import build_model, materialize, meta_model  # noqa: E402
+from fivefold.model import build_model, materialise, meta_model  # noqa: E402
 from fivefold.model.layers import RMSNorm  # noqa: E402
 from fivefold.model.rope import apply_rope, rope_cos_sin  # noqa: E402
 from fivefold.presets import PRESETS  # noqa: E402
@@ -133,9 +133,9 @@ def test_model_with_kernels_matches_plain_model(name):
 
     cfg = MODELS[name]
     plain = build_model(cfg, seed=3)
-    fused = meta_model(cfg)  # as fivefold.parallel.apply does: kernels applied before there is memory
+    fused = meta_model(cfg)  # as fivefold.train.parallelize does: kernels applied before there is memory
     kernels.apply_kernels(fused, "triton")
-    materialize(fused, "cpu", seed=3)
+    materialise(fused, "cpu", seed=3)
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert fused.state_dict().keys() == plain.state_dict().keys()
     assert isinstance(fused.norm, TritonRMSNorm) and fused.layers[0].attn.rope_fn is rope_triton
@@ -203,7 +203,7 @@ def test_in_a_fresh_process():
 
 
 def test_config_refuses_triton_kernels_on_the_cpu_without_the_interpreter(monkeypatch):
-    from fivefold.config import load_config
+    from fivefold.config_load import load_config
 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="train.kernels=triton runs Triton kernels on a CUDA GPU"):

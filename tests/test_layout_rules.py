@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from fivefold.config import ConfigError, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config
 from fivefold.parallel.mesh import check_supported
 from fivefold.parallel.rules import check_layout
 from fivefold.planner.hardware import load_profile

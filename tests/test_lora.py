@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 
-from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.finetune.lora import adapter_shapes, is_adapter, read_adapters
 from fivefold.memory.formulas import adapter_shapes as planned_adapters
-from fivefold.memory.planner import plan_memory
-from fivefold.train.checkpoint import load_model, resolve_checkpoint
+from fivefold.memory.plan import plan_memory
+from fivefold.checkpoint.store import resolve_checkpoint
+from fivefold.weights import load_model
 from fivefold.train.trainer import Trainer
 from parity import BASE, launch_layouts
 
@@ -171,7 +173,7 @@ def test_every_layout_matches_one_process(layout_runs, name):
 
 
 def load_model_config(run):
-    from fivefold.train.checkpoint import read_config
+    from fivefold.checkpoint.store import read_config
     return read_config(resolve_checkpoint(run))
 
 

@@ -5,7 +5,7 @@ The issue's targets: parameters, gradients and optimizer states within 1%; the a
 fivefold.memory.activations is exact on these models (errors of a few bytes: 0-dim scalars; the largest,
 the chunked loss's, 0.26%), so activations and the total are held to 0.5%: dropping eager attention's
 output from the replay moves the planned activations by 2.8%, which 5% let pass. The total also counts
-the transients of a block's backward, which the plan models (fivefold.memory.planner) rather than
+the transients of a block's backward, which the plan models (fivefold.memory.plan) rather than
 replays: the few cases where that is off by more are given their own, measured tolerance where they run.
 """
 
@@ -16,8 +16,9 @@ import torch
 
 from fivefold.cli import main
 from parity import measured_memory
-from fivefold.config import load_config
-from fivefold.memory.tracker import CATEGORIES, StartupPeak, measure_memory, random_datasets, reset_rss_peak
+from fivefold.config_load import load_config
+from fivefold.memory.tracker import StartupPeak, measure_memory, random_datasets, reset_rss_peak
+from fivefold.memory.units import CATEGORIES
 
 TOLERANCE = {"parameters": 0.01, "gradients": 0.01, "optimizer_states": 0.01, "activations": 0.005,
              "temporary": 0.10, "total": 0.005}

@@ -8,10 +8,12 @@ import random
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import Config, ParallelConfig, load_config
+from fivefold.config import Config, ParallelConfig
+from fivefold.config_load import load_config
 from fivefold.memory import formulas
 from fivefold.memory.activations import Shapes, replay_forward
-from fivefold.memory.planner import activation_shapes, parse_bytes, plan_memory
+from fivefold.memory.plan import activation_shapes, plan_memory
+from fivefold.memory.units import parse_bytes
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
 from fivefold.model import meta_model
 from model_shapes import random_model_config
@@ -238,7 +240,7 @@ def test_plan_json_and_fit_suggestions(capsys):
     assert "DOES NOT FIT" in table and "optimizer states" in table and "%" in table
     # Every suggested single change really fits.
     cfg = load_config(preset="llama3-8b", overrides=args[4:10:2])
-    from fivefold.memory.planner import _candidates, _with
+    from fivefold.memory.plan import _candidates, _with
     fitting = [t for t, ch in _candidates(cfg) if plan_memory(_with(cfg, ch), suggest=False).memory["total"] <= 80e9]
     assert [s.rsplit(":", 1)[0] for s in out["suggestions"]] == fitting[:6]
 

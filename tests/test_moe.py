@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.model.moe import GroupedExperts, MoE, _grouped_mm_supported
 from fivefold.train.trainer import Trainer
 from parity import BASE, WHOLE_SEQUENCE, assert_matches_plan, assert_parity, launch_layouts, measured_memory, metrics, torchrun
@@ -215,7 +216,8 @@ def test_checkpoints_from_before_the_stacking_load_expert_by_expert(tmp_path):
     """A checkpoint that holds each expert's matrix under its own name (as fivefold wrote before the
     experts were stacked) loads into the stacked weights, one expert's row at a time: the same model."""
     from fivefold.model import build_model
-    from fivefold.train.checkpoint import load_model, write_checkpoint
+    from fivefold.checkpoint.store import write_checkpoint
+    from fivefold.weights import load_model
 
     cfg = load_config(preset="tiny-moe", overrides=["model.shared_expert_size=32"])
     model = build_model(cfg.model, seed=5)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fivefold import cli
-from fivefold.config import ConfigError, load_config
-from fivefold.parallel.small_batch import first_micro_batch_points, unavailable
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config
+from fivefold.parallel.rules import first_micro_batch_points, unavailable
 from fivefold.train.batch_ramp import AutoBatchRamp
 from fivefold.train.noise_scale import NoiseScale, unbiased_estimates
 from fivefold.train.optim import lr_at

@@ -14,11 +14,12 @@ peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from fivefold.cli import main  # noqa: E402
-from fivefold.config import ConfigError, load_config  # noqa: E402
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config  # noqa: E402
 from fivefold.errors import CheckpointError  # noqa: E402
 from fivefold.finetune.peft import read_adapter_config  # noqa: E402
 from fivefold.interop.hf import config_from_hf  # noqa: E402
-from fivefold.train.checkpoint import load_model  # noqa: E402
+from fivefold.weights import load_model  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402
 from parity import BASE  # noqa: E402
 

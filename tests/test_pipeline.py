@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.memory.formulas import micro_batches_in_flight
 from fivefold.memory.formulas import partition
 from fivefold.parallel.pipeline_schedules import (SCHEDULES, build_schedule, max_in_flight, peak_held, simulate,

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.config import ConfigError, load_config
-from fivefold.memory.planner import plan_memory
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config
+from fivefold.memory.plan import plan_memory
 from fivefold.planner.fit import RECOMPUTE, fit_micro_batch, recomputed_flops
 from fivefold.planner.hardware import load_profile
 from fivefold.planner.speed import predict_step

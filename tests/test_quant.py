@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.model import build_model
-from fivefold.quant.checkpoint import is_quantized_dir, load_quantized, save_quantized
+from fivefold.checkpoint.kinds import is_quantized_dir
+from fivefold.quant.checkpoint import load_quantized, save_quantized
 from fivefold.quant.formats import (METHODS, expected_bytes, int4_grid, pack_int4, quantize_int4, quantize_int8,
                                     unpack_int4)
 from fivefold.quant.gptq import HessianAccumulator, gptq_quantize, quantize_model, quantized_linears
@@ -330,7 +331,8 @@ def test_cli_missing_model_is_one_line(tmp_path, capsys):
 
 def test_cli_quantizes_a_hugging_face_directory_with_a_calibration_file(tiny_run, tmp_path, capsys):
     from fivefold.interop.hf import export_hf, read_tokenizer_files
-    from fivefold.train.checkpoint import load_model, resolve_checkpoint
+    from fivefold.checkpoint.store import resolve_checkpoint
+    from fivefold.weights import load_model
 
     _, model = load_model(tiny_run)
     hf = export_hf(model, tmp_path / "hf", extra_files=read_tokenizer_files(resolve_checkpoint(tiny_run)))
@@ -349,7 +351,7 @@ def test_a_quantized_directory_serves_what_its_dequantized_model_computes(method
     """fivefold.serve loads a quantized directory (QuantLinear, the codes as stored): greedy outputs equal
     those of the same model with each quantized weight replaced by its dequantized value."""
     from fivefold.serve import LLM, SamplingParams
-    from fivefold.train.checkpoint import load_model
+    from fivefold.weights import load_model
 
     out = tmp_path / method
     assert main(["quantize", str(tiny_run), "--method", method, "--group-size", "32", "--calib-samples", "8",

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fivefold.cli import main
-from fivefold.config import ConfigError, load_config, recompute_layer_set
-from fivefold.memory.planner import plan_memory
+from fivefold.config import ConfigError, recompute_layer_set
+from fivefold.config_load import load_config
+from fivefold.memory.plan import plan_memory
 from fivefold.train.trainer import Trainer
 from test_memory_measured import assert_matches_plan, measure
 from test_train import first_batch, grads

@@ -10,7 +10,7 @@ and below for tp=2, with and without SP."""
 
 import pytest
 
-from fivefold.config import config_from_dict, load_config
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.train.trainer import Trainer
 from parity import BASE, WHOLE_SEQUENCE, assert_matches_plan, assert_parity, launch_layouts, measured_memory
 

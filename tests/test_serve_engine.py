@@ -339,7 +339,7 @@ def test_kv_pool_is_what_the_plan_says():
 
 MEASURE_SERVING_MEMORY = """
 import json
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.memory.tracker import proc_status, return_freed_memory
 from fivefold.model import build_model
 from fivefold.presets import PRESETS

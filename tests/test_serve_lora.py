@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.sampling import RequestError
 from fivefold.train.trainer import Trainer

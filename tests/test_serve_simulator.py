@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fivefold.config import Config, ConfigError, ServeConfig, load_config
+from fivefold.config import Config, ConfigError, ServeConfig
+from fivefold.config_load import load_config
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams

@@ -14,7 +14,7 @@ from fivefold.config import Config
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
-from fivefold.train.checkpoint import save_model
+from fivefold.checkpoint.store import save_model
 
 WORKER = Path(__file__).with_name("serve_tp_worker.py")
 

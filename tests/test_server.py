@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from fivefold.cli import main  # noqa: E402
 from fivefold.config import ModelConfig  # noqa: E402
 from fivefold.data.tokenizer import EOS_TOKEN, train_tokenizer  # noqa: E402
-from fivefold.model import Transformer, materialize  # noqa: E402
+from fivefold.model import Transformer, materialise  # noqa: E402
 from fivefold.serve import LLM, Engine, SamplingParams  # noqa: E402
-from fivefold.serve.chat import ChatTemplate, ChatTemplateError, special_tokens  # noqa: E402
+from fivefold.data.chat import ChatTemplate, ChatTemplateError, special_tokens  # noqa: E402
 from fivefold.serve.engine import serve_config  # noqa: E402
 from fivefold.serve.protocol import TextStream  # noqa: E402
 from fivefold.serve.server import create_app, running_in_thread  # noqa: E402
@@ -42,7 +42,7 @@ def tiny():
                       max_seq_len=256)
     with torch.device("meta"):
         model = Transformer(cfg)
-    materialize(model, "cpu", seed=1, dtype=torch.float32)  # seed 0 says eos after 6 tokens
+    materialise(model, "cpu", seed=1, dtype=torch.float32)  # seed 0 says eos after 6 tokens
     model.reset_buffers()
     return model.eval(), tokenizer
 

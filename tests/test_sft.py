@@ -13,15 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.config import load_config
-from fivefold.data.dataset import DataError, ResumableSampler, load_datasets
+from fivefold.config_load import load_config
+from fivefold.data.dataset import DataError, ResumableSampler
+from fivefold.data.load import load_datasets
 from fivefold.data.tokenizer import eos_id, tokenizer_sha, train_tokenizer, vocab_size
-from fivefold.finetune.demo_data import DEMO_PATH, demo_examples, demo_lines
-from fivefold.finetune.sft import (Example, SFTWarning, build_rows, read_examples, sft_tokenizer,
+from fivefold.data.sft_demo import DEMO_PATH, demo_examples, demo_lines
+from fivefold.data.sft import (Example, SFTWarning, build_rows, read_examples, sft_tokenizer,
                                    tokenize_example)
 from fivefold.model import ForwardContext, build_model, doc_ids_from_tokens
-from fivefold.serve.chat import ChatTemplate
-from fivefold.train.loss import IGNORE_INDEX, token_loss_sum
+from fivefold.data.chat import ChatTemplate
+from fivefold.data.labels import IGNORE_INDEX
+from fivefold.train.loss import token_loss_sum
 
 from parity import assert_parity, launch_layouts
 

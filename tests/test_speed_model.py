@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.memory.communication import Collective, step_collectives, step_communication
-from fivefold.memory.planner import plan_memory
+from fivefold.memory.plan import plan_memory
 from fivefold.planner.hardware import load_profile, profile_from_dict
 from fivefold.planner.speed import collective_seconds, predict_step
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.config import ConfigError, config_from_dict, load_config
+from fivefold.config import ConfigError
+from fivefold.config_load import config_from_dict, load_config
 from fivefold.train.trainer import Trainer
 from parity import BASE, WHOLE_SEQUENCE, assert_parity, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, torchrun
 

@@ -8,7 +8,7 @@ so the matrix costs two launches."""
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.train.trainer import Trainer
 from parity import BASE, assert_matches_plan, assert_parity, copy_checkpoint, launch_layouts, measured_memory
 
@@ -30,7 +30,7 @@ def layout(dp, zero, accum) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    from fivefold.config import config_from_dict
+    from fivefold.config_load import config_from_dict
 
     root = tmp_path_factory.mktemp("layouts")
     Trainer(config_from_dict(config(data_cache, root / "single", **{"train.micro_batch_size": GLOBAL_SEQUENCES})),
@@ -54,7 +54,7 @@ def test_every_step_matches_one_process(runs, dp, zero, accum):
 
 def test_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, data_cache):
     """Written by dp=4 ZeRO-3 at step 5 (each rank its rows), resumed by one process: steps 6-10 match."""
-    from fivefold.config import config_from_dict
+    from fivefold.config_load import config_from_dict
 
     resumed = runs / "dp4_zero3_to_single"
     copy_checkpoint(runs / "dp4_zero3_accum1", resumed, 5)
@@ -112,7 +112,8 @@ def test_sharded_checkpoint_exports_and_generates(runs, tmp_path, capsys):
 
     from fivefold.cli import main
     from fivefold.data.tokenizer import load_tokenizer
-    from fivefold.train.checkpoint import load_model, resolve_checkpoint
+    from fivefold.checkpoint.store import resolve_checkpoint
+    from fivefold.weights import load_model
 
     run = runs / "dp4_zero3_accum1"
     assert main(["export-hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 0

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 from fivefold.model import build_model
 from fivefold.parallel import tensor_parallel as tpl
 from fivefold.parallel.mesh import exit_worker

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fivefold.config import load_config
+from fivefold.config_load import load_config
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ def parse_size(text: str) -> int:
     """argparse type: '5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes (decimal and
     binary units, as transformers' save_pretrained(max_shard_size=...) reads them)."""
     from fivefold.config import ConfigError
-    from fivefold.memory.planner import parse_bytes
+    from fivefold.memory.units import parse_bytes
 
     try:
         return parse_bytes(text, "size")
@@ -36,15 +36,16 @@ def register(subparsers) -> None:
 
 
 def _import(args) -> int:
-    from fivefold.config import Config, validate
+    from fivefold.config import Config
+    from fivefold.parallel.rules import check_layout
     from fivefold.interop.hf import TOKENIZER_FILES, import_hf, read_tokenizer_files
-    from fivefold.train.checkpoint import save_model
+    from fivefold.checkpoint.store import save_model
 
     cfg, model = import_hf(args.src)
     config = Config(model=cfg)
     if cfg.position == "learned":  # keep the default train.seq_len within the position table
         config.train.seq_len = min(config.train.seq_len, cfg.max_seq_len)
-    validate(config)
+    check_layout(config)
     path = save_model(args.out, config, model, extra_files=read_tokenizer_files(args.src))
     n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
     print(f"imported {n:,d} parameters from {args.src} -> {path}")
@@ -58,7 +59,8 @@ def _import(args) -> int:
 
 def _export(args) -> int:
     from fivefold.interop.hf import export_hf, read_tokenizer_files
-    from fivefold.train.checkpoint import load_model, read_config, resolve_checkpoint
+    from fivefold.checkpoint.store import read_config, resolve_checkpoint
+    from fivefold.weights import load_model
 
     ckpt = resolve_checkpoint(args.checkpoint)
     cfg = read_config(ckpt)

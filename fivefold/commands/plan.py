@@ -63,12 +63,10 @@ def register(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from fivefold.memory.planner import parse_bytes, plan_memory, sweep
-    from fivefold.parallel.rules import check_implemented
+    from fivefold.memory.plan import plan_memory, sweep
+    from fivefold.memory.units import parse_bytes
 
     cfg = config_from_args(args)
-    if not args.serve:
-        check_implemented(cfg)  # what `fivefold train` refuses, the plan refuses with the same message
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     profile = None
     if args.cluster:
@@ -135,8 +133,9 @@ def _sweep_values(cfg, key: str) -> list[int]:
 
 
 def _run_recompute_sweep(args, cfg) -> int:
-    from fivefold.memory.planner import model_name, recompute_sweep
-    from fivefold.memory.plots import human_bytes, plot_recompute_sweep
+    from fivefold.memory.plan import model_name, recompute_sweep
+    from fivefold.memory.plots import plot_recompute_sweep
+    from fivefold.memory.units import human_bytes
 
     every = [int(v) for v in args.values.split(",")] if args.values else None
     rows = recompute_sweep(cfg, device=args.device, every=every)
@@ -158,8 +157,9 @@ def _run_recompute_sweep(args, cfg) -> int:
 
 
 def _run_sweep(args, cfg, sweep) -> int:
-    from fivefold.memory.planner import model_name, scores_materialised
-    from fivefold.memory.plots import human_bytes, plot_sweep
+    from fivefold.memory.plan import model_name, scores_materialised
+    from fivefold.memory.plots import plot_sweep
+    from fivefold.memory.units import human_bytes
 
     if args.sweep == "recompute":
         return _run_recompute_sweep(args, cfg)
@@ -213,7 +213,7 @@ def run_memory(args) -> int:
     if int(os.environ.get("RANK", "0")) != args.rank:
         return 0
     if args.png:
-        from fivefold.memory.planner import model_name
+        from fivefold.memory.plan import model_name
         t = cfg.train
         plot_timeline(timeline, args.png, f"{model_name(cfg)}: memory of the first {args.steps} training steps "
                       f"({timeline.device})\n{t.precision}, recompute={t.recompute}, attention={cfg.model.attention}, "

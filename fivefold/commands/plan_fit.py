@@ -7,8 +7,8 @@ import json
 
 from fivefold.commands.plan_speed import parse_tokens
 from fivefold.config import Config, ConfigError
-from fivefold.memory.planner import model_name
-from fivefold.memory.plots import human_bytes
+from fivefold.memory.plan import model_name
+from fivefold.memory.units import human_bytes
 from fivefold.planner.fit import RECOMPUTE, FitCandidate, FitResult, fit_micro_batch
 from fivefold.planner.hardware import HardwareProfile
 

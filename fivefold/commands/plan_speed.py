@@ -73,7 +73,7 @@ def run_speed(args, cfg: Config, plan, profile) -> None:
 
 
 def run_search(args, cfg: Config, profile, device_memory) -> int:
-    from fivefold.memory.plots import human_bytes
+    from fivefold.memory.units import human_bytes
     from fivefold.planner.search import search_layouts, why_first
 
     if args.top < 1:

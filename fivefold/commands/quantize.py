@@ -64,8 +64,8 @@ def register(subparsers) -> None:
 
 def load_source(path: str | Path) -> Source:
     """The full-precision model (fp32) and config of a fivefold run / checkpoint or a Hugging Face dir."""
-    from fivefold.quant.checkpoint import is_quantized_dir
-    from fivefold.serve.loading import is_hf_directory
+    from fivefold.checkpoint.kinds import is_quantized_dir
+    from fivefold.checkpoint.kinds import is_hf_directory
 
     src = Path(path)
     if is_quantized_dir(src):
@@ -81,7 +81,8 @@ def load_source(path: str | Path) -> Source:
         if model_cfg.position == "learned":
             cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
         return Source(cfg, model.eval(), src, hf=True)
-    from fivefold.train.checkpoint import load_model, resolve_checkpoint
+    from fivefold.checkpoint.store import resolve_checkpoint
+    from fivefold.weights import load_model
 
     ckpt = resolve_checkpoint(src)
     cfg, model = load_model(ckpt)
@@ -166,7 +167,7 @@ def load_data(source: Source, calib: str | None, calib_samples: int, eval_sample
         return Data(_batches(used[:, :-1]), [(w[:, :-1], w[:, 1:]) for w in _batches(rest)],
                     {"source": str(calib), "windows": len(used), "seq_len": seq_len, "seed": 0}, what)
 
-    from fivefold.data.dataset import load_datasets
+    from fivefold.data.load import load_datasets
 
     data = load_datasets(source.cfg)
     if calib:
@@ -199,7 +200,8 @@ def held_out_quality(model, cfg: Config, held_out: list[tuple[torch.Tensor, torc
     quantized) of the next-token distributions, per counted token} of `model` with `qweights` swapped in
     (None: full precision, KL 0). KL sees a change perplexity averages away: how far each prediction moved,
     not only whether the right token lost probability."""
-    from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum
+    from fivefold.data.labels import IGNORE_INDEX
+    from fivefold.train.loss import cross_entropy_sum
 
     loss, kl, count = 0.0, 0.0, 0
     for inputs, labels in held_out:

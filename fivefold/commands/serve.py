@@ -48,8 +48,9 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from fivefold.config import ConfigError, load_config
-    from fivefold.serve.chat import special_tokens
+    from fivefold.config import ConfigError
+    from fivefold.config_load import load_config
+    from fivefold.data.chat import special_tokens
     from fivefold.parallel.mesh import local_device
     from fivefold.serve.engine import Engine
     from fivefold.serve.loading import load_model_for_serving
@@ -89,7 +90,7 @@ def run_serve(args) -> int:
     shard = f" on each of {args.tp} tensor-parallel ranks" if loaded.tp else ""
     print(f"model: {args.model} ({n:,} parameters{shard}, {cfg.dtype}, {device})")
     print(engine.plan.describe(engine.max_model_len))
-    print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.serve.chat)"))
+    print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.data.chat)"))
     for adapter in adapters:
         print(f"LoRA adapter {adapter!r} from {adapters[adapter]}: ask for model {name + ':' + adapter!r}")
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
@@ -110,7 +111,7 @@ def _fail(error) -> int:
 
 def run_generate(args) -> int:
     from fivefold.serve import LLM, RequestError, SamplingParams
-    from fivefold.serve.loading import model_directory
+    from fivefold.checkpoint.kinds import model_directory
 
     src = Path(args.checkpoint)
     if not args.tokenizer:  # before loading any weights

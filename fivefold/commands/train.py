@@ -58,9 +58,9 @@ def run_train(args) -> int:
     out = Path(cfg.train.out_dir)
     worker = "LOCAL_RANK" in os.environ
     if args.nproc > 1 and not worker:
-        from fivefold.parallel.launch import check_layout
+        from fivefold.parallel.launch import check_launch
 
-        check_layout(cfg, args.nproc)  # before the run directory is touched
+        check_launch(cfg, args.nproc)  # before the run directory is touched
     # The launching process holds the run directory for the whole job: the single process, the
     # `--nproc` launcher (its workers inherit HELD_ENV), or rank 0 of an external torchrun.
     lock = contextlib.nullcontext()

@@ -117,7 +117,7 @@ def embedded_documents(cache: str | Path | None = None) -> list[str]:
     return docs
 
 
-def _split_score(text: str, seed: int) -> float:
+def split_score(text: str, seed: int) -> float:
     digest = hashlib.sha1(f"{seed}:".encode() + text.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
@@ -125,7 +125,7 @@ def _split_score(text: str, seed: int) -> float:
 def is_validation(text: str, val_fraction: float, seed: int = 0) -> bool:
     """Whether a document belongs to the held-out split. A function of the text alone, so the
     split does not depend on document order, on sharding, or on which other documents exist."""
-    return _split_score(text, seed) < val_fraction
+    return split_score(text, seed) < val_fraction
 
 
 def split_documents(docs: list[str], val_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:

@@ -190,7 +190,7 @@ def _check_out_dir(out_dir: Path) -> None:
                         f"choose another --out or remove it")
 
 
-def _key(parts: dict) -> str:
+def cache_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -199,7 +199,7 @@ def prepare_documents(train_docs: list[str], val_docs: list[str], out_dir: str |
     """Write already-split documents as a prepared dataset (idempotent: same inputs, same directory)."""
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
-    key = _key({"format": INDEX_FORMAT, "train": documents_hash(train_docs), "val": documents_hash(val_docs),
+    key = cache_key({"format": INDEX_FORMAT, "train": documents_hash(train_docs), "val": documents_hash(val_docs),
                 "tokenizer": tokenizer_sha(tokenizer), "shard_tokens": shard_tokens})
     index = _is_current(out_dir, key)
     if index is None:
@@ -230,7 +230,7 @@ def prepare(inputs: list[str | Path], out_dir: str | Path, tokenizer: Tokenizer 
     # A trained tokenizer is a deterministic function of the inputs, so its recipe can stand in for
     # its sha; that lets a repeated prepare return before spending time on training.
     recipe = tokenizer_sha(tokenizer) if tokenizer is not None else f"bpe:{vocab_size}"
-    key = _key({"format": INDEX_FORMAT, "inputs": stats, "tokenizer": recipe, "val_fraction": val_fraction,
+    key = cache_key({"format": INDEX_FORMAT, "inputs": stats, "tokenizer": recipe, "val_fraction": val_fraction,
                 "seed": seed, "shard_tokens": shard_tokens})
     index = _is_current(out_dir, key)
     if index is not None:
@@ -377,7 +377,7 @@ class Datasets:
     data_dir: Path
 
 
-def _check_fits_model(cfg: Config, vocab: int, eos: int, where: str) -> None:
+def check_fits_model(cfg: Config, vocab: int, eos: int, where: str) -> None:
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the "
                           f"tokenizer of {where}; set model.vocab_size={vocab} or larger")
@@ -394,21 +394,16 @@ def _prepare_embedded(cfg: Config) -> Path:
     docs = embedded_documents(cache)
     train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
     tokenizer = get_tokenizer(cfg.data, train_docs, cfg.model.vocab_size)
-    _check_fits_model(cfg, tokenizer_vocab_size(tokenizer), eos_id(tokenizer), "the embedded corpus")
-    key = _key({"docs": documents_hash(docs), "val_fraction": cfg.data.val_fraction,
+    check_fits_model(cfg, tokenizer_vocab_size(tokenizer), eos_id(tokenizer), "the embedded corpus")
+    key = cache_key({"docs": documents_hash(docs), "val_fraction": cfg.data.val_fraction,
                 "tokenizer": tokenizer_sha(tokenizer)})[:16]
     out_dir = cache / f"embedded-{key}"
     prepare_documents(train_docs, val_docs, out_dir, tokenizer)
     return out_dir
 
 
-def load_datasets(cfg: Config) -> Datasets:
-    """The train and validation windows for `cfg`: the embedded corpus, or a `prepare`d directory; with
-    data.sft, the fine-tuning rows of fivefold.finetune.sft instead."""
-    if cfg.data.sft:
-        from fivefold.finetune.sft import load_sft_datasets
-
-        return load_sft_datasets(cfg)
+def load_pretraining_datasets(cfg: Config) -> Datasets:
+    """The train and validation windows for `cfg`: the embedded corpus, or a `prepare`d directory."""
     if cfg.data.dataset == "embedded":
         data_dir = _prepare_embedded(cfg)
     else:
@@ -421,7 +416,7 @@ def load_datasets(cfg: Config) -> Datasets:
     if cfg.data.tokenizer and tokenizer_sha(load_tokenizer(cfg.data.tokenizer)) != index["tokenizer_sha256"]:
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} differs from the tokenizer {data_dir} was "
                           f"prepared with; unset data.tokenizer or prepare the data with it")
-    _check_fits_model(cfg, index["vocab_size"], index["eos_id"], str(data_dir))
+    check_fits_model(cfg, index["vocab_size"], index["eos_id"], str(data_dir))
     vocab = cfg.model.vocab_size
     for split in SPLITS:
         largest = index["splits"].get(split, {}).get("max_token_id", -1)

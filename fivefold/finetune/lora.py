@@ -26,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.checkpoint.pieces import read_state
 from fivefold.config import LoraConfig, ModelConfig
 from fivefold.model.init import meta_model, param_seed
+from fivefold.parallel.collectives import ReduceFromTP, ReduceScatterSequence, all_reduce_hook
+from fivefold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 # lora.targets -> the linear's attribute name in the model (GELU MLPs call fc "up" and proj "down").
 MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
@@ -64,8 +67,6 @@ def targets(model: nn.Module, lora: LoraConfig) -> list[tuple[str, nn.Module]]:
 
 def linear_shape(module: nn.Module, tp_size: int) -> tuple[int, int]:
     """(out, in) of a linear's full weight, whatever its tensor-parallel kind."""
-    from fivefold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     out_f, in_f = module.weight.shape
     if isinstance(module, ColumnParallelLinear):
         out_f *= tp_size
@@ -94,9 +95,6 @@ class _Adapter:
 def apply_lora(model: nn.Module, lora: LoraConfig, tp_group=None, sequence_parallel: bool = False) -> dict[str, int]:
     """Freeze every parameter of `model` (on the meta device, possibly tensor-parallel already) and add
     adapters to the targeted linears. Returns {adapter parameter name: axis split across the tp group}."""
-    from fivefold.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _ReduceFromTP,
-                                                   _ReduceScatterSequence, _all_reduce_hook)
-
     for p in model.parameters():
         p.requires_grad_(False)
     axes: dict[str, int] = {}
@@ -109,15 +107,15 @@ def apply_lora(model: nn.Module, lora: LoraConfig, tp_group=None, sequence_paral
         reduce = None
         if isinstance(module, ColumnParallelLinear):
             axes[f"{name}.lora_B.weight"] = 0
-            module.lora_A.weight.register_hook(_all_reduce_hook(tp_group))
+            module.lora_A.weight.register_hook(all_reduce_hook(tp_group))
         elif isinstance(module, RowParallelLinear):
             axes[f"{name}.lora_A.weight"] = 1
             if sequence_parallel:
-                reduce = lambda h, m, g=tp_group: _ReduceScatterSequence.apply(h, g)  # noqa: E731
-                module.lora_B.weight.register_hook(_all_reduce_hook(tp_group))
+                reduce = lambda h, m, g=tp_group: ReduceScatterSequence.apply(h, g)  # noqa: E731
+                module.lora_B.weight.register_hook(all_reduce_hook(tp_group))
             else:
                 # A x may be kept by train.recompute=ops, as the layer's own partial product may
-                reduce = lambda h, m, g=tp_group: _ReduceFromTP.apply(h, g, m.copy_partial)  # noqa: E731
+                reduce = lambda h, m, g=tp_group: ReduceFromTP.apply(h, g, m.copy_partial)  # noqa: E731
         module.register_forward_hook(_Adapter(lora.scaling, lora.dropout, reduce))
     if not axes and tp > 1:
         raise ValueError("apply_lora: a tensor-parallel group was given, but no linear is tensor-parallel")
@@ -126,8 +124,6 @@ def apply_lora(model: nn.Module, lora: LoraConfig, tp_group=None, sequence_paral
 
 def adapter_count(cfg: ModelConfig, lora: LoraConfig) -> int:
     """Adapter parameters of the whole model: r x (in + out) per targeted linear."""
-    from fivefold.model import meta_model
-
     model = meta_model(cfg)
     return sum(lora.r * sum(linear_shape(m, 1)) for _, m in targets(model, lora))
 
@@ -147,8 +143,6 @@ def merge(model: nn.Module, lora: LoraConfig) -> None:
 
 def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
     """{adapter parameter name: full shape} of the whole (unsharded) model."""
-    from fivefold.model import meta_model
-
     out = {}
     for name, module in targets(meta_model(cfg), lora):
         out_f, in_f = linear_shape(module, 1)
@@ -158,31 +152,6 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, i
 
 def read_adapters(ckpt, cfg) -> dict[str, torch.Tensor]:
     """A LoRA run's adapters, whole and fp32, from its checkpoint `ckpt` (whatever layout wrote it)."""
-    from fivefold.train.checkpoint import read_state
-
     adapters = {name: torch.empty(shape) for name, shape in adapter_shapes(cfg.model, cfg.lora).items()}
     read_state(ckpt, {f"model.{n}": t for n, t in adapters.items()}, alone=True)
     return adapters
-
-
-def merged_values(ckpt, cfg):
-    """A value source (fivefold.parallel.apply) of a LoRA run's model with its adapters folded in: each base
-    weight from where the run's base came from (train.init_from, else the seeded init) plus its slice of
-    (alpha / r) B A. A plain model computing what the adapted one did, for serving and export."""
-    from fivefold.parallel.apply import init_from_values, initial_values
-
-    base = init_from_values(cfg) or initial_values(cfg)
-    adapters = read_adapters(ckpt, cfg)
-    quantized = {f"{n}.weight" for n, _ in targets(meta_model(cfg.model), LoraConfig(r=1, targets=",".join(MODULES)))}
-
-    def value(name: str, placement) -> torch.Tensor:
-        v = base(name, placement)
-        module = name.removesuffix(".weight")
-        if cfg.lora.quantize_base != "none" and name in quantized:  # QLoRA trained on the dequantized base
-            from fivefold.quant.formats import quantize_int4
-            v = quantize_int4(v, cfg.lora.group_size).dequantize(torch.float32)
-        if f"{module}.lora_A.weight" in adapters:
-            delta = adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"] * cfg.lora.scaling
-            v = v + placement.local(delta)
-        return v
-    return value

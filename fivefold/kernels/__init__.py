@@ -1,7 +1,7 @@
 """Fused Triton kernels for RMSNorm, the SwiGLU product and RoPE, applied to a built model from outside.
 
 The model stays plain PyTorch (fivefold/model): these kernels are swapped in by `apply_kernels`, the
-same way parallelism and recomputation are applied (fivefold.parallel.apply, fivefold.train.recompute),
+same way parallelism and recomputation are applied (fivefold.train.parallelize, fivefold.train.recompute),
 and every module, parameter and parameter name stays as it was, so checkpoints, the name-seeded init and
 the placement record see no difference. Each kernel is an autograd.Function with its forward and
 backward side by side, and computes what the PyTorch path computes (to rounding).

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fivefold.memory.units import CATEGORIES
+
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868",
           "activations": "#C44E52", "temporary": "#8172B3"}
 
 
-def human_bytes(n: float) -> str:
-    """Decimal units (GB = 1e9), the convention of the ZeRO paper's '16 bytes/param: 7B -> 112 GB'."""
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1000
-    return f"{sign}{n:.2f} PB"
-
-
-def _pyplot():
+def pyplot():
+    """matplotlib, headless; imported on first use (an optional dependency, and slow to import)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -28,9 +21,7 @@ def _pyplot():
 def plot_timeline(timeline, path: str | Path, title: str | None = None) -> Path:
     """Stacked areas per category over the ops of the measured steps, step boundaries marked, and the
     planner's predicted total as a dashed line."""
-    from fivefold.memory.tracker import CATEGORIES
-
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(12, 4.8))
     x = range(len(timeline.samples))
     scale, unit = _unit(timeline.peaks["total"])
@@ -56,7 +47,7 @@ def plot_timeline(timeline, path: str | Path, title: str | None = None) -> Path:
 
 def plot_sweep(result: dict, key: str, path: str | Path, title: str) -> Path:
     """Activation bytes against sequence length or micro-batch size, log-log, eager vs SDPA."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     xs = result["values"]
     scale, unit = _unit(max(max(result["eager"]), max(result["sdpa"])))
@@ -75,7 +66,7 @@ def plot_sweep(result: dict, key: str, path: str | Path, title: str) -> Path:
 def plot_recompute_sweep(rows: list[dict], num_layers: int, path: str | Path, title: str) -> Path:
     """Activation bytes against the extra compute of recomputation: a line from none to full through
     every k-th layer, Chen et al.'s k = sqrt(n) marked, selective apart."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     scale, unit = _unit(max(r["activations"] for r in rows))
     line = [r for r in rows if r["recompute"] != "selective"]

@@ -37,8 +37,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fivefold.config import Config
+from fivefold.memory.units import CATEGORIES
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -367,7 +367,7 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
     """Run the first `steps` real training steps of `cfg` with the Trainer and record memory by category
     after every op. `datasets` defaults to the config's data; pass random_datasets(cfg) to skip it.
     `cuda_history`: a path for torch.cuda.memory's snapshot (open it at pytorch.org/memory_viz)."""
-    from fivefold.memory.planner import plan_memory
+    from fivefold.memory.plan import plan_memory
     from fivefold.train.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)

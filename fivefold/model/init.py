@@ -2,7 +2,7 @@
 
 Each parameter's initial values depend only on (seed, parameter name): a generator is seeded from
 both and draws the *full* tensor on the CPU. A sharded run (TP, EP, PP, ZeRO-3) builds the model on the
-meta device, splits it there (fivefold.parallel.apply), and then materialises parameter by parameter
+meta device, splits it there (fivefold.train.parallelize), and then materialises parameter by parameter
 only its local piece of each full tensor, so every layout starts from bit-identical weights (what makes
 loss parity with one process exact) while no rank ever holds more than one full parameter at a time.
 """
@@ -40,17 +40,17 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
                 dtype: torch.dtype = torch.float32) -> Transformer:
     """Build on the meta device (no memory), then allocate on `device` and initialise deterministically."""
     model = meta_model(cfg, dtype)
-    materialize(model, device, seed, dtype)
+    materialise(model, device, seed, dtype)
     return model
 
 
-def materialize(model: Transformer, device, seed: int, dtype: torch.dtype = torch.float32) -> None:
+def materialise(model: Transformer, device, seed: int, dtype: torch.dtype = torch.float32) -> None:
     """Give every meta parameter of `model` its initial value (of the full model: no parallel layout)."""
-    materialize_parameters(model, lambda name, p: initial_value(name, p.shape, model.cfg, seed), device, dtype)
+    materialise_parameters(model, lambda name, p: initial_value(name, p.shape, model.cfg, seed), device, dtype)
 
 
 @torch.no_grad()
-def materialize_parameters(model: Transformer, value_of: Callable[[str, torch.Tensor], torch.Tensor], device,
+def materialise_parameters(model: Transformer, value_of: Callable[[str, torch.Tensor], torch.Tensor], device,
                            dtype: torch.dtype, keep: Callable[[int, torch.Tensor], None] | None = None) -> None:
     """Replace each meta parameter, one at a time, by `value_of(name, meta_param)` (fp32) cast to
     `dtype` on `device`. The Parameter objects stay the same (tied weights stay tied). `keep(i, value)`

@@ -248,7 +248,7 @@ def apply_context_parallel(model: nn.Module, group) -> None:
     """Swap every block's attention core for ring attention over `group`, and let mixtures of experts
     sum their routing counts over it (their router losses are means over the micro-batch). With packed
     documents, each forward's ForwardContext must carry `mask=DocumentBlocks(global doc ids, group)`: a
-    local (s, s) mask means nothing across ranks (fivefold.parallel.apply does this)."""
+    local (s, s) mask means nothing across ranks (fivefold.train.parallelize does this)."""
     from fivefold.model.moe import MoE
 
     for block in model.layers:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from fivefold.parallel.mesh import check_supported
+
 
 def without_option(argv: list[str], name: str) -> list[str]:
     """argv minus `name VALUE` / `name=VALUE`: what the workers must not see again (e.g. --nproc)."""
@@ -29,16 +31,12 @@ def torchrun_args(nproc: int, target: list[str]) -> list[str]:
     return ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *target]
 
 
-def check_layout(cfg, nproc: int) -> None:
+def check_launch(cfg, nproc: int) -> None:
     """The config against `nproc` processes (without a layout they are data parallel): a bad one fails
     here, before any worker starts or anything is written."""
-    from fivefold.config import validate
-    from fivefold.parallel.mesh import check_supported
-
     if cfg.parallel.dp == 1 and cfg.parallel.world_size == 1:
         cfg.parallel.dp = nproc
-    validate(cfg, world_size=nproc)
-    check_supported(cfg)
+    check_supported(cfg, nproc)
 
 
 def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
@@ -48,7 +46,7 @@ def launch_workers(cfg, nproc: int, argv: list[str], command: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
-    check_layout(cfg, nproc)
+    check_launch(cfg, nproc)
 
     try:
         torchrun(torchrun_args(nproc, ["-m", "fivefold", *without_option(argv, "--nproc")]))

@@ -1,7 +1,7 @@
 """The process layout: every process group a run uses and this rank's coordinates, on DeviceMesh.
 
-The config is validated against the launched world size *before* any process group starts, so a
-mismatch is a clear error instead of a hang.
+The layout is checked (fivefold.parallel.rules) against the launched world size *before* any process
+group starts, so a mismatch is a clear error instead of a hang.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, validate
-from fivefold.parallel.rules import check_implemented
+from fivefold.config import Config, ConfigError
+from fivefold.parallel.rules import check_layout
 
 # Collectives that wait longer than this fail (and torchrun tears the job down) instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("FIVEFOLD_COLLECTIVE_TIMEOUT", "120")))
@@ -87,14 +87,21 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_supported(cfg: Config) -> None:
-    """What this machine must have for the layout (Triton kernels), and the layout rules themselves
-    (fivefold.parallel.rules: the same check `fivefold plan` and the layout search make)."""
-    if cfg.train.kernels == "triton":  # a device question validate() cannot answer without torch
-        from fivefold.kernels import check_usable
+def check_supported(cfg: Config, world_size: int | None = None) -> None:
+    """The layout's rules (fivefold.parallel.rules: the same check `fivefold plan` and the layout search
+    make), then what this machine must have for it: the one place availability is asked."""
+    check_layout(cfg, world_size)
+    if cfg.train.kernels == "triton":
+        from fivefold.kernels import check_usable  # imports triton: only when asked for
 
         check_usable()
-    check_implemented(cfg)
+    if cfg.train.precision == "fp8":
+        from fivefold.train.fp8 import torchao_missing  # imports torchao: only when asked for
+
+        missing = torchao_missing()
+        if missing:
+            raise ConfigError(f"train.precision=fp8 runs torchao's float8 linears: {missing}; or use "
+                              f"train.precision=bf16-mixed")
 
 
 def init_mesh(cfg: Config, device: torch.device) -> Mesh:
@@ -102,8 +109,7 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
     world = launched_world_size()
     if world > 1 and cfg.parallel.dp == 1 and cfg.parallel.world_size == 1:
         cfg.parallel.dp = world  # `--nproc N` with no explicit layout means data parallel over N
-    validate(cfg, world_size=world)
-    check_supported(cfg)
+    check_supported(cfg, world)
     if world == 1:
         return Mesh()
     if not dist.is_initialized():

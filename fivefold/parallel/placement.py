@@ -1,6 +1,6 @@
 """The placement record: for every parameter a rank holds, where its local tensor sits in the global one.
 
-`parallelize` (fivefold.parallel.apply) builds it while it splits the model; everything that needs to
+`parallelize` (fivefold.train.parallelize) builds it while it splits the model; everything that needs to
 know how a parameter is laid out reads it from here instead of from attributes glued onto tensors:
 materialisation (which slice of the initial value to make), ZeRO (the rows it shards further), the
 gradient norm (which squares to sum over which group), checkpoints (global shape and offsets) and

@@ -27,68 +27,13 @@ micro-batch 0's gradient with a later one's before the former is complete (zero-
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from fivefold.parallel.pipeline_schedules import build_schedule
-from fivefold.train.loss import IGNORE_INDEX
-
-
-def reduces_every_micro_batch(cfg) -> bool:
-    """ZeRO-2/3 over more than one rank (apply.py runs ZeRO only when dp x cp > 1)."""
-    return cfg.parallel.zero >= 2 and cfg.parallel.dp * cfg.parallel.cp > 1
-
-
-def layout_unavailable(cfg) -> str | None:
-    """Why this parallel layout cannot measure the first micro-batch's gradient (None: it can). A pure
-    function of the config, so every rank (and validation, before any process group) decides alike."""
-    p = cfg.parallel
-    if p.ep > 1:
-        return (f"under parallel.ep={p.ep} a rank's experts hold the gradient of other ranks' tokens beside its "
-                f"own; use parallel.ep=1")
-    if p.cp > 1 and not reduces_every_micro_batch(cfg):
-        return (f"under parallel.cp={p.cp} a rank holds a partial gradient of rows shared with the ring until the "
-                f"last micro-batch's reduction; use parallel.zero=2 or 3 (it reduces every micro-batch)")
-    if p.pp > 1 and reduces_every_micro_batch(cfg):
-        return "a pipeline with ZeRO-2/3 reduces micro-batches at different times on each stage"
-    if p.pp > 1 and cfg.model.tie_embeddings:
-        return ("under a pipeline the tied embedding's two copies are summed only at the optimizer step; use "
-                "model.tie_embeddings=false")
-    return None
-
-
-def unavailable(cfg, micro_batches: int) -> str | None:
-    """Why a step of `micro_batches` micro-batches (per rank) has no small-batch gradient to measure."""
-    if micro_batches < 2:
-        return ("a step of one micro-batch has no smaller batch to compare with; set train.grad_accum >= 2 (halve "
-                "train.micro_batch_size and double grad_accum for the same batch)")
-    reason = layout_unavailable(cfg)
-    if reason is None and cfg.parallel.pp > 1 and first_micro_batch_points(
-            cfg.parallel.pp_schedule, cfg.parallel.pp, micro_batches, cfg.parallel.pp_virtual_stages) is None:
-        reason = (f"parallel.pp_schedule={cfg.parallel.pp_schedule} adds a later micro-batch's gradient before "
-                  f"micro-batch 0's is complete; use 1f1b, afab or interleaved")
-    return reason
-
-
-@lru_cache(maxsize=64)
-def first_micro_batch_points(schedule: str, pp: int, m: int, v: int = 1) -> tuple[dict[int, int], ...] | None:
-    """Per rank, {action index: chunk}: after that action the chunk's parameters hold micro-batch 0's whole
-    gradient and nothing else (its last B/W action of micro-batch 0, with none of a later micro-batch's
-    before it). None when some rank's chunk has no such point."""
-    points = []
-    for actions in build_schedule(schedule, pp, m, v):
-        mine = {}
-        for chunk in range(v):
-            work = [(i, a) for i, a in enumerate(actions) if a.chunk == chunk and a.kind in ("B", "W")]
-            leading = next((k for k, (_, a) in enumerate(work) if a.mb != 0), len(work))
-            if leading == 0 or any(a.mb == 0 for _, a in work[leading:]):
-                return None
-            mine[work[leading - 1][0]] = chunk
-        points.append(mine)
-    return tuple(points)
+from fivefold.data.labels import IGNORE_INDEX
+from fivefold.parallel.rules import first_micro_batch_points, reduces_every_micro_batch, unavailable
 
 
 class SmallBatchGradient:

@@ -21,130 +21,15 @@ their rank's part of the sequence under SP, so their gradients are summed over t
 """
 
 from __future__ import annotations
-
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.moe import GroupedExperts
-from fivefold.parallel.zero import _all_gather, _reduce_scatter
-
-
-# -- communication, each with its backward ------------------------------------------------------------
-
-
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce of the input gradient backward (each rank used the input)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce of partial sums forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, copy=False):
-        # In place, unless x may be a matmul output that train.recompute=ops keeps for backward (`copy`):
-        # the kept tensor must stay the partial product. Decided per module, not per pass, so that the
-        # recomputation runs the same ops as the forward did.
-        x = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, s, ...) per rank -> (B, tp * s, ...), ranks in order along the sequence."""
-    tp = dist.get_world_size(group)
-    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather(out, x.contiguous(), group=group)  # rank-major along dim 0, as the collective requires
-    return out.view(tp, *x.shape).movedim(0, 1).flatten(1, 2)
-
-
-def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, S, ...) partial sums on every rank -> this rank's (B, S / tp, ...) of the sum."""
-    tp = dist.get_world_size(group)
-    b, s = x.shape[:2]
-    chunks = x.reshape(b, tp, s // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # rank-major
-    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, chunks.flatten(0, 1), group=group)
-    return out
-
-
-def _own_part(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's slice along the sequence of a (B, S, ...) tensor every rank holds whole."""
-    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
-
-class _GatherSequence(torch.autograd.Function):
-    """SP into a column-parallel linear: all-gather along the sequence; backward reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """SP out of a row-parallel linear: reduce-scatter along the sequence; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Into the SP region from a replicated tensor: keep this rank's part; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _own_part(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
-
-
-class _GatherToReplicated(torch.autograd.Function):
-    """Out of the SP region into a replicated computation whose input gradient is the same on every rank
-    (a mixture of experts: routing reads every token): all-gather along the sequence; backward keeps
-    this rank's part of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_part(grad, ctx.group), None
-
-
-# -- sharded layers -----------------------------------------------------------------------------------
+from fivefold.parallel.collectives import (CopyToTP, GatherSequence, GatherToReplicated, ReduceFromTP,
+                                           ReduceScatterSequence, SplitSequence, all_reduce_hook, gather_sequence,
+                                           in_backward)
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
@@ -170,9 +55,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input == "copy":
-            x = _CopyToTP.apply(x, self.group)
+            x = CopyToTP.apply(x, self.group)
         elif self.input == "gather":
-            x = _GatherSequence.apply(x, self.group)
+            x = GatherSequence.apply(x, self.group)
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,9 +82,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
         if self.sequence_parallel:
-            y = _ReduceScatterSequence.apply(y, self.group)
+            y = ReduceScatterSequence.apply(y, self.group)
         else:
-            y = _ReduceFromTP.apply(y, self.group, self.copy_partial)
+            y = ReduceFromTP.apply(y, self.group, self.copy_partial)
         return y + self.bias if self.bias is not None else y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +107,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return _ReduceFromTP.apply(x.masked_fill(outside[..., None], 0.0), self.group)
+        return ReduceFromTP.apply(x.masked_fill(outside[..., None], 0.0), self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -267,9 +152,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, sta
     return _VocabParallelCrossEntropy.apply(logits, labels, start, ignore_index, group)
 
 
-# -- applying it to a model -----------------------------------------------------------------------------
-
-
 class SequenceGatheredInput:
     """Under SP, the input of an attention, MLP or LM head is all-gathered along the sequence once, at
     the module's entrance, for all its column-parallel linears. Those linears save the gathered tensor
@@ -285,8 +167,7 @@ class SequenceGatheredInput:
 
     def _enter(self, module, args):
         x_local = args[0]
-        x_full = _GatherSequence.apply(x_local, self.group)
-        from fivefold.parallel.zero import _in_backward
+        x_full = GatherSequence.apply(x_local, self.group)
         from fivefold.train.recompute import checkpointed
 
         # Inside backward (a recomputed forward) the gathered input is used at once: nothing to release.
@@ -294,7 +175,7 @@ class SequenceGatheredInput:
         # nothing of its forward: nothing to release either (a re-gather in backward would only make a
         # second copy beside the recomputation's, held to the end of backward).
         keep = (not torch.compiler.is_compiling() and torch.is_grad_enabled() and x_full.requires_grad
-                and not _in_backward() and not checkpointed())
+                and not in_backward() and not checkpointed())
         self._pending = (x_local.detach(), x_full) if keep else None
         return (x_full, *args[1:])
 
@@ -353,7 +234,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> d
         # all-gather; replicated parameters inside it (norms, row-parallel biases) see only this rank's
         # part of the sequence, so their gradients are summed over the tp group.
         model.layers[0].register_forward_pre_hook(
-            lambda module, args: (_SplitSequence.apply(args[0], group), *args[1:]))
+            lambda module, args: (SplitSequence.apply(args[0], group), *args[1:]))
         moe = [block.mlp for block in model.layers if hasattr(block.mlp, "router")]
         for module in [*(m for block in model.layers for m in (block.attn, block.mlp) if m not in moe), *heads]:
             SequenceGatheredInput(module, group)
@@ -361,15 +242,15 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> d
         # bring their own f and g), between a gather and a split of the residual stream.
         for module in moe:
             module.register_forward_pre_hook(
-                lambda module, args: (_GatherToReplicated.apply(args[0], group), *args[1:]))
-            module.register_forward_hook(lambda module, args, output: _SplitSequence.apply(output, group))
+                lambda module, args: (GatherToReplicated.apply(args[0], group), *args[1:]))
+            module.register_forward_hook(lambda module, args, output: SplitSequence.apply(output, group))
         for p in _sequence_region_replicas(model):
-            p.register_hook(_all_reduce_hook(group))
+            p.register_hook(all_reduce_hook(group))
     else:
         # A mixture of experts gets its f per expert instead (its router also reads the input, whole).
         entrances = [m for block in model.layers for m in (block.attn, block.mlp) if not hasattr(m, "router")]
         for module in [*entrances, *heads]:
-            module.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+            module.register_forward_pre_hook(lambda module, args: (CopyToTP.apply(args[0], group), *args[1:]))
     return sharded_axes(model)
 
 
@@ -408,8 +289,8 @@ def _shard_experts(moe: nn.Module, group) -> None:
     experts = moe.experts
     for name, axis in EXPERT_AXES.items():
         setattr(experts, name, _shard(getattr(experts, name), axis, rank, tp))
-    experts.register_forward_pre_hook(lambda module, args: (_CopyToTP.apply(args[0], group), *args[1:]))
-    experts.register_forward_hook(lambda module, args, output: _ReduceFromTP.apply(output, group))
+    experts.register_forward_pre_hook(lambda module, args: (CopyToTP.apply(args[0], group), *args[1:]))
+    experts.register_forward_hook(lambda module, args, output: ReduceFromTP.apply(output, group))
     shared = moe.shared_expert
     if shared is not None:
         shared.gate_proj = ColumnParallelLinear(shared.gate_proj, group, "copy")
@@ -419,11 +300,3 @@ def _shard_experts(moe: nn.Module, group) -> None:
 
 # The axis of each stacked expert weight (E, out, in) that tensor parallelism splits: the expert width f.
 EXPERT_AXES = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
-
-
-def _all_reduce_hook(group):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-    return hook

@@ -3,7 +3,7 @@ Optimizations Toward Training Trillion Parameter Models").
 
 Every parameter is split along dim 0 into dp chunks of ceil(rows / dp) rows, the last ones shorter or
 empty: torch.chunk's rule, which is also DTensor's Shard(0), so a rank's chunk is exactly its local
-tensor in a sharded checkpoint (fivefold.train.checkpoint). Each rank owns the fp32 master weights and
+tensor in a sharded checkpoint (fivefold.checkpoint). Each rank owns the fp32 master weights and
 Adam moments of its chunks only.
 
     stage 1  gradients are reduce-scattered on the step's last micro-batch; each rank updates its chunks
@@ -27,19 +27,17 @@ import math
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fivefold.model.init import give_memory
+from fivefold.parallel.collectives import all_gather_into, in_backward, reduce_scatter_into
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
 from fivefold.parallel.hooks import weak
 
-# Gradient reduce-scatters a rank lets run at once (fivefold.memory.planner counts their buffers).
+# Gradient reduce-scatters a rank lets run at once (fivefold.memory.plan counts their buffers).
 MAX_REDUCES_IN_FLIGHT = 2
 
 # torch 2.13 renamed the flat collectives; older versions only have the former names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def chunk_range(rows: int, dp: int, rank: int) -> tuple[int, int]:
@@ -195,7 +193,7 @@ class ZeroDataParallel(TimedWaits):
         flat = bucket.group.pack([self.grad_of(p) for p in bucket.group.params], torch.float32,
                                  release=_drop_grad)  # each .grad freed once its rows are in `flat` (2, 3)
         bucket.output = torch.empty(bucket.group.shard_numel, dtype=torch.float32, device=flat.device)
-        bucket.work = _reduce_scatter(bucket.output, flat, group=self.group, async_op=True)
+        bucket.work = reduce_scatter_into(bucket.output, flat, group=self.group, async_op=True)
         # Each reduce-scatter in flight holds its bucket's full fp32 gradients (and on gloo a full copy
         # of them). Backward can outrun the network, so without a bound every block's would queue up:
         # ~2x the planned memory at 20 blocks. Waiting for the oldest keeps one overlapping the next
@@ -254,7 +252,7 @@ class ZeroDataParallel(TimedWaits):
     def as_global(self, i: int, local: torch.Tensor):
         """This rank's rows of parameter i (or of a tensor shaped like its masters), placed in the full
         parameter: what torch.distributed.checkpoint saves and reshards."""
-        from fivefold.train.checkpoint import Piece
+        from fivefold.checkpoint.pieces import Piece
 
         placement = self.placements[i]
         start, _ = chunk_range(self.params[i].shape[0], self.dp, self.rank)
@@ -277,7 +275,7 @@ class ZeroDataParallel(TimedWaits):
         group = FlatGroup(params, self.dp, self.rank)
         shard = group.pack_local([self.masters[i] for i in indices], params[0].dtype)
         gathered = torch.empty(self.dp * group.shard_numel, dtype=shard.dtype, device=shard.device)
-        work = _all_gather(gathered, shard, group=self.group, async_op=True)
+        work = all_gather_into(gathered, shard, group=self.group, async_op=True)
         self._publishing.append((group, gathered, work))
 
     @torch.no_grad()
@@ -321,7 +319,7 @@ class ZeroDataParallel(TimedWaits):
         if not bucket.gathered and unit not in self._gathers:
             gathered = torch.empty(self.dp * bucket.group.shard_numel, dtype=bucket.shard.dtype,
                                    device=bucket.shard.device)
-            self._gathers[unit] = (gathered, _all_gather(gathered, bucket.shard, group=self.group, async_op=True))
+            self._gathers[unit] = (gathered, all_gather_into(gathered, bucket.shard, group=self.group, async_op=True))
         if wait and unit in self._gathers:
             gathered, work = self._gathers.pop(unit)
             self.wait(work)
@@ -333,11 +331,11 @@ class ZeroDataParallel(TimedWaits):
 
     def _before_block(self, unit: int, module, args) -> None:
         self._gather(unit, wait=True)
-        if not _in_backward():
+        if not in_backward():
             self._gather(unit + 1, wait=False)  # prefetch: the next block's gather overlaps this one
 
     def _after_block(self, unit: int, module, args, output):
-        if _in_backward():
+        if in_backward():
             return output
         self._free(unit)
         if torch.is_grad_enabled() and output.requires_grad:
@@ -374,8 +372,3 @@ def _units(model: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Paramet
 
 def _drop_grad(param: nn.Parameter) -> None:
     param.grad = None
-
-
-def _in_backward() -> bool:
-    """True while autograd's engine runs (e.g. a recomputed forward inside backward)."""
-    return torch._C._current_graph_task_id() != -1

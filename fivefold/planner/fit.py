@@ -3,7 +3,7 @@ config's layout (dp, tp, pp, cp, ep, ZeRO and precision stay as configured).
 
 Candidates: each recomputation mode (none, selective, ops, full; on every layer) with micro-batch sizes that
 are powers of two, and the largest whole number that fits. A candidate fits when the memory plan's total on
-the most loaded rank (fivefold.memory.planner.plan_memory) is within the device memory less the headroom.
+the most loaded rank (fivefold.memory.plan.plan_memory) is within the device memory less the headroom.
 
 The global batch is kept: each rank's sequences per step (micro_batch_size x grad_accum, or --global-batch
 over dp x seq_len) must be a multiple of the micro-batch, and grad_accum makes up the rest; under pipeline
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError
 from fivefold.memory import formulas
-from fivefold.memory.planner import plan_memory
-from fivefold.memory.plots import human_bytes
+from fivefold.memory.plan import plan_memory
+from fivefold.memory.units import human_bytes
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.planner.speed import SpeedPlan, predict_step, recomputed_matmul_share
 

@@ -12,9 +12,9 @@ COLORS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp": "#f58518", "cp": "
 
 def plot_breakdown(candidates, path: str | Path, title: str) -> Path:
     """One horizontal bar per layout, best at the top: seconds per token per GPU, split by category."""
-    from fivefold.memory.plots import _pyplot
+    from fivefold.memory.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(candidates) + 1.8))
     labels = []
     for row, c in enumerate(candidates):

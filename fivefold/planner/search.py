@@ -11,7 +11,7 @@ Most candidates are settled without costing them: for one mesh and schedule, a l
 needs less memory, more recomputation or a higher ZeRO stage never less time (the step-time model's
 terms only grow), so for each micro-batch only the lowest ZeRO stage that fits is costed for each
 recomputation mode, and the search stops growing the micro-batch at the first that fits nowhere.
-Memory is the planner's own (fivefold.memory.planner) on the stages that can be the most loaded: the
+Memory is the planner's own (fivefold.memory.plan) on the stages that can be the most loaded: the
 first (most micro-batches in flight, the embeddings, the extra layers of an uneven split) and the last
 (the LM head).
 """
@@ -23,10 +23,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from fivefold.config import Config, ConfigError, validate
+from fivefold.config import Config, ConfigError
 from fivefold.parallel.rules import check_implemented, check_layout
 from fivefold.memory import formulas
-from fivefold.memory.planner import stage_total
+from fivefold.memory.plan import stage_total
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.planner.speed import SpeedPlan, predict_step
 
@@ -130,7 +130,7 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
         par.pp_layers, par.pp_schedule, par.pp_virtual_stages = "", "1f1b", 1
         base.train.micro_batch_size, base.train.grad_accum, base.train.batch_schedule = 1, per_rank, ""
         try:
-            check_layout(base) if implemented_only else validate(base)
+            check_layout(base, implemented=implemented_only)
         except ConfigError:
             continue
         meshes += 1
@@ -145,7 +145,7 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
                 trial.parallel.pp_schedule, trial.parallel.pp_virtual_stages = schedule, v
                 trial.train.micro_batch_size, trial.train.grad_accum = mbs, per_rank // mbs
                 try:
-                    check_layout(trial) if implemented_only else validate(trial)
+                    check_layout(trial, implemented=implemented_only)
                 except ConfigError:
                     continue
                 fitted_any, best_zero = False, 4
@@ -183,7 +183,7 @@ def search_layouts(cfg: Config, profile: HardwareProfile, gpus: int, global_batc
 
 def _model_states(cfg: Config, virtual_stages: int, zero: int) -> float:
     """Parameters + optimizer states of the larger of the first and last pipeline rank: a lower bound on
-    its memory (fivefold.memory.planner counts them the same way) that needs no activation replay."""
+    its memory (fivefold.memory.plan counts them the same way) that needs no activation replay."""
     m, p = cfg.model, cfg.parallel
     bpp = formulas.bytes_per_param(cfg.train.precision, cfg.train.fp32_grad_accum)
     out = 0.0

@@ -14,7 +14,7 @@ Layout (`fivefold quantize ... --out DIR` writes it, `load_quantized(DIR)` reads
                            int8: -1, one scale per output row), "modules": [the quantized modules],
                            "calibration": {how GPTQ's calibration data was chosen; {} for RTN},
                            "bytes": {"quantized": what the codes take, "expected": the formula's}}
-    config.json           the fivefold config tree (fivefold.train.checkpoint.read_config reads it)
+    config.json           the fivefold config tree (fivefold.checkpoint.store.read_config reads it)
     tokenizer.json ...    the source's tokenizer files (fivefold.interop.hf.TOKENIZER_FILES), byte for byte
 
 Shapes are not stored: the config gives every linear's (out, in), and each tensor's dtype and shape are
@@ -38,18 +38,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from fivefold.checkpoint.files import fsync_dir, read_json, save_tensors, write_json
+from fivefold.checkpoint.kinds import QUANTIZATION, QUANTIZED_WEIGHTS, is_quantized_dir
+from fivefold.checkpoint.store import read_config
 from fivefold.config import Config
 from fivefold.errors import CheckpointError, UserError
 from fivefold.quant.formats import BITS, METHODS, QuantizedWeight, expected_bytes
-from fivefold.train.checkpoint import _fsync_dir, _save_tensors, _write_json, read_config, read_json
 
 FORMAT = 1
-WEIGHTS, QUANTIZATION, CONFIG = "model.safetensors", "quantization.json", "config.json"
-
-
-def is_quantized_dir(path: str | Path) -> bool:
-    path = Path(path)
-    return (path / QUANTIZATION).is_file() and (path / WEIGHTS).is_file()
+WEIGHTS, CONFIG = QUANTIZED_WEIGHTS, "config.json"
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
@@ -88,21 +85,21 @@ def save_quantized(out_dir: str | Path, cfg: Config, model: nn.Module, qweights:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _save_tensors(tmp / WEIGHTS, tensors)
-        _write_json(tmp / QUANTIZATION, meta)
-        _write_json(tmp / CONFIG, cfg.to_dict())
+        save_tensors(tmp / WEIGHTS, tensors)
+        write_json(tmp / QUANTIZATION, meta)
+        write_json(tmp / CONFIG, cfg.to_dict())
         for name, data in (extra_files or {}).items():
             with open(tmp / name, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         if old is not None:
             shutil.rmtree(old)
     except BaseException:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig
+from fivefold.weights import adapter_weights
 
 
 @dataclass
@@ -37,28 +38,10 @@ class Adapter:
 
 def load_adapter(name: str, source: str | Path, model_cfg: ModelConfig) -> Adapter:
     """Adapter `name` from a fivefold LoRA run / checkpoint or a PEFT adapter directory."""
-    from fivefold.interop.hf import check_same_shapes
-
-    source = Path(source)
-    if (source / "adapter_config.json").is_file():
-        from fivefold.finetune.peft import read_adapter, read_adapter_config
-
-        cfg = Config(model=model_cfg, lora=read_adapter_config(source))
-        tensors = read_adapter(source, cfg)
-    else:
-        from fivefold.finetune.lora import read_adapters
-        from fivefold.train.checkpoint import read_config, resolve_checkpoint
-
-        ckpt = resolve_checkpoint(source)
-        cfg = read_config(ckpt)
-        if not cfg.lora.r:
-            raise ConfigError(f"adapter {name!r}: {source} is not a LoRA run (lora.r=0); give a LoRA run, its "
-                              f"checkpoint, or a PEFT adapter directory")
-        check_same_shapes(model_cfg, cfg.model, f"adapter {name!r} ({source})")
-        tensors = read_adapters(ckpt, cfg)
+    lora, tensors = adapter_weights(source, model_cfg, f"adapter {name!r}")
     modules = sorted({key.split(".lora_")[0] for key in tensors})
     weights = {m: (tensors[f"{m}.lora_A.weight"], tensors[f"{m}.lora_B.weight"]) for m in modules}
-    return Adapter(name, cfg.lora.scaling, weights)
+    return Adapter(name, lora.scaling, weights)
 
 
 class AdapterSet:

@@ -39,7 +39,7 @@ class ServePlan:
                 "max_sequences": {str(n): self.kv.max_sequences(n) for n in lengths}}
 
     def table(self) -> str:
-        from fivefold.memory.plots import human_bytes
+        from fivefold.memory.units import human_bytes
 
         data = self.to_json()
         rows = [("weights", self.weights), ("KV pool", self.kv.bytes), ("logits (one step)", self.logits),

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from fivefold.serve.chat import ChatTemplate
+from fivefold.data.chat import ChatTemplate
 from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.metrics import ServerMetrics
 from fivefold.serve.protocol import (APIError, ChatRequest, CompletionRequest, StepFailed, TextStream, chat_logprobs,

@@ -3,7 +3,7 @@
 Launched by torchrun (`fivefold generate|serve --tp N`, or a script calling `LLM(..., tp=N)` on every
 rank). The model is the training code's tensor-parallel model (`apply_tensor_parallel`: heads, FFN and
 vocabulary split, one all-reduce after attention and after the MLP), built on the meta device and
-materialised from the checkpoint slice by slice (fivefold.serve.loading), so no rank holds the whole
+materialised from the checkpoint slice by slice (fivefold.weights), so no rank holds the whole
 model. Rank 0 runs the
 scheduler and sampler; for every forward it broadcasts the batch (token ids and block tables), all ranks
 run the forward on their shard, and the vocabulary-sharded logits are gathered for sampling.
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from fivefold.config import Config, ParallelConfig
+from fivefold.parallel.launch import launch_workers
+from fivefold.weights import model_config_of
 
 
 class TensorParallelGroup:
@@ -49,9 +53,5 @@ class TensorParallelGroup:
 def launch(source, tp: int, argv: list[str], command: str) -> int:
     """Re-run this fivefold command on `tp` processes under torchrun, once the model's shapes are known to
     split `tp` ways (a bad --tp fails here, before any worker starts)."""
-    from fivefold.config import Config, ParallelConfig
-    from fivefold.parallel.launch import launch_workers
-    from fivefold.serve.loading import model_config_of, model_directory
-
-    cfg = Config(model=model_config_of(model_directory(source)), parallel=ParallelConfig(tp=tp))
+    cfg = Config(model=model_config_of(source), parallel=ParallelConfig(tp=tp))
     return launch_workers(cfg, tp, argv, command)

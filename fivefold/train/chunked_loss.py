@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.parallel.tensor_parallel import gather_sequence, reduce_scatter_sequence
+from fivefold.parallel.collectives import gather_sequence, reduce_scatter_sequence
 
 
 class FeatureHead(nn.Module):

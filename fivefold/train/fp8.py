@@ -29,9 +29,9 @@ part of the sequences), trains as well but rounds differently.
 Where it runs: on CUDA, GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell;
 checked when the device is known, at trainer start). On a CPU torchao emulates the float8 matmuls
 (`Float8LinearConfig(emulate=True)`: the same float8 rounding of both operands, the product in fp32),
-which is slow and only for tests. Refused in validate(), each with the reason in its message: tensor
+which is slow and only for tests. Refused by fivefold.parallel.rules.check_layout, each with the reason in its message: tensor
 parallelism, LoRA / QLoRA, the zero-bubble pipeline schedule, and linear widths that are not multiples
-of 16 (check_fp8_config).
+of 16 (rules.check_fp8).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import logging
 import torch
 from torch import nn
 
-from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.config import Config, ConfigError
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores; Ampere (8.0, 8.6) has none
 
@@ -68,52 +68,6 @@ def _import_float8():
         for log, level in zip(logs, levels):
             log.setLevel(level)
     return float8
-
-
-def fp8_widths(m: ModelConfig) -> dict[str, int]:
-    """Every in / out width of the linears train.precision=fp8 converts, by the model key that sets it."""
-    widths = {"model.hidden_size": m.hidden_size,
-              f"model.num_heads x head size ({m.num_heads} x {m.head_size})": m.q_size,
-              f"model.num_kv_heads x head size ({m.num_kv_heads} x {m.head_size})": m.kv_size}
-    if m.num_experts:  # the routed experts stay bf16
-        if m.shared_expert_size:
-            widths["model.shared_expert_size"] = m.shared_expert_size
-    else:
-        widths["model.ffn_hidden_size"] = m.ffn_hidden_size
-    return widths
-
-
-def check_fp8_config(cfg: Config) -> None:
-    """What train.precision=fp8 cannot run with (called by fivefold.config.validate). The device's fp8
-    support is checked at trainer start (apply_fp8), where the device is known."""
-    missing = torchao_missing()
-    if missing:
-        raise ConfigError(f"train.precision=fp8 runs torchao's float8 linears: {missing}; or use "
-                          f"train.precision=bf16-mixed")
-    p, lora = cfg.parallel, cfg.lora
-    if p.tp > 1:
-        raise ConfigError(
-            f"train.precision=fp8 with parallel.tp={p.tp} is not supported: tensor parallelism replaces the "
-            f"blocks' linears by fivefold's column / row-parallel shards, torchao has no public float8 matmul "
-            f"for them, and each shard's own tensorwise scale would differ from the whole layer's (torchao "
-            f"all-reduces the amax only through DTensor); use parallel.tp=1 (split the model with pp or "
-            f"ZeRO-3 instead), or train.precision=bf16-mixed")
-    if lora.r or lora.quantize_base != "none":
-        raise ConfigError(
-            "train.precision=fp8 with LoRA (lora.r>0) is not supported: the adapters are child modules of the "
-            "base linears that torchao's conversion would drop, and QLoRA's int4 base has no bf16 weight to "
-            "cast; fine-tune adapters with train.precision=bf16-mixed")
-    if p.pp > 1 and p.pp_schedule == "zero-bubble":
-        raise ConfigError(
-            "train.precision=fp8 with parallel.pp_schedule=zero-bubble is not supported: zero-bubble defers "
-            "each plain linear's weight gradient to a later W pass, which a float8 linear computes in its own "
-            "backward; use parallel.pp_schedule=1f1b or interleaved")
-    bad = {key: n for key, n in fp8_widths(cfg.model).items() if n % 16}
-    if bad:
-        fixes = ", ".join(f"{key}={n} (e.g. {16 * max(1, round(n / 16))})" for key, n in bad.items())
-        raise ConfigError(f"train.precision=fp8 needs every width of the blocks' linears to be a multiple of 16 "
-                          f"(float8 tensor-core matmuls); not so: {fixes}; change those model keys, or use "
-                          f"train.precision=bf16-mixed")
 
 
 def fp8_supported(device: torch.device) -> str | None:

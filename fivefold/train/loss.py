@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.config import Config
+from fivefold.data.labels import IGNORE_INDEX
 from fivefold.model import ForwardContext, doc_ids_from_tokens
-
-IGNORE_INDEX = -100
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -197,7 +197,7 @@ class MasterWeightAdamW:
         placement = self.placements[i] if self.placements else None
         if placement is None or not placement.sharded:
             return tensor
-        from fivefold.train.checkpoint import Piece
+        from fivefold.checkpoint.pieces import Piece
 
         return Piece(tensor, placement.global_shape, placement.offsets)
 

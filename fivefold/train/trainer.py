@@ -15,17 +15,21 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, resume_conflicts, validate
-from fivefold.data.dataset import ResumableSampler, load_datasets
+from fivefold.config import Config, ConfigError, resume_conflicts
+from fivefold.data.dataset import ResumableSampler
+from fivefold.data.load import load_datasets
 from fivefold.errors import CheckpointError, CheckpointSaveError, UserError
 from fivefold.memory.formulas import checkpoint_bytes, count_params, flops_per_token
-from fivefold.parallel.apply import compute_dtype, init_from_values, parallelize
+from fivefold.train.parallelize import compute_dtype, parallelize
+from fivefold.weights import init_from_values
 from fivefold.parallel.hooks import weak
 from fivefold.parallel.mesh import init_mesh, local_device
-from fivefold.train import checkpoint as ckpt
+from fivefold.checkpoint import store as ckpt
+from fivefold.checkpoint.files import read_json, read_tensors
+from fivefold.checkpoint.pieces import read_state
 from fivefold.train.batch_ramp import AutoBatchRamp
 from fivefold.train.interrupt import GracefulStop
-from fivefold.train.loss import IGNORE_INDEX
+from fivefold.data.labels import IGNORE_INDEX
 from fivefold.train.metrics import MetricsLog, memory_bytes, mfu_peaks, progress_bar
 from fivefold.train.noise_scale import NoiseScale
 from fivefold.train.optim import grad_accum_at, lr_at
@@ -53,11 +57,10 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: bool = False,
                  quiet: bool = False, datasets=None):
-        validate(cfg)
         self.cfg = cfg
         self.out_dir = Path(out_dir or cfg.train.out_dir)
         self.device = local_device(resolve_device(cfg.train.device))
-        self.mesh = init_mesh(cfg, self.device)  # validates the layout before any process group starts
+        self.mesh = init_mesh(cfg, self.device)  # checks the layout before any process group starts
         self.quiet = quiet or not self.mesh.is_main
         torch.manual_seed(cfg.train.seed)
         if datasets is None and not self.mesh.is_main:
@@ -102,7 +105,7 @@ class Trainer:
             print(f"initialised from {cfg.train.init_from}")
 
     def _initial_weights(self, resuming: bool):
-        """The value source `materialise` makes this rank's parameters from (fivefold.parallel.apply.
+        """The value source `materialise` makes this rank's parameters from (fivefold.train.parallelize.
         init_from_values), or None for the seeded init. A resumed run reads its checkpoint instead, except
         a LoRA run's frozen base, which its checkpoints do not hold."""
         if resuming and not self.cfg.lora.r:
@@ -357,7 +360,7 @@ class Trainer:
         if conflicts:
             raise ConfigError(f"cannot resume {path} with this config: {'; '.join(conflicts)}. Keep those "
                               f"settings, or start a new run with another --out (or --overwrite)")
-        state = ckpt.read_json(path / "trainer_state.json")
+        state = read_json(path / "trainer_state.json")
         try:
             step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
             base_batch_tokens, sampler = int(state["base_batch_tokens"]), dict(state["sampler"])
@@ -380,11 +383,11 @@ class Trainer:
             raise CheckpointError(f"{path / 'trainer_state.json'} has an invalid sampler state ({e!r})") from None
         except ValueError as e:
             raise ConfigError(f"cannot resume {path}: {e}") from None
-        ckpt.read_state(path, self.optimizer.checkpoint_tensors())
+        read_state(path, self.optimizer.checkpoint_tensors())
         self.optimizer.loaded(step)
         self.step, self.tokens_seen, self.base_batch_tokens = step, tokens_seen, base_batch_tokens
         self.saved_step = step
-        rng = ckpt.read_tensors(path / "rng.safetensors")
+        rng = read_tensors(path / "rng.safetensors")
         if "torch_cpu" in rng:
             torch.set_rng_state(rng["torch_cpu"])
         if "torch_cuda" in rng and self.device.type == "cuda":

@@ -3,9 +3,9 @@ reversing a word, adding two small numbers or naming the day after Tuesday, that
 pretrained on Python's documentation can learn with a few hundred LoRA steps.
 
 The shipped `sft_demo.jsonl` is exactly `demo_lines()` (tested); regenerate it with
-    python -m fivefold.finetune.demo_data
+    python -m fivefold.data.sft_demo
 About a quarter of the examples are chat conversations with a system message (some with two turns), the
-rest {"prompt", "completion"} pairs, so both formats of fivefold.finetune.sft are exercised.
+rest {"prompt", "completion"} pairs, so both formats of fivefold.data.sft are exercised.
 """
 
 from __future__ import annotations

@@ -30,27 +30,14 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig, validate
+from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig
 from fivefold.memory import formulas
+from fivefold.parallel.rules import check_layout
+from fivefold.memory.units import CATEGORIES, human_bytes, parse_bytes
 from fivefold.model.moe import expert_capacity, is_stacked_expert
 from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
                                          replay_forward)
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
-
-
-def parse_bytes(text: str, what: str = "--device-memory") -> int:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1.5TB', '512MiB', or a plain number of bytes (> 0)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    try:
-        number = float(match.group(1)) if match else 0.0
-    except ValueError:
-        number = 0.0
-    if number <= 0:
-        raise ConfigError(f"{what} {text!r}: write a positive size like 80GB, 80GiB or 24e9")
-    _, prefix, binary = match.groups()
-    power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
-    return int(number * (1024 if binary else 1000) ** power)
 
 
 def scores_materialised(cfg: Config, device: str) -> bool:
@@ -209,8 +196,6 @@ class MemoryPlan:
                 "notes": self.notes, "suggestions": self.suggestions, "config": self.summary}
 
     def table(self) -> str:
-        from fivefold.memory.plots import human_bytes
-
         s = self.summary
         lines = [f"{s['model']}: {s['precision']}, recompute={s['recompute']}, attention={s['attention']}, "
                  f"micro-batch {s['micro_batch_size']} x seq {s['seq_len']}, grad_accum {s['grad_accum']}",
@@ -464,7 +449,7 @@ def _reductions(cfg: Config, inv: _Inventory, shapes: tuple, grad_bytes: float,
 
 def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int,
              lora: bool) -> float:
-    """Peak while a rank builds its part (fivefold.parallel.apply): the model is split on the meta
+    """Peak while a rank builds its part (fivefold.train.parallelize): the model is split on the meta
     device, then each local parameter is materialised from its full fp32 initial value, one at a time.
     Held at the end: the parameters, the fp32 masters (bf16-mixed; Adam's moments only come with the
     first step), and the gradient buffers made up front (fp32 accumulation buffers; ZeRO-2/3's fp32
@@ -606,8 +591,9 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
 def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str = "cuda",
                 suggest: bool = True) -> MemoryPlan:
     """Per-rank memory of training `cfg` on `device` ("cuda" or "cpu": they differ in which attention
-    kernel SDPA picks and in LayerNorm statistics' dtype)."""
-    validate(cfg)
+    kernel SDPA picks and in LayerNorm statistics' dtype). A layout `fivefold train` refuses is refused here,
+    with the same message (fivefold.parallel.rules)."""
+    check_layout(cfg)
     if isinstance(device_memory, str):
         device_memory = parse_bytes(device_memory)
     par = cfg.parallel
@@ -624,8 +610,6 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
         notes.append("SDPA falls back to the math kernel here (no flash kernel for this dtype/mask with GQA): "
                      "its s^2 scores are counted as under eager attention")
     if par.cp > 1 and device != "cpu":
-        from fivefold.memory.plots import human_bytes
-
         block = 4 * cfg.train.micro_batch_size * (cfg.model.num_heads // par.tp) * (cfg.train.seq_len // par.cp) ** 2
         notes.append(f"cp={par.cp}: off the CPU, ring attention computes each block as explicit matmuls (the "
                      f"CPU runs its fused flash kernel): a block's fp32 scores, {human_bytes(block)}, and about "
@@ -714,7 +698,7 @@ def _candidates(cfg: Config) -> list[tuple[str, dict[str, object]]]:
 def _valid(cfg: Config) -> bool:
     """Whether a suggested change is a config that runs (e.g. fp8 refuses tensor parallelism)."""
     try:
-        validate(cfg)
+        check_layout(cfg)
     except ConfigError:
         return False
     return True

@@ -20,6 +20,9 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from fivefold.checkpoint.files import read_json
+from fivefold.data.tokenizer import load_tokenizer
+
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -73,3 +76,17 @@ def special_tokens(directory: str | Path) -> tuple[str, str]:
         return token if isinstance(token, str) else ""
 
     return text(values.get("bos_token")), text(values.get("eos_token"))
+
+
+def tokenizer_and_template(directory: Path, tokenizer: str | Path | None = None):
+    """(tokenizers.Tokenizer or None, chat template or None) of a model directory; `tokenizer`: another
+    tokenizer.json to use."""
+    path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
+    tok = load_tokenizer(path) if tokenizer or path.is_file() else None
+    template = None
+    config_path = directory / "tokenizer_config.json"
+    if config_path.is_file():
+        template = read_json(config_path).get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return tok, template

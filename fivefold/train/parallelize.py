@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.kernels import apply_kernels
-from fivefold.finetune.lora import adapter_value, apply_lora, is_adapter
+from fivefold.finetune.lora import apply_lora
 from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_expert_matrix, initial_value,
-                            materialize_parameters, meta_model)
+                            materialise_parameters, meta_model)
 from fivefold.model.moe import MoE, is_stacked_expert
 from fivefold.parallel.context_parallel import DocumentBlocks, apply_context_parallel, zigzag_positions
 from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
@@ -45,71 +45,17 @@ from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_paral
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
 from fivefold.train.fp8 import apply_fp8
-from fivefold.train.loss import IGNORE_INDEX, cross_entropy_sum, token_loss_sum
+from fivefold.data.labels import IGNORE_INDEX
+from fivefold.train.loss import cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute, compile_module
+from fivefold.weights import ValueSource, initial_values, with_adapters
 
 # A source of parameter values: (name, placement) -> this rank's part of the parameter, in fp32.
-ValueSource = Callable[[str, Placement], torch.Tensor]
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.mixed else torch.float32  # fp8: bf16 besides the float8 matmuls
-
-
-def with_adapters(values: ValueSource, cfg: Config) -> ValueSource:
-    """`values` for the base's parameters; for LoRA's, lora.init_from's PEFT adapter or their own init."""
-    if cfg.lora.init_from:
-        from fivefold.finetune.peft import read_adapter
-
-        loaded = read_adapter(cfg.lora.init_from, cfg)
-
-        def adapter(name, shape):
-            return loaded[name]
-    else:
-        def adapter(name, shape):
-            return adapter_value(name, shape, cfg.train.seed)
-    return lambda name, placement: placement.local(adapter(name, torch.Size(placement.global_shape))) \
-        if is_adapter(name) else values(name, placement)
-
-
-def initial_values(cfg: Config) -> ValueSource:
-    """The layout-independent initialisation: each parameter's full value from (seed, name), sliced."""
-    def value(name: str, placement: Placement) -> torch.Tensor:
-        shape = torch.Size(placement.global_shape)
-        if not is_stacked_expert(name):
-            return placement.local(initial_value(name, shape, cfg.model, cfg.train.seed))
-        out, one = torch.empty(placement.local_shape), placement.per_expert()
-        for row, e in enumerate(placement.experts):  # this rank's experts, one full matrix at a time
-            out[row] = one.local(initial_expert_matrix(name, e, shape, cfg.model, cfg.train.seed))
-        return out
-    return value
-
-
-def init_from_values(cfg: Config) -> ValueSource | None:
-    """The values train.init_from gives: a Hugging Face directory's (safetensors slices), or a fivefold run's
-    or checkpoint's (DCP reads), each rank reading only its parts; None without train.init_from."""
-    from pathlib import Path
-
-    from fivefold.config import ConfigError
-    from fivefold.interop.hf import HFWeights, check_same_shapes
-    from fivefold.train import checkpoint as ckpt
-
-    init = cfg.train.init_from
-    if not init:
-        return None
-    if not Path(init).exists():
-        raise ConfigError(f"train.init_from={init!r} does not exist; give a Hugging Face model directory or a "
-                          f"fivefold run or checkpoint directory")
-    if (Path(init) / "config.json").is_file() and not (Path(init) / "state").is_dir():
-        return HFWeights(init, cfg.model)
-    path = ckpt.resolve_checkpoint(init)
-    source = ckpt.read_config(path)
-    check_same_shapes(cfg.model, source.model, f"train.init_from={str(path)!r}")
-    if source.lora.r:
-        raise ConfigError(f"train.init_from={init!r} is a LoRA run: its checkpoints hold adapters, not the model; "
-                          f"merge them first (fivefold export-hf {init} --merge --out DIR) and start from DIR")
-    return ckpt.CheckpointWeights(path)
 
 
 class ParallelModel:
@@ -187,7 +133,7 @@ class ParallelModel:
                     masters[trained[every[i]]] = own_rows(value, mesh.grad_size, mesh.grad_rank).clone() \
                         if zero else value
 
-            materialize_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
+            materialise_parameters(model, lambda name, p: values(name, self.placements[name]), self.device,
                                    self.dtype, keep if mixed else None)
             apply_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
             if zero:

@@ -25,103 +25,33 @@ warning, unless fallback is turned off.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
-import mmap
 import os
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from fivefold.config import Config, ConfigError, config_from_dict
+from fivefold.checkpoint.files import (HASH_NAME, digest_of, file_entry, fsync_dir, read_json, save_tensors,
+                                       write_json)
+from fivefold.checkpoint.pieces import dcp_exception, describe, write_tensors
+from fivefold.config import Config, ConfigError
+from fivefold.config_load import config_from_dict
 from fivefold.errors import CheckpointError, CheckpointSaveError
+
 
 CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-HASH_NAME = "xxh3_64"  # about 11 GB/s on one core (bench/checkpoint_verify.py measures the choices)
-_HASH_CHUNK = 16 * 2**20
 NO_MANIFEST = "is missing: the checkpoint is incomplete, or older than checksums"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _dcp():
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
-
-    return dcp, HuggingFaceStorageReader, HuggingFaceStorageWriter
-
-
-class Piece(torch.Tensor):
-    """A rank's rectangular piece of a larger tensor: a view of the local tensor that also knows the
-    global shape and where the piece sits in it. torch.distributed.checkpoint saves each piece under its
-    offsets and reads back, for any other layout's pieces, exactly the overlapping regions, through the
-    same three hooks DTensor implements. Pieces are what ZeRO rows of tensor-parallel shards are; an
-    arbitrary (shard dim, then rows) nesting that DTensor placements cannot express."""
-
-    @staticmethod
-    def __new__(cls, local: torch.Tensor, global_shape, offsets):
-        # A wrapper (no storage of its own) whose size is the global one, as DCP's planners check.
-        piece = torch.Tensor._make_wrapper_subclass(cls, torch.Size(global_shape), dtype=local.dtype,
-                                                    device=local.device)
-        piece.global_shape, piece.offsets = torch.Size(global_shape), torch.Size(offsets)
-        piece.local = local.detach()
-        return piece
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"a checkpoint Piece only carries a shard for saving and loading, not for {func}")
-
-    def __create_write_items__(self, fqn: str, obj):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape),
-                              properties=TensorProperties.create_from_tensor(self.local),
-                              size=self.global_shape))]
-
-    def __create_chunk_list__(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)]
-
-    def __get_tensor_shard__(self, index):
-        return self.local
 
 
 def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str, torch.Tensor],
@@ -148,21 +78,21 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except OSError as e:
-            error = _describe(e)
+            error = describe(e)
     tmp, error = _from_rank0((tmp, error))  # every rank writes into rank 0's temporary directory
     if error is None:
         try:
-            _write_tensors(tmp / "state", tensors)
+            write_tensors(tmp / "state", tensors)
             files = sorted(str(p.relative_to(tmp)) for p in (tmp / "state").iterdir())
             entries = {f: file_entry(tmp / f) for f in files[rank::world]}
-        except (Exception, _dcp_exception()) as e:  # DCP raises the same failure on every rank
-            error, entries = _describe(e), {}
+        except (Exception, dcp_exception()) as e:  # DCP raises the same failure on every rank
+            error, entries = describe(e), {}
         error, entries = _merge(gather((error, entries)))
     if error is None and rank == 0:
         try:
             _publish(tmp, final, root, cfg, entries, trainer_state, rng, extra_files)
         except OSError as e:
-            error = _describe(e)
+            error = describe(e)
     error = _from_rank0(error)
     if error is not None:
         if rank == 0:
@@ -177,24 +107,16 @@ def write_checkpoint(root: str | Path, name: str, cfg: Config, tensors: dict[str
     return final
 
 
-def _write_tensors(state_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
-    dcp, _, Writer = _dcp()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's notes on its own deprecated collectives, "single process"
-        dcp.save({k: v if isinstance(v, Piece) else v.detach() for k, v in tensors.items()},
-                 storage_writer=Writer(str(state_dir), save_distributed=True))  # fsyncs each file
-
-
 def _publish(tmp: Path, final: Path, root: Path, cfg: Config, entries: dict, trainer_state, rng,
              extra_files) -> None:
     """Rank 0: the small files, then the manifest (last), then rename into place and swap `latest`."""
-    _write_json(tmp / "config.json", cfg.to_dict())
+    write_json(tmp / "config.json", cfg.to_dict())
     small = ["config.json"]
     if rng is not None:
-        _save_tensors(tmp / "rng.safetensors", rng)
+        save_tensors(tmp / "rng.safetensors", rng)
         small.append("rng.safetensors")
     if trainer_state is not None:
-        _write_json(tmp / "trainer_state.json", trainer_state)
+        write_json(tmp / "trainer_state.json", trainer_state)
         small.append("trainer_state.json")
     for filename, data in (extra_files or {}).items():
         with open(tmp / filename, "wb") as f:
@@ -203,10 +125,10 @@ def _publish(tmp: Path, final: Path, root: Path, cfg: Config, entries: dict, tra
             os.fsync(f.fileno())
         small.append(filename)
     files = {**entries, **{f: file_entry(tmp / f) for f in small}}
-    _write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "hash": HASH_NAME, "files": files,
-                                 "self": _digest_of(files)})
-    _fsync_dir(tmp / "state")
-    _fsync_dir(tmp)
+    write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "hash": HASH_NAME, "files": files,
+                                 "self": digest_of(files)})
+    fsync_dir(tmp / "state")
+    fsync_dir(tmp)
     if final.exists():  # re-saving the same step: move the old one aside first, then drop it
         old = root / f"{final.name}.old-{os.getpid()}"
         final.rename(old)
@@ -217,7 +139,7 @@ def _publish(tmp: Path, final: Path, root: Path, cfg: Config, entries: dict, tra
     pointer_tmp = root / f"latest.tmp-{os.getpid()}"
     pointer_tmp.write_text(final.name + "\n")
     os.replace(pointer_tmp, root / "latest")
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _check_free_space(root: Path, expected_bytes: int) -> None:
@@ -227,22 +149,6 @@ def _check_free_space(root: Path, expected_bytes: int) -> None:
         raise OSError(errno.ENOSPC, f"not enough free space on {root}: the checkpoint needs about "
                                     f"{needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free. Free some space, "
                                     f"lower train.keep_checkpoints, or move train.out_dir")
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        where = f" ({e.filename})" if e.filename else ""
-        return f"{e.strerror}{where}"
-    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-    if failures:
-        return "; ".join(dict.fromkeys(_describe(f[0] if isinstance(f, tuple) else f) for f in failures.values()))
-    return f"{type(e).__name__}: {e}"
-
-
-def _dcp_exception():
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
-    return CheckpointException
 
 
 # -- collectives over all ranks (identity in one process) -------------------------------------------
@@ -275,28 +181,6 @@ def _merge(results: list[tuple[str | None, dict]]) -> tuple[str | None, dict]:
     return (errors[0] if errors else None), merged
 
 
-# -- integrity ---------------------------------------------------------------------------------------
-def file_entry(path: Path) -> dict:
-    """Size and checksum of one file. The file is mapped rather than read: hashing the page cache in place
-    is 4x faster than copying it out in chunks (bench/checkpoint_verify.py), and a shard larger than free
-    memory is paged through, never held."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as view:
-                h.update(view)
-        except (OSError, ValueError):  # a file system without mmap: read it in chunks
-            f.seek(0)
-            while chunk := f.read(_HASH_CHUNK):
-                h.update(chunk)
-    return {"size": size, HASH_NAME: h.hexdigest()}
-
-
-def _digest_of(files: dict) -> str:
-    return xxhash.xxh3_64(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
 def read_manifest(ckpt: Path) -> dict | None:
     """The manifest's file table; None for a checkpoint written before fivefold recorded checksums.
     Raises CheckpointError when the manifest itself is damaged."""
@@ -306,7 +190,7 @@ def read_manifest(ckpt: Path) -> dict | None:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = manifest["files"]
-        ok = manifest.get("hash") == HASH_NAME and manifest["self"] == _digest_of(files)
+        ok = manifest.get("hash") == HASH_NAME and manifest["self"] == digest_of(files)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         ok = False
     if not ok:
@@ -396,67 +280,6 @@ def find_intact(root: Path, fallback: bool = True, verify=verify_checkpoint) -> 
     raise FileNotFoundError(f"no checkpoint found under {str(root)!r}")
 
 
-def read_state(ckpt: Path, tensors: dict[str, torch.Tensor], alone: bool = False) -> None:
-    """Fill `tensors` (name -> plain tensor, or a Piece of this rank's) in place from `ckpt`; collectively
-    with every rank, or `alone` (ranks reading different tensors at different times)."""
-    dcp, Reader, _ = _dcp()
-    try:
-        available = set(Reader(str(ckpt / "state")).read_metadata().state_dict_metadata)
-    except (Exception, _dcp_exception()) as e:
-        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_describe(e)}") from e
-    for key in sorted(set(tensors) - available):
-        per_expert = _per_expert_targets(key, tensors[key], available)
-        if per_expert is not None:
-            tensors = {**{k: v for k, v in tensors.items() if k != key}, **per_expert}
-    missing = sorted(set(tensors) - available)
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process", etc.
-            dcp.load(tensors, storage_reader=Reader(str(ckpt / "state")), no_dist=alone)
-    except (Exception, _dcp_exception()) as e:
-        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_describe(e)}") from e
-
-
-_STACKED_EXPERT_KEY = re.compile(r"^(model|optim)\.(.+\.experts)\.(gate_proj|up_proj|down_proj)(\..+)?$")
-
-
-def _per_expert_targets(key: str, target, available: set[str]) -> dict | None:
-    """Checkpoints written before a mixture of experts' weights were stacked (fivefold before 7a0d6fa)
-    hold each expert's matrix, and its Adam moments, under the expert's own name: the rows of the stacked
-    `key` to read from them ({old key: row view}), or None where the checkpoint lacks them too."""
-    match = _STACKED_EXPERT_KEY.match(key)
-    if match is None:
-        return None
-    kind, prefix, proj, suffix = match.groups()
-    piece = isinstance(target, Piece)
-    local = target.local if piece else target
-    first = target.offsets[0] if piece else 0
-    out = {}
-    for row in range(local.shape[0]):
-        old = f"{kind}.{prefix}.{first + row}.{proj}.weight{suffix or ''}"
-        if old not in available:
-            return None
-        out[old] = Piece(local[row], target.global_shape[1:], target.offsets[1:]) if piece else local[row]
-    return out
-
-
-class CheckpointWeights:
-    """A value source for materialisation (fivefold.parallel.apply): each parameter's part (its placement's
-    tensor-parallel slice) read from a checkpoint's fp32 weights, one parameter at a time, by each rank
-    alone, so a rank never holds more than the slices it keeps."""
-
-    def __init__(self, ckpt: Path):
-        self.ckpt = ckpt
-
-    def __call__(self, name: str, placement) -> torch.Tensor:
-        local = torch.empty(placement.local_shape)
-        target = Piece(local, placement.global_shape, placement.offsets) if placement.sharded else local
-        read_state(self.ckpt, {f"model.{name}": target}, alone=True)
-        return local
-
-
 def remove_abandoned(root: Path) -> None:
     """Delete what a writer killed mid-save left behind (temporaries, a checkpoint moved aside), once
     the pid in its name no longer runs."""
@@ -529,55 +352,6 @@ def read_config(ckpt: Path) -> Config:
         return config_from_dict(values)
     except ConfigError as e:
         raise CheckpointError(f"{ckpt / 'config.json'} does not hold a valid config: {e}") from None
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        return {}
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-
-
-def read_json(path: Path, missing_ok: bool = True) -> dict:
-    """A JSON object from a checkpoint or model directory ({} for a missing file when `missing_ok`); a file
-    that is not one is a CheckpointError naming it."""
-    if not path.is_file():
-        if missing_ok:
-            return {}
-        raise FileNotFoundError(f"{path} does not exist")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} holds a {type(value).__name__}, not a JSON object")
-    return value
-
-
-def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """(config, model) from any checkpoint written by fivefold (training run under any layout, import-hf)."""
-    from fivefold.model import Transformer, materialize
-
-    ckpt = resolve_checkpoint(path)
-    cfg = read_config(ckpt)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    if cfg.lora.r:  # a LoRA run's checkpoint holds adapters: its base, with them folded in
-        from fivefold.finetune.lora import merged_values
-        from fivefold.model.init import materialize_parameters
-        from fivefold.parallel.placement import Placement
-
-        values = merged_values(ckpt, cfg)
-        materialize_parameters(model, lambda name, p: values(name, Placement(tuple(p.shape))), device, torch.float32)
-    else:
-        materialize(model, device, seed=0, dtype=torch.float32)
-        with torch.no_grad():
-            read_state(ckpt, {f"model.{n}": p for n, p in model.named_parameters()})
-    model.to(dtype)
-    model.reset_buffers()
-    return cfg, model
 
 
 @torch.no_grad()

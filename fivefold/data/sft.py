@@ -9,7 +9,7 @@ Tokens, encoded as the server encodes a request, and the targets (the tokens the
   * prompt/completion: encode(prompt) with the tokenizer's own special tokens (e.g. a bos), then
     encode(completion), then eos. Targets: the completion's tokens and the eos.
   * chat: the conversation up to its last assistant turn, rendered with the chat template (the model's own
-    from tokenizer_config.json, else fivefold.serve.chat's default). Assistant turn i is the text the
+    from tokenizer_config.json, else fivefold.data.chat's default). Assistant turn i is the text the
     template adds between render(turns < i, add_generation_prompt=True) and render(turns <= i); each such
     span is encoded apart from the text around it, so the split is exact and the tokens before a reply are
     the ones the server feeds. Targets: every assistant span (with whatever end-of-turn text the template
@@ -49,14 +49,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from fivefold.checkpoint.kinds import model_directory
 from fivefold.config import Config, ConfigError
-from fivefold.data.corpus import DataError, _split_score, cache_dir, embedded_documents, is_validation, \
-    jsonl_objects, split_documents
-from fivefold.data.dataset import Datasets, _check_fits_model, _key
+from fivefold.data.chat import ChatTemplate, ChatTemplateError, special_tokens, tokenizer_and_template
+from fivefold.data.corpus import (DataError, cache_dir, embedded_documents, is_validation, jsonl_objects,
+                                  split_documents, split_score)
+from fivefold.data.dataset import Datasets, cache_key, check_fits_model
+from fivefold.data.labels import IGNORE_INDEX
 from fivefold.data.tokenizer import eos_id, get_tokenizer, tokenizer_sha
 from fivefold.data.tokenizer import vocab_size as tokenizer_vocab_size
-from fivefold.serve.chat import ChatTemplate, ChatTemplateError, special_tokens
-from fivefold.train.loss import IGNORE_INDEX
 
 CACHE_FORMAT = 1
 DEMO_PATH = Path(__file__).with_name("sft_demo.jsonl")
@@ -269,8 +270,6 @@ def sft_tokenizer(cfg: Config) -> tuple[Tokenizer, ChatTemplate, str]:
     """(tokenizer, chat template, where they come from): data.tokenizer if set, else train.init_from's (a
     Hugging Face directory or a fivefold run / checkpoint), else the BPE trained on the embedded corpus; the
     template is the one of the model directory (or the tokenizer's directory) if it has one, else ours."""
-    from fivefold.serve.loading import model_directory, tokenizer_and_template
-
     directory = None
     if cfg.train.init_from:
         if not Path(cfg.train.init_from).exists():
@@ -314,7 +313,7 @@ def split_examples(examples: list[Example], val_fraction: float) -> dict[str, li
                         f"(one is held out for the validation loss)")
     held = [is_validation(e.content, val_fraction) for e in examples]
     if not any(held) or all(held):
-        score = [_split_score(e.content, 0) for e in examples]
+        score = [split_score(e.content, 0) for e in examples]
         chosen = int(np.argmin(score)) if not any(held) else int(np.argmax(score))
         held = [h if i != chosen else not h for i, h in enumerate(held)]
     return {"train": [e for e, h in zip(examples, held) if not h], "val": [e for e, h in zip(examples, held) if h]}
@@ -395,8 +394,8 @@ def load_sft_datasets(cfg: Config) -> Datasets:
     path = sft_path(cfg.data.sft)
     tokenizer, template, where = sft_tokenizer(cfg)
     eos = eos_id(tokenizer)
-    _check_fits_model(cfg, tokenizer_vocab_size(tokenizer), eos, where)
-    key = _key({"format": CACHE_FORMAT, "file": hashlib.sha256(path.read_bytes()).hexdigest(),
+    check_fits_model(cfg, tokenizer_vocab_size(tokenizer), eos, where)
+    key = cache_key({"format": CACHE_FORMAT, "file": hashlib.sha256(path.read_bytes()).hexdigest(),
                 "tokenizer": tokenizer_sha(tokenizer), "template": template.source, "bos": template.bos_token,
                 "eos": template.eos_token, "row_tokens": cfg.train.seq_len + 1, "packing": cfg.data.sft_packing,
                 "val_fraction": cfg.data.val_fraction, "seed": cfg.train.seed,
