@@ -12,6 +12,11 @@ import sys
 import traceback
 import warnings
 
+from fivefold.errors import UserError
+from fivefold.memory.formulas import count_params
+from fivefold.parallel.mesh import exit_worker, leave_failed_worker
+from fivefold.presets import PRESETS
+
 # Modules that define `register(subparsers)`; each adds one or more subcommands.
 COMMAND_MODULES = [
     "fivefold.commands.train",      # train, compare-runs, plot
@@ -51,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _list_presets(args) -> int:
-    from fivefold.memory.formulas import count_params
-    from fivefold.presets import PRESETS
     for name, cfg in PRESETS.items():
         print(f"{name:16s} {count_params(cfg):>18,d} params  layers={cfg.num_layers} hidden={cfg.hidden_size} "
               f"heads={cfg.num_heads}/{cfg.num_kv_heads}")
@@ -70,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     _show_warnings_as_lines()
     try:
         code = args.func(args) or 0
-        from fivefold.parallel.mesh import exit_worker
-
         exit_worker(code)  # a torchrun worker ends here; a single process returns
         return code
     except KeyboardInterrupt:
@@ -81,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as e:
-        from fivefold.parallel.mesh import leave_failed_worker
-
         code = _report(e, args)
         leave_failed_worker(code)  # a torchrun worker ends here; a single process returns
         return code
@@ -107,8 +106,6 @@ def _report(e: Exception, args) -> int:
 
 def is_anticipated(e: BaseException) -> bool:
     """Errors whose message tells the user what to change: ours, and the file system's."""
-    from fivefold.errors import UserError
-
     if isinstance(e, (UserError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
                       NotADirectoryError)):
         return True
@@ -126,8 +123,6 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def one_line(e: BaseException) -> str:
-    from fivefold.errors import UserError
-
     if _out_of_memory(e):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (f"out of memory ({first[:200]}); `fivefold plan` with the same options predicts what this needs: "

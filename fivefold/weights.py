@@ -87,9 +87,6 @@ def weight_source(path: str | Path) -> WeightSource:
     """The weights at `path`: a Hugging Face directory, a fivefold checkpoint, run or checkpoints root (its
     newest intact checkpoint; a LoRA run's is its base with the adapters folded in), or a quantized
     directory."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"model {str(path)!r} does not exist; give a Hugging Face model directory, or a "
-                                f"fivefold run, checkpoint or quantized directory")
     directory = model_directory(path)
     if is_hf_directory(directory):
         return WeightSource("hf", directory, Config(model=config_from_hf(read_hf_config(directory))))

@@ -4,6 +4,8 @@ one tensor slice at a time) or from a fivefold checkpoint, in one process and un
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,9 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import Config, ConfigError, ModelConfig  # noqa: E402
 from fivefold.config_load import load_config  # noqa: E402
 from fivefold.interop.hf import config_from_hf, import_hf  # noqa: E402
+from fivefold.memory.formulas import count_params  # noqa: E402
 from fivefold.weights import load_model  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402
 from parity import BASE, assert_parity, launch_layouts  # noqa: E402
@@ -72,6 +75,28 @@ def test_a_checkpoint_restarts_with_its_weights_and_a_fresh_optimizer(data_cache
     for (n, p), (m, q) in zip(second.model.named_parameters(), saved.named_parameters()):
         assert n == m and torch.equal(p, q), n
     assert second.step == 0 and not second.optimizer.moment(second.optimizer.masters[0], "exp_avg").any()
+
+
+def test_a_run_started_from_another_takes_its_model_shape(data_cache, tmp_path):
+    """train.init_from=RUN and no model settings (no preset, no model.* key): the run is the source's model,
+    from its weights, in the trainer and in `fivefold plan` alike."""
+    first = Trainer(config(data_cache, tmp_path / "a", "", **{"train.steps": 2}), quiet=True)  # the tiny preset
+    first.fit()
+    assert first.cfg.model != ModelConfig()
+    values = {**BASE, "data.cache_dir": data_cache, "train.out_dir": str(tmp_path / "b"),
+              "train.init_from": str(tmp_path / "a"), "train.micro_batch_size": 8}
+    overrides = [f"{k}={v}" for k, v in values.items()]
+    cfg = load_config(overrides=overrides)
+    assert cfg.model == ModelConfig()
+    second = Trainer(cfg, quiet=True)
+    assert second.cfg.model == first.cfg.model
+    _, saved = load_model(tmp_path / "a")
+    for (n, p), (m, q) in zip(second.model.named_parameters(), saved.named_parameters()):
+        assert n == m and torch.equal(p, q), n
+    plan = subprocess.run([sys.executable, "-m", "fivefold", "plan", *[a for o in overrides for a in ("--set", o)]],
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert f"parameters: {count_params(first.cfg.model):,d}" in plan.stdout
 
 
 def test_mismatched_shapes_are_refused_with_the_setting_to_change(hf_dirs, data_cache, tmp_path):

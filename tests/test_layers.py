@@ -87,9 +87,12 @@ def read_imports():
                 dst = owner(target)
                 if dst is None or dst == mod:
                     continue
-                line = lines[node.lineno - 1]
-                above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-                reason = "#" in line or above.startswith("#")
+                # the reason: a comment on the import, above it, or on the first import of its block
+                first = node.lineno - 1
+                while first > 0 and lines[first - 1].strip().startswith(("from ", "import ")):
+                    first -= 1
+                above = lines[first - 1].strip() if first > 0 else ""
+                reason = "#" in lines[node.lineno - 1] or "#" in lines[first] or above.startswith("#")
                 found.append((mod, dst, name, f"{path.relative_to(PACKAGE.parent)}:{node.lineno}",
                               id(node) in in_func, reason))
     return files, found
@@ -147,7 +150,8 @@ def test_no_private_name_imported_across_packages():
 
 
 def test_imports_inside_functions_say_why():
-    """An optional dependency or start-up time: a comment on the line, or the line above, says which."""
+    """An optional dependency or start-up time: a comment on the import, above it, or on the first import of
+    its block says which."""
     _, found = read_imports()
     silent = sorted({where for *_, where, in_func, reason in found if in_func and not reason})
     assert silent == [], f"{len(silent)} imports inside functions without a reason:\n" + "\n".join(silent)

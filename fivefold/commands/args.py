@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fivefold.config_load import load_config
+from fivefold.weights import take_source_shape
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +17,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    return load_config(args.config, args.preset, args.overrides)
+    """The config the options give; with train.init_from and no model settings, the source's model."""
+    return take_source_shape(load_config(args.config, args.preset, args.overrides))
 
 
 def _int_in(text: str, low: int, high: int | None = None) -> int:

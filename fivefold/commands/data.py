@@ -7,6 +7,7 @@ import sys
 import time
 
 from fivefold.commands.args import positive_int
+from fivefold.data.dataset import DataError, prepare
 
 
 def register(subparsers) -> None:
@@ -29,8 +30,6 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from fivefold.data.dataset import DataError, prepare
-
     if args.tokenizer is None and args.vocab_size < 257:
         raise DataError(f"--vocab-size={args.vocab_size} is too small for a byte-level BPE; use at least 257 "
                         f"(e.g. 4096)")

@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 from fivefold.commands.args import positive_int
+from fivefold.config import Config
+from fivefold.parallel.launch import launch_workers
+from fivefold.parallel.mesh import local_device, resolve_device
+from fivefold.planner.calibrate import calibrate
+from fivefold.planner.hardware import load_profile, shipped_profiles
+from fivefold.serve.step_cost import measure_serving
 
 
 def register(sub) -> None:
@@ -30,19 +36,11 @@ def register(sub) -> None:
 def run_calibrate(args) -> int:
     import torch.distributed as dist
 
-    from fivefold.planner.calibrate import calibrate
-    from fivefold.train.trainer import resolve_device
-
     device = resolve_device(args.device)
     out = Path(args.out)
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from fivefold.config import Config
-        from fivefold.parallel.launch import launch_workers
-
         return launch_workers(Config(), args.nproc, sys.argv[1:], "calibrate")
     if "LOCAL_RANK" in os.environ and not dist.is_initialized():
-        from fivefold.parallel.mesh import local_device
-
         device = local_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     profile, raw = calibrate(device, args.name or out.stem)
@@ -50,8 +48,6 @@ def run_calibrate(args) -> int:
         return 0
     if args.serve:
         import dataclasses
-
-        from fivefold.serve.step_cost import measure_serving
 
         profile = dataclasses.replace(profile, serving=measure_serving(device, profile,
                                                                        "bf16" if device.type == "cuda" else "fp32"))
@@ -67,8 +63,6 @@ def run_calibrate(args) -> int:
 
 
 def run_hardware(args) -> int:
-    from fivefold.planner.hardware import load_profile, shipped_profiles
-
     if args.profile:
         print(_summary(load_profile(args.profile)))
         return 0

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from fivefold.checkpoint.store import read_config, resolve_checkpoint, save_model
+from fivefold.config import Config, ConfigError
+from fivefold.finetune.lora import read_adapters
+from fivefold.finetune.peft import save_adapter
+from fivefold.interop.hf import TOKENIZER_FILES, export_hf, import_hf, read_tokenizer_files
+from fivefold.memory.units import parse_bytes
+from fivefold.parallel.rules import check_layout
+from fivefold.weights import load_model
+
 
 def parse_size(text: str) -> int:
     """argparse type: '5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes (decimal and
     binary units, as transformers' save_pretrained(max_shard_size=...) reads them)."""
-    from fivefold.config import ConfigError
-    from fivefold.memory.units import parse_bytes
-
     try:
         return parse_bytes(text, "size")
     except ConfigError as e:
@@ -36,11 +42,6 @@ def register(subparsers) -> None:
 
 
 def _import(args) -> int:
-    from fivefold.config import Config
-    from fivefold.parallel.rules import check_layout
-    from fivefold.interop.hf import TOKENIZER_FILES, import_hf, read_tokenizer_files
-    from fivefold.checkpoint.store import save_model
-
     cfg, model = import_hf(args.src)
     config = Config(model=cfg)
     if cfg.position == "learned":  # keep the default train.seq_len within the position table
@@ -58,17 +59,10 @@ def _import(args) -> int:
 
 
 def _export(args) -> int:
-    from fivefold.interop.hf import export_hf, read_tokenizer_files
-    from fivefold.checkpoint.store import read_config, resolve_checkpoint
-    from fivefold.weights import load_model
-
     ckpt = resolve_checkpoint(args.checkpoint)
     cfg = read_config(ckpt)
     extra = read_tokenizer_files(ckpt)  # tokenizer.json etc., from import-hf or a trained run
     if cfg.lora.r and not args.merge:
-        from fivefold.finetune.lora import read_adapters
-        from fivefold.finetune.peft import save_adapter
-
         adapters = read_adapters(ckpt, cfg)
         out = save_adapter(adapters, cfg, args.out, base=cfg.train.init_from)
         n = sum(t.numel() for t in adapters.values())

@@ -7,6 +7,11 @@ import os
 import sys
 
 from fivefold.commands.args import add_config_args, config_from_args, positive_int
+from fivefold.config import ConfigError
+from fivefold.memory.tracker import random_datasets
+from fivefold.parallel.launch import launch_workers
+from fivefold.parallel.pipeline_schedules import Action, Timeline, build_schedule, draw, simulate, theoretical_bubble
+from fivefold.train.trainer import Trainer
 
 
 THEORY = {"afab": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)", "zero-bubble": "(p-1)/(3m)"}
@@ -41,14 +46,10 @@ def _layout(args):
 
 
 def run_pipeline(args) -> int:
-    from fivefold.parallel.pipeline_schedules import build_schedule, draw, simulate, theoretical_bubble
-
     cfg = _layout(args)
     par, m = cfg.parallel, cfg.train.grad_accum
     if args.measure:
         return _measure(args, cfg)
-    from fivefold.config import ConfigError
-
     if par.pp < 2:
         raise ConfigError("fivefold pipeline needs --pp (or parallel.pp) of at least 2")
     lists = build_schedule(par.pp_schedule, par.pp, m, par.pp_virtual_stages)
@@ -84,16 +85,10 @@ def _measure(args, cfg) -> int:
     """Under torchrun: train a few steps, gather the last step's per-action times of every pipeline rank
     (dp rank 0, tp rank 0), and draw them; bubble = idle / busy on the busiest rank."""
     if cfg.parallel.world_size > 1 and "LOCAL_RANK" not in os.environ:
-        from fivefold.parallel.launch import launch_workers
-
         return launch_workers(cfg, cfg.parallel.world_size, [*sys.argv[1:], *_layout_args(cfg)], "pipeline")
     import tempfile
 
     import torch.distributed as dist
-
-    from fivefold.memory.tracker import random_datasets
-    from fivefold.parallel.pipeline_schedules import Timeline, draw, theoretical_bubble
-    from fivefold.train.trainer import Trainer
 
     cfg.train.tensorboard, cfg.train.progress = False, False
     cfg.train.peak_flops = cfg.train.peak_flops or 1.0
@@ -109,8 +104,6 @@ def _measure(args, cfg) -> int:
         dist.all_gather_object(everyone, (trainer.mesh.pp_rank, trainer.mesh.dp_rank, trainer.mesh.tp_rank, mine))
     if dist.get_rank() != 0:
         return 0
-    from fivefold.parallel.pipeline_schedules import Action
-
     events = [(pp_rank, Action(k, mb, c), s, e) for pp_rank, dp_rank, tp_rank, acts in everyone
               if dp_rank == 0 and tp_rank == 0 for k, mb, c, s, e in acts]
     timeline = Timeline(events, cfg.parallel.pp)

@@ -8,7 +8,17 @@ import math
 import os
 import sys
 
+from fivefold.commands import plan_fit, plan_serve, plan_speed
 from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
+from fivefold.commands.plan_fit import run_fit
+from fivefold.config import ConfigError
+from fivefold.memory.plan import model_name, plan_memory, recompute_sweep, scores_materialised, sweep
+from fivefold.memory.plots import plot_recompute_sweep, plot_sweep, plot_timeline
+from fivefold.memory.tracker import measure_memory, random_datasets
+from fivefold.memory.units import human_bytes, parse_bytes
+from fivefold.parallel.launch import launch_workers
+from fivefold.planner.hardware import load_profile
+from fivefold.serve.plan import plan_serving
 
 
 def register(sub) -> None:
@@ -38,8 +48,6 @@ def register(sub) -> None:
                            "or a JSONL trace of {arrival, prompt, output}; default: default")
     plan.add_argument("--max-tpot", type=float, default=0.05, metavar="SECONDS",
                       help="with --serve --search: the p99 time-per-output-token bound layouts must meet (0.05)")
-    from fivefold.commands import plan_fit, plan_speed
-
     plan_speed.add_arguments(plan)
     plan_fit.add_arguments(plan)
     plan.set_defaults(func=run_plan)
@@ -63,35 +71,22 @@ def register(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from fivefold.memory.plan import plan_memory, sweep
-    from fivefold.memory.units import parse_bytes
-
     cfg = config_from_args(args)
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     profile = None
     if args.cluster:
-        from fivefold.planner.hardware import load_profile
-
         profile = load_profile(args.cluster)
         device_memory = device_memory or int(profile.memory_bytes)
         args.device = args.device or profile.device
     elif not args.fit and ((args.search and not args.serve) or args.gpus or args.global_batch):
-        from fivefold.config import ConfigError
-
         raise ConfigError("--search, --gpus and --global-batch predict speed: give the hardware with --cluster "
                           "PROFILE (see `fivefold hardware`)")
     args.device = args.device or "cuda"
     if args.fit:
-        from fivefold.commands.plan_fit import run_fit
-
         return run_fit(args, cfg, device_memory, profile)
     if args.headroom is not None or args.grow_batch:
-        from fivefold.config import ConfigError
-
         raise ConfigError("--headroom and --grow-batch choose how --fit fills memory: add --fit")
     if profile is not None and not args.serve and not args.sweep:
-        from fivefold.commands import plan_speed
-
         if args.search:
             return plan_speed.run_search(args, cfg, profile, device_memory)
         if args.gpus or args.global_batch:
@@ -100,9 +95,6 @@ def run_plan(args) -> int:
         plan_speed.run_speed(args, cfg, plan, profile)
         return 0
     if args.serve:
-        from fivefold.config import ConfigError
-        from fivefold.serve.plan import plan_serving
-
         if profile is None and (args.workload or args.search):
             raise ConfigError("--workload and --search with --serve predict speed: give the hardware with "
                               "--cluster PROFILE (a shipped one, or `fivefold calibrate --serve --out FILE`)")
@@ -110,8 +102,6 @@ def run_plan(args) -> int:
             raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
                              f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
         if profile is not None:
-            from fivefold.commands import plan_serve
-
             return plan_serve.run(args, cfg, profile, device_memory)
         serving = plan_serving(cfg, device_memory, device=args.device)
         print(json.dumps(serving.to_json(), indent=2) if args.json else serving.table())
@@ -133,10 +123,6 @@ def _sweep_values(cfg, key: str) -> list[int]:
 
 
 def _run_recompute_sweep(args, cfg) -> int:
-    from fivefold.memory.plan import model_name, recompute_sweep
-    from fivefold.memory.plots import plot_recompute_sweep
-    from fivefold.memory.units import human_bytes
-
     every = [int(v) for v in args.values.split(",")] if args.values else None
     rows = recompute_sweep(cfg, device=args.device, every=every)
     if args.json:
@@ -157,10 +143,6 @@ def _run_recompute_sweep(args, cfg) -> int:
 
 
 def _run_sweep(args, cfg, sweep) -> int:
-    from fivefold.memory.plan import model_name, scores_materialised
-    from fivefold.memory.plots import plot_sweep
-    from fivefold.memory.units import human_bytes
-
     if args.sweep == "recompute":
         return _run_recompute_sweep(args, cfg)
 
@@ -195,9 +177,6 @@ def _run_sweep(args, cfg, sweep) -> int:
 
 
 def run_memory(args) -> int:
-    from fivefold.memory.plots import plot_timeline
-    from fivefold.memory.tracker import measure_memory, random_datasets
-
     cfg = config_from_args(args)
     if args.steps < 1:
         raise SystemExit("fivefold memory: --steps must be at least 1")
@@ -205,15 +184,12 @@ def run_memory(args) -> int:
     if not 0 <= args.rank < world:
         raise SystemExit(f"fivefold memory: --rank {args.rank} is not one of the {world} ranks")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from fivefold.parallel.launch import launch_workers
-
         return launch_workers(cfg, args.nproc, sys.argv[1:], "memory")
     datasets = random_datasets(cfg) if args.synthetic else None
     timeline = measure_memory(cfg, steps=args.steps, datasets=datasets, cuda_history=args.cuda_history)
     if int(os.environ.get("RANK", "0")) != args.rank:
         return 0
     if args.png:
-        from fivefold.memory.plan import model_name
         t = cfg.train
         plot_timeline(timeline, args.png, f"{model_name(cfg)}: memory of the first {args.steps} training steps "
                       f"({timeline.device})\n{t.precision}, recompute={t.recompute}, attention={cfg.model.attention}, "

@@ -9,6 +9,10 @@ import json
 import re
 
 from fivefold.config import Config, ConfigError
+from fivefold.memory.units import human_bytes
+from fivefold.planner.plots import plot_breakdown
+from fivefold.planner.search import search_layouts, why_first
+from fivefold.planner.speed import predict_step
 
 
 def add_arguments(plan) -> None:
@@ -61,8 +65,6 @@ def placed(cfg: Config, gpus: int | None, batch_tokens: int) -> Config:
 
 def run_speed(args, cfg: Config, plan, profile) -> None:
     """Print the memory plan with its predicted speed (the layout as configured, placed on --gpus)."""
-    from fivefold.planner.speed import predict_step
-
     speed = predict_step(cfg, profile)
     if args.json:
         print(json.dumps({**plan.to_json(), "speed": speed.to_json()}, indent=2))
@@ -73,9 +75,6 @@ def run_speed(args, cfg: Config, plan, profile) -> None:
 
 
 def run_search(args, cfg: Config, profile, device_memory) -> int:
-    from fivefold.memory.units import human_bytes
-    from fivefold.planner.search import search_layouts, why_first
-
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: show at least 1 layout")
     gpus = args.gpus or cfg.parallel.world_size
@@ -106,8 +105,6 @@ def run_search(args, cfg: Config, profile, device_memory) -> int:
             print(reason)
         print("run #1 with: " + " ".join(f"--set {o}" for o in result.ranked[0].overrides().split()))
     if args.png:
-        from fivefold.planner.plots import plot_breakdown
-
         path = plot_breakdown(result.ranked, args.png, f"{gpus} x {profile.name}: where the step goes, best "
                                                        f"{len(result.ranked)} layouts")
         if not args.json:

@@ -18,10 +18,23 @@ from pathlib import Path
 
 import torch
 
+from fivefold.checkpoint.kinds import is_hf_directory, is_quantized_dir
+from fivefold.checkpoint.store import resolve_checkpoint
+from fivefold.commands.args import positive_int
 from fivefold.config import Config, ConfigError
+from fivefold.data.corpus import DataError, expand_inputs, iter_documents
+from fivefold.data.labels import IGNORE_INDEX
+from fivefold.data.load import load_datasets
+from fivefold.data.tokenizer import load_tokenizer
 from fivefold.errors import UserError
+from fivefold.interop.hf import import_hf, read_tokenizer_files
+from fivefold.model import ForwardContext, doc_ids_from_tokens
+from fivefold.quant.checkpoint import check_out_dir, quantized_bytes_on_disk, safetensors_size, save_quantized
 from fivefold.quant.formats import BITS, METHODS, QuantizedWeight
 from fivefold.quant.gptq import quantize_model, quantized_linears
+from fivefold.quant.linear import swap_linears
+from fivefold.train.loss import cross_entropy_sum
+from fivefold.weights import load_model
 
 MICRO_BATCH = 8  # windows per forward, for calibration and evaluation
 
@@ -35,8 +48,6 @@ class Source:
 
 
 def register(subparsers) -> None:
-    from fivefold.commands.args import positive_int
-
     p = subparsers.add_parser("quantize", help="quantize a model's linears to int8 / int4 (round to nearest) or "
                                                "int4 by GPTQ; print bytes and held-out perplexity")
     p.add_argument("model", metavar="MODEL", help="fivefold run directory or checkpoint, or a Hugging Face model "
@@ -64,9 +75,6 @@ def register(subparsers) -> None:
 
 def load_source(path: str | Path) -> Source:
     """The full-precision model (fp32) and config of a fivefold run / checkpoint or a Hugging Face dir."""
-    from fivefold.checkpoint.kinds import is_quantized_dir
-    from fivefold.checkpoint.kinds import is_hf_directory
-
     src = Path(path)
     if is_quantized_dir(src):
         raise UserError(f"{src} is already quantized; give the full-precision model it was made from")
@@ -74,16 +82,11 @@ def load_source(path: str | Path) -> Source:
         raise FileNotFoundError(f"model {str(src)!r} does not exist; give a fivefold run directory or checkpoint, "
                                 f"or a Hugging Face model directory")
     if is_hf_directory(src):
-        from fivefold.interop.hf import import_hf
-
         model_cfg, model = import_hf(src)
         cfg = Config(model=model_cfg)
         if model_cfg.position == "learned":
             cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
         return Source(cfg, model.eval(), src, hf=True)
-    from fivefold.checkpoint.store import resolve_checkpoint
-    from fivefold.weights import load_model
-
     ckpt = resolve_checkpoint(src)
     cfg, model = load_model(ckpt)
     return Source(cfg, model.eval(), ckpt, hf=False)
@@ -120,9 +123,6 @@ def _windows(ids: list[int], seq_len: int) -> torch.Tensor:
 
 def file_windows(source: Source, calib: str) -> torch.Tensor:
     """--calib FILE encoded with the model's tokenizer, cut into (n, seq_len + 1) windows in a seeded order."""
-    from fivefold.data.corpus import DataError, expand_inputs, iter_documents
-    from fivefold.data.tokenizer import load_tokenizer
-
     tok_path = source.directory / "tokenizer.json"
     if not tok_path.is_file():
         raise UserError(f"{source.directory} has no tokenizer.json to encode --calib {calib} with")
@@ -167,8 +167,6 @@ def load_data(source: Source, calib: str | None, calib_samples: int, eval_sample
         return Data(_batches(used[:, :-1]), [(w[:, :-1], w[:, 1:]) for w in _batches(rest)],
                     {"source": str(calib), "windows": len(used), "seq_len": seq_len, "seed": 0}, what)
 
-    from fivefold.data.load import load_datasets
-
     data = load_datasets(source.cfg)
     if calib:
         used = file_windows(source, calib)[:calib_samples, :-1]
@@ -187,8 +185,6 @@ def load_data(source: Source, calib: str | None, calib_samples: int, eval_sample
 
 
 def _logits(model, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
-    from fivefold.model import ForwardContext, doc_ids_from_tokens
-
     docs = doc_ids_from_tokens(inputs, cfg.model.eos_token_id) if cfg.model.document_mask else None
     return model(inputs, ForwardContext(doc_ids=docs)).float()
 
@@ -200,9 +196,6 @@ def held_out_quality(model, cfg: Config, held_out: list[tuple[torch.Tensor, torc
     quantized) of the next-token distributions, per counted token} of `model` with `qweights` swapped in
     (None: full precision, KL 0). KL sees a change perplexity averages away: how far each prediction moved,
     not only whether the right token lost probability."""
-    from fivefold.data.labels import IGNORE_INDEX
-    from fivefold.train.loss import cross_entropy_sum
-
     loss, kl, count = 0.0, 0.0, 0
     for inputs, labels in held_out:
         inputs, labels = inputs.to(device), labels.to(device)
@@ -225,8 +218,6 @@ def held_out_quality(model, cfg: Config, held_out: list[tuple[torch.Tensor, torc
 def quantized(model: torch.nn.Module, qweights: dict[str, QuantizedWeight]):
     """`model` with the named linears swapped for QuantLinear inside the block, the originals back after it
     (no copy of the model)."""
-    from fivefold.quant.linear import swap_linears
-
     originals = {n.removesuffix(".weight"): model.get_submodule(n.removesuffix(".weight")) for n in qweights}
     swap_linears(model, qweights)
     try:
@@ -284,9 +275,6 @@ def _device(name: str) -> torch.device:
 
 
 def run_quantize(args) -> int:
-    from fivefold.interop.hf import read_tokenizer_files
-    from fivefold.quant.checkpoint import check_out_dir, quantized_bytes_on_disk, safetensors_size, save_quantized
-
     device = _device(args.device)
     out = check_out_dir(args.out or str(args.model).rstrip("/") + f"-{args.method}")
     source = load_source(args.model)

@@ -7,7 +7,16 @@ import signal
 import sys
 from pathlib import Path
 
+from fivefold.checkpoint.kinds import model_directory
 from fivefold.commands.args import port_number, positive_int
+from fivefold.config import ConfigError
+from fivefold.config_load import load_config
+from fivefold.data.chat import special_tokens
+from fivefold.parallel.mesh import local_device, resolve_device
+from fivefold.serve import LLM, RequestError, SamplingParams
+from fivefold.serve.engine import Engine
+from fivefold.serve.loading import load_model_for_serving
+from fivefold.serve.tensor_parallel import launch
 
 
 def register(sub) -> None:
@@ -48,14 +57,7 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from fivefold.config import ConfigError
-    from fivefold.config_load import load_config
-    from fivefold.data.chat import special_tokens
-    from fivefold.parallel.mesh import local_device
-    from fivefold.serve.engine import Engine
-    from fivefold.serve.loading import load_model_for_serving
-    from fivefold.serve.server import serve
-    from fivefold.train.trainer import resolve_device
+    from fivefold.serve.server import serve  # FastAPI and uvicorn: the optional [serve] extra
 
     # The model comes from MODEL, so an override of anything but the engine would be silently ignored.
     other = [text for text in args.overrides if not text.strip().startswith("serve.")]
@@ -63,7 +65,6 @@ def run_serve(args) -> int:
         raise ConfigError(f"--set {other[0]!r}: fivefold serve takes only serve.* keys (the model comes from MODEL)")
     cfg = load_config(args.config, None, args.overrides).serve
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
-        from fivefold.serve.tensor_parallel import launch
         return launch(args.model, args.tp, sys.argv[1:], "serve")
     device = local_device(resolve_device(args.device))
     try:
@@ -110,9 +111,6 @@ def _fail(error) -> int:
 
 
 def run_generate(args) -> int:
-    from fivefold.serve import LLM, RequestError, SamplingParams
-    from fivefold.checkpoint.kinds import model_directory
-
     src = Path(args.checkpoint)
     if not args.tokenizer:  # before loading any weights
         found = model_directory(src) / "tokenizer.json"
@@ -130,7 +128,6 @@ def run_generate(args) -> int:
             message = message.replace(field, flag) if message.startswith(field) else message
         raise RequestError(message) from None
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
-        from fivefold.serve.tensor_parallel import launch
         return launch(src, args.tp, sys.argv[1:], "generate")
     # One prompt: a pool for one sequence, not for a server's worth.
     llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp, max_num_seqs=1)

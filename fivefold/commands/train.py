@@ -10,6 +10,12 @@ import sys
 from pathlib import Path
 
 from fivefold.commands.args import add_config_args, config_from_args, positive_int
+from fivefold.errors import CheckpointSaveError
+from fivefold.parallel.launch import check_launch, launch_workers
+from fivefold.train.compare import compare_runs
+from fivefold.train.plot import plot_run
+from fivefold.train.run_lock import HELD_ENV, RunLock
+from fivefold.train.trainer import Trainer
 
 
 COMMAND_ENV = "FIVEFOLD_COMMAND"  # the launcher's command line, as workers do not see --nproc
@@ -48,8 +54,6 @@ def register(sub) -> None:
 
 
 def run_train(args) -> int:
-    from fivefold.train.run_lock import HELD_ENV, RunLock
-
     cfg = config_from_args(args)
     if args.out:
         cfg.train.out_dir = args.out
@@ -58,8 +62,6 @@ def run_train(args) -> int:
     out = Path(cfg.train.out_dir)
     worker = "LOCAL_RANK" in os.environ
     if args.nproc > 1 and not worker:
-        from fivefold.parallel.launch import check_launch
-
         check_launch(cfg, args.nproc)  # before the run directory is touched
     # The launching process holds the run directory for the whole job: the single process, the
     # `--nproc` launcher (its workers inherit HELD_ENV), or rank 0 of an external torchrun.
@@ -68,8 +70,6 @@ def run_train(args) -> int:
         lock = RunLock(out)
     with lock:
         if args.nproc > 1 and not worker:
-            from fivefold.parallel.launch import launch_workers
-
             os.environ[HELD_ENV] = str(os.getpid())
             os.environ[COMMAND_ENV] = shlex.join(["fivefold", *sys.argv[1:]])  # for the workers' resume hint
             return launch_workers(cfg, args.nproc, sys.argv[1:], "train")
@@ -77,9 +77,6 @@ def run_train(args) -> int:
 
 
 def _train(cfg, args, out: Path) -> int:
-    from fivefold.errors import CheckpointSaveError
-    from fivefold.train.trainer import Trainer
-
     is_main = os.environ.get("RANK", "0") == "0"
     has_run = (out / "checkpoints" / "latest").is_file() and not args.overwrite
     if args.overwrite and out.exists() and is_main:
@@ -127,15 +124,11 @@ def _train(cfg, args, out: Path) -> int:
 
 
 def run_compare(args) -> int:
-    from fivefold.train.compare import compare_runs
-
     result = compare_runs(args.run_a, args.run_b, args.key, args.rtol, args.atol)
     print(result.summary())
     return 0 if result.ok else 1
 
 
 def run_plot(args) -> int:
-    from fivefold.train.plot import plot_run
-
     print(f"wrote {plot_run(args.run_dir, args.png)}")
     return 0

@@ -19,7 +19,8 @@ import torch
 
 from fivefold.config import Config, ConfigError, LoraConfig
 from fivefold.errors import CheckpointError
-from fivefold.finetune.lora import MODULES
+from fivefold.finetune.lora import MODULES, adapter_shapes
+from fivefold.interop.hf import hf_name
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -35,8 +36,6 @@ def _check_family(cfg: Config) -> None:
 def hf_adapter_name(name: str) -> str:
     """fivefold adapter name -> PEFT's: layers.0.attn.q_proj.lora_A.weight ->
     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
-    from fivefold.interop.hf import hf_name
-
     module, kind = name.split(".lora_")
     return f"{PREFIX}{hf_name(module + '.weight').removesuffix('.weight')}.lora_{kind}"
 
@@ -97,8 +96,6 @@ def read_adapter(directory: str | Path, cfg: Config) -> dict[str, torch.Tensor]:
     adapter's: rank, alpha and targets) and the model's shapes."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from fivefold.finetune.lora import adapter_shapes
 
     _check_family(cfg)
     theirs = read_adapter_config(directory)

@@ -23,6 +23,8 @@ from torch import nn
 
 from fivefold.config import LoraConfig
 from fivefold.finetune.lora import MODULES, targets
+from fivefold.parallel.tensor_parallel import RowParallelLinear
+from fivefold.quant.formats import QuantizedWeight, quantize_int4
 
 QUANTIZED = ("qweight", "scales", "zeros")
 
@@ -41,8 +43,6 @@ class _QuantizedMatmul(torch.autograd.Function):
 
 
 def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    from fivefold.quant.formats import QuantizedWeight
-
     qw = QuantizedWeight("int4", module.quantized_shape, module.group_size, module.qweight, module.scales,
                          module.zeros)
     return qw.dequantize(dtype)
@@ -59,9 +59,6 @@ def _matmul(ref: weakref.ref, x: torch.Tensor, bias: bool) -> torch.Tensor:
 def quantize_base(model: nn.Module, lora: LoraConfig, value_of, device: torch.device) -> list[str]:
     """Replace each block linear's weight Parameter of `model` (meta) by int4 codes made from
     `value_of(name)` (this rank's fp32 part), one weight at a time. Returns the quantized weights' names."""
-    from fivefold.parallel.tensor_parallel import RowParallelLinear
-    from fivefold.quant.formats import quantize_int4
-
     every = LoraConfig(r=1, targets=",".join(MODULES))  # all seven linears, adapted or not
     names = []
     for prefix, module in targets(model, every):

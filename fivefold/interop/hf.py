@@ -21,11 +21,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fivefold.checkpoint.files import read_json
+from fivefold.checkpoint.store import load_weights
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.errors import CheckpointError
 from fivefold.model import Transformer
-from fivefold.checkpoint.files import read_json
-from fivefold.checkpoint.store import load_weights
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gpt2": "GPT2LMHeadModel"}

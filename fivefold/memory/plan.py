@@ -31,12 +31,18 @@ import re
 from dataclasses import dataclass, field
 
 from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig
+from fivefold.finetune.qlora import quantized_weight_bytes
 from fivefold.memory import formulas
-from fivefold.parallel.rules import check_layout
-from fivefold.memory.units import CATEGORIES, human_bytes, parse_bytes
-from fivefold.model.moe import expert_capacity, is_stacked_expert
 from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
                                          replay_forward)
+from fivefold.memory.communication import step_communication
+from fivefold.memory.units import CATEGORIES, human_bytes, parse_bytes
+from fivefold.model.moe import expert_capacity, is_stacked_expert
+from fivefold.parallel.data_parallel import size_buckets
+from fivefold.parallel.pipeline_schedules import peak_held, rank_schedule
+from fivefold.parallel.rules import check_layout
+from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
+from fivefold.presets import PRESETS
 
 
 
@@ -136,8 +142,6 @@ def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
 @functools.lru_cache(maxsize=1024)
 def _bucket_sums(numels: tuple[int, ...], bucket_bytes: int) -> tuple[int, ...]:
     """Numels of each data-parallel gradient bucket (fivefold.parallel.data_parallel.size_buckets)."""
-    from fivefold.parallel.data_parallel import size_buckets
-
     return tuple(sum(numels[i] for i in b) for b in size_buckets(list(numels), bucket_bytes))
 
 
@@ -253,8 +257,6 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     frozen = _inventory(shapes).n if adapters else 0
     frozen_bytes = bpp.parameters * frozen
     if cfg.lora.quantize_base != "none":  # QLoRA: the blocks' linears as int4 codes + group scales
-        from fivefold.finetune.qlora import quantized_weight_bytes
-
         linear = sum(k for name, k in shapes if re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", name))
         frozen_bytes += quantized_weight_bytes(linear, cfg.lora.group_size) - bpp.parameters * linear
     shapes = shapes + adapters
@@ -286,8 +288,6 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     zero_bubble = par.pp_schedule == "zero-bubble" and par.pp > 1
     if zero_bubble:
         # Micro-batches past their B keep what their W pass needs until it runs.
-        from fivefold.parallel.pipeline_schedules import peak_held, rank_schedule
-
         actions = rank_schedule("zero-bubble", par.pp, micro_batches, stage)
         held = peak_held(actions, kept, len(layers) * _weight_pass_bytes(d)) - kept
     saved_end = replay.saved_bytes
@@ -422,8 +422,6 @@ def _reductions(cfg: Config, inv: _Inventory, shapes: tuple, grad_bytes: float,
     # Without ZeRO (fivefold.parallel.data_parallel) each bucket's buffer is all-reduced in place and
     # becomes the reduced gradients the optimizer reads: none is released before the step.
     keep_all = par.zero == 0
-    from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
-
     if par.zero == 3:
         order = [*reversed(inv.blocks), inv.root]
     else:
@@ -639,15 +637,12 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
                       adapters=sum(k for _, k in formulas.adapter_shapes(cfg.model, cfg.lora)))
     if suggest and plan.fits is False:
         plan.suggestions = suggest_fixes(cfg, device_memory, device)
-    from fivefold.memory.communication import step_communication
-
     plan.communication = step_communication(cfg)
     return plan
 
 
 def model_name(cfg: Config) -> str:
     """The preset whose shapes the config has (attention kernel and masking aside), else a description."""
-    from fivefold.presets import PRESETS
     runtime = {"attention", "document_mask", "init_std", "max_seq_len"}
     mine = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in runtime}
     for name, preset in PRESETS.items():

@@ -37,7 +37,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fivefold.config import Config
+from fivefold.memory.plan import plan_memory
 from fivefold.memory.units import CATEGORIES
+from fivefold.parallel.mesh import local_device, resolve_device
+from fivefold.train.trainer import Trainer
 
 
 
@@ -367,16 +370,10 @@ def measure_memory(cfg: Config, steps: int = 4, datasets=None, cuda_history: str
     """Run the first `steps` real training steps of `cfg` with the Trainer and record memory by category
     after every op. `datasets` defaults to the config's data; pass random_datasets(cfg) to skip it.
     `cuda_history`: a path for torch.cuda.memory's snapshot (open it at pytorch.org/memory_viz)."""
-    from fivefold.memory.plan import plan_memory
-    from fivefold.train.trainer import Trainer
-
     cfg = copy.deepcopy(cfg)
     cfg.train.peak_flops = cfg.train.peak_flops or 1.0  # MFU is irrelevant here: skip the matmul benchmark
     cfg.train.tensorboard = False
     with tempfile.TemporaryDirectory() as out_dir:
-        from fivefold.parallel.mesh import local_device
-        from fivefold.train.trainer import resolve_device
-
         local = local_device(resolve_device(cfg.train.device))
         made = MemoryTracker(torch.nn.Module()) if local.type != "cuda" else contextlib.nullcontext()
         with StartupPeak(local) as startup, made:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.model.moe import MoE
+
 
 def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global positions of the tokens rank `rank` holds: chunks rank and 2 cp - 1 - rank of 2 cp."""
@@ -249,8 +251,6 @@ def apply_context_parallel(model: nn.Module, group) -> None:
     sum their routing counts over it (their router losses are means over the micro-batch). With packed
     documents, each forward's ForwardContext must carry `mask=DocumentBlocks(global doc ids, group)`: a
     local (s, s) mask means nothing across ranks (fivefold.train.parallelize does this)."""
-    from fivefold.model.moe import MoE
-
     for block in model.layers:
         if hasattr(block, "attn"):
             block.attn.core = RingAttentionCore(block.attn.core, group)

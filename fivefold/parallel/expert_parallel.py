@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single as differentiable_all_to_all
 
-from fivefold.model.moe import sorted_by_expert
+from fivefold.model.moe import MoE, sorted_by_expert
 
 
 class AllToAllDispatch:
@@ -75,8 +75,6 @@ def apply_expert_parallel(model: nn.Module, group) -> set[str]:
     before materialisation; names stay global), and route through all-to-all. Returns the names of the
     expert parameters: each ep rank holds different rows, so the gradient norm sums them over the ep
     group and they are reduced over the expert-data-parallel group."""
-    from fivefold.model.moe import MoE
-
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     names = set()
     for prefix, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):

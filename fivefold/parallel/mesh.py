@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError
+from fivefold.kernels import check_usable
+from fivefold.parallel.expert_parallel import expert_groups
 from fivefold.parallel.rules import check_layout
+from fivefold.train.fp8 import torchao_missing
 
 # Collectives that wait longer than this fail (and torchrun tears the job down) instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("FIVEFOLD_COLLECTIVE_TIMEOUT", "120")))
@@ -92,12 +95,8 @@ def check_supported(cfg: Config, world_size: int | None = None) -> None:
     make), then what this machine must have for it: the one place availability is asked."""
     check_layout(cfg, world_size)
     if cfg.train.kernels == "triton":
-        from fivefold.kernels import check_usable  # imports triton: only when asked for
-
         check_usable()
     if cfg.train.precision == "fp8":
-        from fivefold.train.fp8 import torchao_missing  # imports torchao: only when asked for
-
         missing = torchao_missing()
         if missing:
             raise ConfigError(f"train.precision=fp8 runs torchao's float8 linears: {missing}; or use "
@@ -130,6 +129,21 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
                 grad_mesh=grad_mesh, device_mesh=device_mesh, **_expert_groups(p, device_mesh))
 
 
+def resolve_device(name: str) -> torch.device:
+    """train.device (or --device) as a torch device: auto is cuda where there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device={name!r}: fivefold trains on cpu or cuda; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available; use train.device=cpu or auto")
+    return device
+
+
 def local_device(device: torch.device) -> torch.device:
     """One GPU per process: cuda:LOCAL_RANK under torchrun."""
     if device.type == "cuda" and device.index is None:
@@ -140,8 +154,6 @@ def local_device(device: torch.device) -> torch.device:
 def _expert_groups(p, device_mesh) -> dict:
     if p.ep == 1:
         return {}
-    from fivefold.parallel.expert_parallel import expert_groups
-
     mine = (None, None)
     for stage in range(p.pp):  # each pipeline stage has its own expert groups
         groups = expert_groups(device_mesh.mesh[stage], p.ep)

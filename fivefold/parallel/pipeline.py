@@ -26,6 +26,7 @@ from torch import nn
 
 from fivefold.memory.formulas import partition
 from fivefold.model import ForwardContext
+from fivefold.model.moe import MoE
 from fivefold.parallel.pipeline_schedules import build_schedule, stage_of
 
 
@@ -97,8 +98,6 @@ class Pipeline:
         self.last = self.rank == self.pp - 1  # holds the last stage (chunk v-1)
         self.tied = cfg.model.tie_embeddings
         self._prune()
-        from fivefold.model.moe import MoE
-
         self.moe = [[m for i in chunk for m in model.layers[i].modules() if isinstance(m, MoE)]
                     for chunk in self.chunks]
         self.stash = WeightGradStash()

@@ -30,6 +30,7 @@ from fivefold.model.moe import GroupedExperts
 from fivefold.parallel.collectives import (CopyToTP, GatherSequence, GatherToReplicated, ReduceFromTP,
                                            ReduceScatterSequence, SplitSequence, all_reduce_hook, gather_sequence,
                                            in_backward)
+from fivefold.train.recompute import checkpointed
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
@@ -168,8 +169,6 @@ class SequenceGatheredInput:
     def _enter(self, module, args):
         x_local = args[0]
         x_full = GatherSequence.apply(x_local, self.group)
-        from fivefold.train.recompute import checkpointed
-
         # Inside backward (a recomputed forward) the gathered input is used at once: nothing to release.
         # In a compiled graph the partitioner decides what backward keeps, and a checkpointed block keeps
         # nothing of its forward: nothing to release either (a re-gather in backward would only make a

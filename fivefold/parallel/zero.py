@@ -29,6 +29,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from fivefold.checkpoint.pieces import Piece
 from fivefold.model.init import give_memory
 from fivefold.parallel.collectives import all_gather_into, in_backward, reduce_scatter_into
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
@@ -252,8 +253,6 @@ class ZeroDataParallel(TimedWaits):
     def as_global(self, i: int, local: torch.Tensor):
         """This rank's rows of parameter i (or of a tensor shaped like its masters), placed in the full
         parameter: what torch.distributed.checkpoint saves and reshards."""
-        from fivefold.checkpoint.pieces import Piece
-
         placement = self.placements[i]
         start, _ = chunk_range(self.params[i].shape[0], self.dp, self.rank)
         offsets = placement.offsets

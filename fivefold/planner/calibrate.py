@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.planner.hardware import HardwareProfile
-from fivefold.train.metrics import synchronize
+from fivefold.train.metrics import measure_peak_flops, probed_peak_flops, synchronize
 
 LATENCY_REPS = 30
 BANDWIDTH_BYTES = 64 * 2**20
@@ -56,8 +56,6 @@ def measure_bandwidth(gb: float = 1.0, reps: int = 5, device: torch.device | str
 
 
 def measure_flops(device: torch.device) -> dict[str, float]:
-    from fivefold.train.metrics import probed_peak_flops
-
     # A CPU without native bf16 emulates it two orders of magnitude slower: the probe keeps that short.
     flops = {"fp32": probed_peak_flops(device, torch.float32), "bf16": probed_peak_flops(device, torch.bfloat16)}
     if device.type == "cuda":
@@ -67,8 +65,6 @@ def measure_flops(device: torch.device) -> dict[str, float]:
 
 def measure_kernels(device: torch.device, dtype: torch.dtype, peak: float) -> dict[str, float]:
     """matmul_knee, matmul_efficiency, attention_efficiency and op_overhead (see the module docstring)."""
-    from fivefold.train.metrics import measure_peak_flops
-
     small = measure_peak_flops(device, dtype, size=256, reps=20)
     ratio = min(small / peak, 0.999)
     # (256 / (256 + k) / (2048 / (2048 + k)))^3 = ratio: bisect for k

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fivefold.memory.plots import pyplot
 from fivefold.planner.speed import BREAKDOWN
 
 COLORS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp": "#f58518", "cp": "#ffbf79", "ep": "#e45756",
@@ -12,8 +13,6 @@ COLORS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp": "#f58518", "cp": "
 
 def plot_breakdown(candidates, path: str | Path, title: str) -> Path:
     """One horizontal bar per layout, best at the top: seconds per token per GPU, split by category."""
-    from fivefold.memory.plots import pyplot
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(candidates) + 1.8))
     labels = []

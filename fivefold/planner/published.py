@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.config import Config
-from fivefold.parallel.rules import check_layout
 from fivefold.memory import formulas
+from fivefold.parallel.rules import check_layout
 from fivefold.planner.hardware import load_profile
+from fivefold.planner.search import search_layouts
+from fivefold.presets import get_preset
 
 RUNS = Path(__file__).parent / "published_runs.toml"
 _TRAIN_KEYS = ("micro_batch_size", "recompute")
@@ -58,8 +60,6 @@ def load_runs(path: Path = RUNS) -> list[dict]:
 
 def run_config(run: dict) -> Config:
     """The run's model, sequence length and precision as a fivefold config (the search applies the layout)."""
-    from fivefold.presets import get_preset
-
     cfg = Config()
     if "preset" in run:
         cfg.model = get_preset(run["preset"])
@@ -72,8 +72,6 @@ def run_config(run: dict) -> Config:
 
 
 def check_run(run: dict) -> RunCheck:
-    from fivefold.planner.search import search_layouts
-
     cfg = run_config(run)
     profile = load_profile(run["hardware"])
     only = dict(run["layout"])

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 
 from fivefold.config import Config, ConfigError
-from fivefold.parallel.rules import check_implemented, check_layout
 from fivefold.memory import formulas
 from fivefold.memory.plan import stage_total
+from fivefold.parallel.rules import check_implemented, check_layout
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.planner.speed import SpeedPlan, predict_step
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from fivefold.config import Config, ModelConfig
 from fivefold.memory import formulas
 from fivefold.memory.communication import Collective, step_collectives
+from fivefold.parallel.pipeline_schedules import build_schedule, simulate
 from fivefold.planner.hardware import HardwareProfile
 
 # Elementwise traffic per element, in units of the activation dtype's bytes p, plus fp32 bytes (the norms'
@@ -357,8 +358,6 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     assume fused elementwise kernels (default: whether train.compile compiles on the profile's device).
     `at_least` (tokens/s per device): None when even a pipeline without bubble would not reach it (the
     search skips the simulation)."""
-    from fivefold.parallel.pipeline_schedules import build_schedule, simulate
-
     m, t, p = cfg.model, cfg.train, cfg.parallel
     fused = t.compiled(profile.device) if fused is None else fused
     costs = _Costs(cfg, profile, fused)

@@ -43,7 +43,9 @@ from fivefold.checkpoint.kinds import QUANTIZATION, QUANTIZED_WEIGHTS, is_quanti
 from fivefold.checkpoint.store import read_config
 from fivefold.config import Config
 from fivefold.errors import CheckpointError, UserError
+from fivefold.model import Transformer
 from fivefold.quant.formats import BITS, METHODS, QuantizedWeight, expected_bytes
+from fivefold.quant.linear import QuantLinear
 
 FORMAT = 1
 WEIGHTS, CONFIG = QUANTIZED_WEIGHTS, "config.json"
@@ -121,9 +123,6 @@ def load_quantized(path: str | Path, device="cpu", dtype: torch.dtype = torch.fl
     """(Config, Transformer) from a directory save_quantized wrote: the quantized linears as QuantLinear
     (codes as stored, computing in `dtype`), every other parameter in `dtype`, on `device`. No full-size
     weight of a quantized linear is ever made."""
-    from fivefold.model import Transformer
-    from fivefold.quant.linear import QuantLinear
-
     path = Path(path)
     if not is_quantized_dir(path):
         raise FileNotFoundError(f"{path} is not a quantized model directory (expected {WEIGHTS} and {QUANTIZATION})")

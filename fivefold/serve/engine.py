@@ -18,9 +18,12 @@ from pathlib import Path
 import torch
 
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
+from fivefold.data.tokenizer import load_tokenizer
 from fivefold.kernels import apply_kernels, check_usable, triton_available
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
+from fivefold.parallel.mesh import launched_world_size, local_device, resolve_device
+from fivefold.serve.adapters import AdapterSet, load_adapter
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
@@ -90,8 +93,6 @@ class Engine:
         if adapters:
             if tp:
                 raise ConfigError("LoRA adapters are served with tp=1 (each rank would need its slices of them)")
-            from fivefold.serve.adapters import AdapterSet, load_adapter
-
             self.adapters = AdapterSet(model)
             for name, source in adapters.items():
                 self.adapters.add(load_adapter(name, source, model.cfg))
@@ -469,9 +470,6 @@ class LLM:
 
     def __init__(self, model: str | Path | Transformer, tokenizer=None, device: str = "auto", seed: int = 0,
                  tp: int = 1, adapters: Mapping[str, str | Path] | None = None, **engine_options):
-        from fivefold.parallel.mesh import launched_world_size, local_device
-        from fivefold.train.trainer import resolve_device
-
         serve = serve_config(engine_options)
         self.chat_template = None
         group = None
@@ -480,7 +478,6 @@ class LLM:
                               f"torchrun --nproc-per-node {tp} (fivefold generate/serve --tp {tp} launch it)")
         if isinstance(model, Transformer):
             if isinstance(tokenizer, (str, Path)):
-                from fivefold.data.tokenizer import load_tokenizer
                 tokenizer = load_tokenizer(tokenizer)
         else:
             loaded = load_model_for_serving(model, tokenizer, serve.dtype, local_device(resolve_device(device)), tp)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
+from fivefold.kernels.paged_attention import paged_attention, store_kv
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
@@ -134,8 +135,6 @@ class PagedBatch:
         kb = self.pool.k[layer].view(-1, bs, heads, dim)  # (blocks, bs, Hkv, d)
         vb = self.pool.v[layer].view(-1, bs, heads, dim)
         if self.kernel:
-            from fivefold.kernels.paged_attention import paged_attention, store_kv
-
             d = self.dev
             store_kv(kb, vb, k[0].transpose(0, 1), v[0].transpose(0, 1), d.slot_mapping)
             out = paged_attention(q[0].transpose(0, 1).contiguous(), kb, vb, self.block_tables, d.seq_lens,

@@ -12,6 +12,7 @@ import torch
 
 from fivefold.config import Config
 from fivefold.memory.formulas import count_params
+from fivefold.memory.units import human_bytes
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.kv_pool import KVPlan, kv_plan
 
@@ -39,8 +40,6 @@ class ServePlan:
                 "max_sequences": {str(n): self.kv.max_sequences(n) for n in lengths}}
 
     def table(self) -> str:
-        from fivefold.memory.units import human_bytes
-
         data = self.to_json()
         rows = [("weights", self.weights), ("KV pool", self.kv.bytes), ("logits (one step)", self.logits),
                 ("block tables", self.block_tables)] + ([("CUDA graphs (est.)", self.graphs)] if self.graphs else []) + \

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from fivefold.data.corpus import cache_dir
+from fivefold.planner.hardware import load_profile, profile_for_device_name
+
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, reps: int = 8) -> float:
     """Achievable dense-matmul FLOP/s of this device and dtype, measured (not a datasheet number), so MFU
@@ -78,8 +81,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
     """Measured achievable matmul peak (CUDA: measure_cuda_peak_flops; CPU: probed_peak_flops), remembered
     across runs as the best ever seen for this device, dtype and thread count: a measurement taken while
     the machine is busy reads low and would inflate MFU."""
-    from fivefold.data.corpus import cache_dir
-
     if device.type == "cuda":  # the method is in the key: figures of the old 2048^3 host-timed one read low
         key = f"{torch.cuda.get_device_name(device)}|{dtype}|cuda-events-{CUDA_PEAK_SIZE.get(dtype, 8192)}"
     else:
@@ -107,8 +108,6 @@ PROFILE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: 
 def datasheet_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
     """(dense FLOP/s of `dtype`, profile name) from the shipped hardware profile of this GPU
     (fivefold.planner.hardware.profile_for_device_name), or None: a CPU, or a GPU no profile describes."""
-    from fivefold.planner.hardware import load_profile, profile_for_device_name
-
     if device.type != "cuda":
         return None
     name = profile_for_device_name(torch.cuda.get_device_name(device))

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from fivefold.checkpoint.pieces import Piece
 from fivefold.config import TrainConfig, parse_batch_schedule
 from fivefold.memory.formulas import is_no_decay, step_chunk_key
 
@@ -197,8 +198,6 @@ class MasterWeightAdamW:
         placement = self.placements[i] if self.placements else None
         if placement is None or not placement.sharded:
             return tensor
-        from fivefold.checkpoint.pieces import Piece
-
         return Piece(tensor, placement.global_shape, placement.offsets)
 
     def moment(self, master: torch.Tensor, key: str) -> torch.Tensor:

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
-from fivefold.kernels import apply_kernels
+from fivefold.data.labels import IGNORE_INDEX
 from fivefold.finetune.lora import apply_lora
+from fivefold.finetune.qlora import quantize_base
+from fivefold.kernels import apply_kernels
 from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_expert_matrix, initial_value,
                             materialise_parameters, meta_model)
 from fivefold.model.moe import MoE, is_stacked_expert
@@ -45,7 +47,6 @@ from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_paral
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
 from fivefold.train.fp8 import apply_fp8
-from fivefold.data.labels import IGNORE_INDEX
 from fivefold.train.loss import cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute, compile_module
@@ -111,8 +112,6 @@ class ParallelModel:
         if cfg.lora.r:  # adapters start from their own init (or a PEFT adapter), whatever the base's source
             values = with_adapters(values, cfg)
         if cfg.lora.quantize_base != "none":  # QLoRA: the blocks' linears become int4 codes, one at a time
-            from fivefold.finetune.qlora import quantize_base
-
             quantize_base(model, cfg.lora, lambda name: values(name, self.placements[name]), self.device)
         mixed = self.dtype != torch.float32
         zero = cfg.parallel.zero if mesh.grad_size > 1 else 0

@@ -15,49 +15,35 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, resume_conflicts
-from fivefold.data.dataset import ResumableSampler
-from fivefold.data.load import load_datasets
-from fivefold.errors import CheckpointError, CheckpointSaveError, UserError
-from fivefold.memory.formulas import checkpoint_bytes, count_params, flops_per_token
-from fivefold.train.parallelize import compute_dtype, parallelize
-from fivefold.weights import init_from_values
-from fivefold.parallel.hooks import weak
-from fivefold.parallel.mesh import init_mesh, local_device
 from fivefold.checkpoint import store as ckpt
 from fivefold.checkpoint.files import read_json, read_tensors
 from fivefold.checkpoint.pieces import read_state
+from fivefold.config import Config, ConfigError, resume_conflicts
+from fivefold.data.dataset import ResumableSampler
+from fivefold.data.labels import IGNORE_INDEX
+from fivefold.data.load import load_datasets
+from fivefold.errors import CheckpointError, CheckpointSaveError, UserError
+from fivefold.memory.formulas import checkpoint_bytes, count_params, flops_per_token
+from fivefold.parallel.hooks import weak
+from fivefold.parallel.mesh import init_mesh, local_device, resolve_device
 from fivefold.train.batch_ramp import AutoBatchRamp
 from fivefold.train.interrupt import GracefulStop
-from fivefold.data.labels import IGNORE_INDEX
 from fivefold.train.metrics import MetricsLog, memory_bytes, mfu_peaks, progress_bar
 from fivefold.train.noise_scale import NoiseScale
 from fivefold.train.optim import grad_accum_at, lr_at
+from fivefold.train.parallelize import compute_dtype, parallelize
 from fivefold.train.routing import RouterLosses
+from fivefold.weights import init_from_values, take_source_shape
 
 
 class TrainingError(UserError, RuntimeError):
     """Training cannot continue (e.g. the loss became NaN); the message names the step and what to try."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"train.device={name!r}: fivefold trains on cpu or cuda; use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but CUDA is not available; use train.device=cpu or auto")
-    return device
-
-
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, resume: bool = False,
                  quiet: bool = False, datasets=None):
-        self.cfg = cfg
+        self.cfg = take_source_shape(cfg)
         self.out_dir = Path(out_dir or cfg.train.out_dir)
         self.device = local_device(resolve_device(cfg.train.device))
         self.mesh = init_mesh(cfg, self.device)  # checks the layout before any process group starts
