@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.checkpoint.kinds import is_hf_directory, is_quantized_dir
-from fivefold.checkpoint.store import resolve_checkpoint
+from fivefold.checkpoint.kinds import is_quantized_dir
 from fivefold.commands.args import positive_int
 from fivefold.config import Config, ConfigError
 from fivefold.data.corpus import DataError, expand_inputs, iter_documents
@@ -27,14 +26,14 @@ from fivefold.data.labels import IGNORE_INDEX
 from fivefold.data.load import load_datasets
 from fivefold.data.tokenizer import load_tokenizer
 from fivefold.errors import UserError
-from fivefold.interop.hf import import_hf, read_tokenizer_files
+from fivefold.interop.hf import read_tokenizer_files
 from fivefold.model import ForwardContext, doc_ids_from_tokens
 from fivefold.quant.checkpoint import check_out_dir, quantized_bytes_on_disk, safetensors_size, save_quantized
 from fivefold.quant.formats import BITS, METHODS, QuantizedWeight
 from fivefold.quant.gptq import quantize_model, quantized_linears
 from fivefold.quant.linear import swap_linears
 from fivefold.train.loss import cross_entropy_sum
-from fivefold.weights import load_model
+from fivefold.weights import weight_source
 
 MICRO_BATCH = 8  # windows per forward, for calibration and evaluation
 
@@ -81,15 +80,11 @@ def load_source(path: str | Path) -> Source:
     if not src.exists():
         raise FileNotFoundError(f"model {str(src)!r} does not exist; give a fivefold run directory or checkpoint, "
                                 f"or a Hugging Face model directory")
-    if is_hf_directory(src):
-        model_cfg, model = import_hf(src)
-        cfg = Config(model=model_cfg)
-        if model_cfg.position == "learned":
-            cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-        return Source(cfg, model.eval(), src, hf=True)
-    ckpt = resolve_checkpoint(src)
-    cfg, model = load_model(ckpt)
-    return Source(cfg, model.eval(), ckpt, hf=False)
+    source = weight_source(src)
+    cfg = source.config
+    if source.kind == "hf" and cfg.model.position == "learned":  # the default seq_len within the positions
+        cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    return Source(cfg, source.load().eval(), source.directory, hf=source.kind == "hf")
 
 
 def check_group_size(model: torch.nn.Module, method: str, group_size: int) -> None:

@@ -144,6 +144,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA GPU's; nothing to wait for on a CPU): before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def local_device(device: torch.device) -> torch.device:
     """One GPU per process: cuda:LOCAL_RANK under torchrun."""
     if device.type == "cuda" and device.index is None:

@@ -25,8 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
-from fivefold.train.metrics import measure_peak_flops, probed_peak_flops, synchronize
+from fivefold.train.metrics import measure_peak_flops, probed_peak_flops
 
 LATENCY_REPS = 30
 BANDWIDTH_BYTES = 64 * 2**20

@@ -28,12 +28,12 @@ import torch
 
 from fivefold.config import Config
 from fivefold.model import build_model
+from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.presets import PRESETS
 from fivefold.serve.engine import LLM
 from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import SamplingParams
-from fivefold.train.metrics import synchronize
 
 # Without a [serving] table: tensor-core tiles of 64 rows; host work of a graph-replayed decode step
 # (scheduling, inputs, sampling) ~0.3 ms plus ~4 us a sequence; an eager step's launches per layer.

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from fivefold.data.corpus import cache_dir
+from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import load_profile, profile_for_device_name
 
 
@@ -155,11 +156,6 @@ def mfu_peaks(device: torch.device, dtype: torch.dtype, override: float, threads
         return MfuPeaks(measured, f"measured: no hardware profile matches {torch.cuda.get_device_name(device)!r}, "
                                   f"so MFU is against the measured achievable peak")
     return MfuPeaks(measured, "measured")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def memory_bytes(device: torch.device) -> int:

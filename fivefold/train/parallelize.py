@@ -32,9 +32,8 @@ from fivefold.data.labels import IGNORE_INDEX
 from fivefold.finetune.lora import apply_lora
 from fivefold.finetune.qlora import quantize_base
 from fivefold.kernels import apply_kernels
-from fivefold.model import (ForwardContext, doc_ids_from_tokens, initial_expert_matrix, initial_value,
-                            materialise_parameters, meta_model)
-from fivefold.model.moe import MoE, is_stacked_expert
+from fivefold.model import ForwardContext, doc_ids_from_tokens, materialise_parameters, meta_model
+from fivefold.model.moe import MoE
 from fivefold.parallel.context_parallel import DocumentBlocks, apply_context_parallel, zigzag_positions
 from fivefold.parallel.data_parallel import BucketedAllReduce, Reducers
 from fivefold.parallel.expert_parallel import apply_expert_parallel
