@@ -35,7 +35,12 @@ def test_plan_refuses_what_train_refuses_with_the_same_message(preset, overrides
 
 
 # Before the search asked the rules, it ranked ZeRO layouts of Mixtral and ZeRO-2 under pp for llama3-8b.
-@pytest.mark.parametrize("preset, gpus", [("mixtral-8x7b", 16), ("llama3-8b", 16), ("tiny-moe", 8)])
+# Mixtral (46.7B, with no ZeRO for experts yet) first fits at 16 H100s; the others from 4.
+GRID = [(preset, gpus) for preset in ("llama3-8b", "qwen2.5-0.5b", "tiny-moe") for gpus in (4, 8, 16)]
+GRID += [("mixtral-8x7b", gpus) for gpus in (16, 32)]
+
+
+@pytest.mark.parametrize("preset, gpus", GRID, ids=[f"{p}-{g}gpus" for p, g in GRID])
 def test_every_layout_the_search_ranks_passes_the_check(preset, gpus):
     cfg = load_config(preset=preset, overrides=["train.precision=bf16-mixed", "train.seq_len=2048"])
     result = search_layouts(cfg, load_profile("h100-sxm"), gpus, 1024 * 2048, top=1000)
