@@ -25,15 +25,15 @@ import time
 
 import torch
 
+from fivefold.commands.plan_serve import predict
 from fivefold.config import Config, ServeConfig
 from fivefold.model import build_model
+from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import load_profile
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.blocks import blocks_for
-from fivefold.commands.plan_serve import predict
 from fivefold.serve.workload import Request, Workload, parse_workload
-from fivefold.train.metrics import synchronize
 
 sys.path.insert(0, os.path.dirname(__file__))
 from serve_client import make_requests  # noqa: E402

@@ -59,7 +59,7 @@ def test_a_killed_rank_ends_the_whole_job(tiny_config, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(
         "import json, os, signal, sys\n"
-        "from fivefold.config import config_from_dict\n"
+        "from fivefold.config_load import config_from_dict\n"
         "from fivefold.train.trainer import Trainer\n"
         f"cfg = config_from_dict(json.loads({json.dumps(json.dumps(cfg.to_dict()))}))\n"
         "trainer = Trainer(cfg, quiet=True)\n"
