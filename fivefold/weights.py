@@ -33,7 +33,7 @@ from fivefold.interop.hf import HFWeights, check_same_shapes, config_from_hf, re
 from fivefold.model import Transformer, initial_expert_matrix, initial_value, materialise_parameters, meta_model
 from fivefold.model.moe import is_stacked_expert
 from fivefold.parallel.placement import Placement
-from fivefold.quant.checkpoint import load_quantized
+from fivefold.quant.directory import load_quantized
 from fivefold.quant.formats import quantize_int4
 
 ValueSource = Callable[[str, Placement], torch.Tensor]

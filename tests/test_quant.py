@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fivefold.checkpoint.kinds import is_quantized_dir
 from fivefold.cli import main
 from fivefold.config_load import load_config
 from fivefold.model import build_model
-from fivefold.checkpoint.kinds import is_quantized_dir
-from fivefold.quant.checkpoint import load_quantized, save_quantized
+from fivefold.quant.directory import load_quantized, save_quantized
 from fivefold.quant.formats import (METHODS, expected_bytes, int4_grid, pack_int4, quantize_int4, quantize_int8,
                                     unpack_int4)
 from fivefold.quant.gptq import HessianAccumulator, gptq_quantize, quantize_model, quantized_linears

@@ -22,7 +22,7 @@ from fivefold.finetune.peft import save_adapter  # noqa: E402
 from fivefold.interop.hf import import_hf  # noqa: E402
 from fivefold.model import build_model  # noqa: E402
 from fivefold.parallel.placement import Placement  # noqa: E402
-from fivefold.quant.checkpoint import save_quantized  # noqa: E402
+from fivefold.quant.directory import save_quantized  # noqa: E402
 from fivefold.quant.gptq import quantize_model  # noqa: E402
 from fivefold.quant.linear import swap_linears  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402

@@ -1,5 +1,5 @@
 """`fivefold quantize MODEL --method int8|int4|gptq`: quantize a model's block linears, write the quantized
-directory (layout: fivefold.quant.checkpoint) and print what it costs in bytes and in held-out perplexity.
+directory (layout: fivefold.quant.directory) and print what it costs in bytes and in held-out perplexity.
 
 Calibration (GPTQ): `--calib FILE` (.txt / .md / .jsonl / .parquet, as `fivefold prepare` reads them,
 encoded with the model's tokenizer, each document followed by eos), or by default windows of the training
@@ -28,7 +28,7 @@ from fivefold.data.tokenizer import load_tokenizer
 from fivefold.errors import UserError
 from fivefold.interop.hf import read_tokenizer_files
 from fivefold.model import ForwardContext, doc_ids_from_tokens
-from fivefold.quant.checkpoint import check_out_dir, quantized_bytes_on_disk, safetensors_size, save_quantized
+from fivefold.quant.directory import check_out_dir, quantized_bytes_on_disk, safetensors_size, save_quantized
 from fivefold.quant.formats import BITS, METHODS, QuantizedWeight
 from fivefold.quant.gptq import quantize_model, quantized_linears
 from fivefold.quant.linear import swap_linears

@@ -16,7 +16,7 @@ from fivefold.parallel.mesh import local_device, resolve_device
 from fivefold.serve import LLM, RequestError, SamplingParams
 from fivefold.serve.engine import Engine
 from fivefold.serve.loading import load_model_for_serving
-from fivefold.serve.tensor_parallel import launch
+from fivefold.serve.sharded import launch
 
 
 def register(sub) -> None:

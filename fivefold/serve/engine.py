@@ -81,7 +81,7 @@ def serve_config(options: Mapping) -> ServeConfig:
 
 
 class Engine:
-    """`tp`: this rank's tensor-parallel group (fivefold.serve.tensor_parallel) when the model is a shard;
+    """`tp`: this rank's tensor-parallel group (fivefold.serve.sharded) when the model is a shard;
     rank 0 then drives (schedules, samples, broadcasts each batch) and the others `follow()`."""
 
     def __init__(self, model: Transformer, tokenizer=None, serve: ServeConfig | None = None, seed: int = 0,

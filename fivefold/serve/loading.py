@@ -19,7 +19,7 @@ from fivefold.model import Transformer, meta_model
 from fivefold.parallel.mesh import init_mesh
 from fivefold.parallel.placement import record
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-from fivefold.serve.tensor_parallel import TensorParallelGroup
+from fivefold.serve.sharded import TensorParallelGroup
 from fivefold.weights import weight_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
