@@ -223,6 +223,10 @@ class ServeConfig:
     # Schedule and launch step n+1 while step n's tokens are still on the device, so the host's work
     # overlaps the device's: "auto" = on CUDA with tp=1 (on a CPU the device is the host: nothing to overlap).
     async_scheduling: Literal["auto", "true", "false"] = "auto"
+    # The linears on a CPU: "onednn" = torch's oneDNN inner product, which spreads a decode's few rows over
+    # the threads where MKL's sgemv reads the weights on one (fivefold.serve.cpu_linear); "torch" = F.linear;
+    # "auto" = onednn on a CPU whose torch has it. On CUDA the linears are cuBLAS's either way.
+    linear: Literal["auto", "onednn", "torch"] = "auto"
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

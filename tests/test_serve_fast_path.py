@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from fivefold.config import ConfigError
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.batch import StepInputs
+from fivefold.serve.cpu_linear import OneDNNLinear, onednn_available, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs, batch_ladder
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.sampling import _penalise, apply_penalties, slot_params
@@ -57,6 +59,36 @@ def test_engine_update_weights_reaches_the_fused_weights():
     params = SamplingParams(max_tokens=6, **GREEDY)
     llm.engine.update_weights(new.state_dict())
     assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in LLM(new).generate(ps, params)]
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2", "tiny-moe"])  # SwiGLU, GELU with biases and a tied head, MoE
+def test_cpu_linears_on_onednn_compute_what_f_linear_does(preset):
+    """serve.linear=onednn (auto on a CPU): every linear and fused product routed, logits within fp32
+    rounding of F.linear's, and a batch of greedy requests gives the tokens serve.linear=torch gives."""
+    model = tiny(preset)
+    ids = torch.randint(0, model.cfg.vocab_size, (3, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(ids)
+        fuse_projections(model)
+        routed = use_onednn(model)
+        assert routed and isinstance(model.lm_head, OneDNNLinear)
+        torch.testing.assert_close(model(ids), reference, rtol=1e-5, atol=1e-5)
+    ps, params = prompts(6, model.cfg.vocab_size, seed=3), SamplingParams(max_tokens=8, **GREEDY)
+    ours, plain = LLM(tiny(preset)), LLM(tiny(preset), linear="torch")
+    assert ours.engine.onednn and "linears: oneDNN" in ours.engine.path
+    assert not plain.engine.onednn and "linears: torch" in plain.engine.path
+    assert [o.token_ids for o in ours.generate(ps, params)] == [o.token_ids for o in plain.generate(ps, params)]
+    bf16 = tiny(preset).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = bf16(ids).float()
+        use_onednn(bf16)
+        torch.testing.assert_close(bf16(ids).float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_bad_serve_linear_is_refused():
+    with pytest.raises(ConfigError, match=r"serve.linear.*auto, onednn, torch"):
+        LLM(tiny(), linear="mkl")
 
 
 def test_slots_are_reused_and_all_returned():

@@ -27,6 +27,7 @@ from fivefold.serve.adapters import AdapterSet, load_adapter
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
+from fivefold.serve.cpu_linear import onednn_available, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
@@ -130,6 +131,7 @@ class Engine:
         # One GEMM for q/k/v and one for gate/up (checkpoint names unchanged); adapters hook the separate
         # projections, so an engine serving LoRA keeps them apart.
         self.fused = 0 if self.adapters else fuse_projections(model)
+        self.onednn = self._use_onednn()
         self.graphs = self._graphs()
         # serve.async_scheduling: the next step is scheduled and launched before this one's tokens are on
         # the host. Pays only where the device runs apart from the host (CUDA); tensor-parallel followers
@@ -163,6 +165,16 @@ class Engine:
         apply_kernels(self.model, "triton")
         return True
 
+    def _use_onednn(self) -> bool:
+        """serve.linear: whether the linears run on oneDNN (a CPU), after the projections are fused."""
+        choice = self.cfg.linear
+        if choice == "onednn" and (self.device.type != "cpu" or not onednn_available()):
+            why = "the device is not a CPU" if self.device.type != "cpu" else "this torch has no oneDNN"
+            raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
+        if choice == "torch" or (choice == "auto" and (self.device.type != "cpu" or not onednn_available())):
+            return False
+        return use_onednn(self.model) > 0
+
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
         why_not = ("the device is not CUDA" if self.device.type != "cuda" else
@@ -186,8 +198,9 @@ class Engine:
         attention = "Triton paged attention" if self.kernel else "block gather + SDPA"
         decode = "CUDA graphs" if self.graphs else "eager"
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"
+        linears = "oneDNN" if self.onednn else "torch (F.linear)"
         return (f"attention: {attention}; decode steps: {decode}; scheduling: {scheduling}; fused q/k/v and "
-                f"gate/up: {self.fused} modules")
+                f"gate/up: {self.fused} modules; linears: {linears}")
 
     # ---- requests
 

@@ -44,13 +44,17 @@ def _fuse(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torc
 
 
 class FusedAttention(Attention):
+    linear_fn = staticmethod(F.linear)  # fivefold.serve.cpu_linear puts oneDNN's here on a CPU
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        return self.linear_fn(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
 
 
 class FusedMLP(MLP):
+    linear_fn = staticmethod(F.linear)
+
     def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.linear_fn(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -81,5 +85,6 @@ _FUSED_MLPS: dict[type, type] = {MLP: FusedMLP}
 def _fused_mlp_class(cls: type) -> type:
     """FusedMLP, or a fused subclass of the Triton MLP (whose forward calls gate_and_up too)."""
     if cls not in _FUSED_MLPS:
-        _FUSED_MLPS[cls] = type(f"Fused{cls.__name__}", (cls,), {"gate_and_up": FusedMLP.gate_and_up})
+        _FUSED_MLPS[cls] = type(f"Fused{cls.__name__}", (cls,), {"gate_and_up": FusedMLP.gate_and_up,
+                                                                "linear_fn": FusedMLP.__dict__["linear_fn"]})
     return _FUSED_MLPS[cls]

@@ -31,6 +31,7 @@ from fivefold.model import build_model
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.presets import PRESETS
+from fivefold.serve.cpu_linear import serving_linear
 from fivefold.serve.engine import LLM
 from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import SamplingParams
@@ -159,20 +160,22 @@ class StepCostModel:
 def _skinny_knee(device: torch.device, dtype: torch.dtype, rate: float) -> float:
     """The token-dimension knee: products of m rows by weights larger than any cache (as a served model's
     are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving
-    knee = m (rate / measured - 1); their median."""
+    knee = m (rate / measured - 1); their median. Timed with the linear the engine runs (serve.linear: oneDNN
+    on a CPU)."""
     k = n = 2048
-    weights = [torch.randn(k, n, device=device).to(dtype) for _ in range(8 if device.type == "cpu" else 64)]
+    linear = serving_linear(device)
+    weights = [torch.randn(n, k, device=device).to(dtype) for _ in range(8 if device.type == "cpu" else 64)]
     knees = []
     for m in (2, 8, 32):
         x = torch.randn(m, k, device=device).to(dtype)
         for w in weights[:2]:
-            x @ w
+            linear(x, w)
         best = float("inf")
         for _ in range(3):
             synchronize(device)
             start = time.perf_counter()
             for w in weights:
-                x @ w
+                linear(x, w)
             synchronize(device)
             best = min(best, time.perf_counter() - start)
         measured = 2 * m * k * n * len(weights) / best
