@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
+from fivefold.commands.plan_serve import knee, predict
 from fivefold.config import Config, ConfigError, ServeConfig
 from fivefold.config_load import load_config
 from fivefold.model import build_model
+from fivefold.planner.hardware import load_profile, profile_from_dict
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
-from fivefold.commands.plan_serve import knee, predict
 from fivefold.serve.simulator import simulate
 from fivefold.serve.step_cost import StepCostModel, StepShape, measure_serving
 from fivefold.serve.workload import Request, Workload, parse_workload
-from fivefold.planner.hardware import load_profile, profile_from_dict
 
 
 def record_engine_batches(model, workload: Workload, serve: dict) -> tuple[list, int]:
@@ -140,8 +140,12 @@ def test_measure_serving_gives_the_serving_table():
         name="c", description="", device="cpu", memory_bytes=1e10, memory_bandwidth=2e10, gpus_per_node=1,
         intra_node_bandwidth=0, intra_node_latency=0, inter_node_bandwidth=0, inter_node_latency=0,
         flops={"fp32": 1e11}))
-    assert set(table) == {"skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s"}
+    assert set(table) == {"skinny_knee", "linear_flops_fp32", "step_s", "seq_s", "layer_s", "layer_seq_s"}
     assert all(v >= 0 for v in table.values()) and table["step_s"] + table["layer_s"] > 0
+    assert table["linear_flops_fp32"] > 1e9  # a square product of the engine's own linear, timed
+    profile = dataclasses.replace(load_profile("h100-sxm"), device="cpu", serving=table)
+    cfg = Config(model=PRESETS["tiny"])
+    assert StepCostModel(cfg, profile).rate == table["linear_flops_fp32"]  # the engine's rate, not the training peak
 
 
 def fivefold(*args: str) -> subprocess.CompletedProcess:

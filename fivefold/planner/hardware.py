@@ -34,6 +34,8 @@ calibrate --serve`; defaults there):
 
     skinny_knee           the token dimension of a serving step's matmuls runs at m / (m + knee) of the peak:
                           a decode batch is a skinny product, far below the square-matmul rate
+    linear_flops_<dtype>  the square-product rate of the linear the engine runs (serve.linear: oneDNN on a
+                          CPU, which the training peak's torch.mm does not time); the knee is relative to it
     step_s, seq_s         the engine's host work per step, and per sequence in it (scheduling, inputs, sampling)
     layer_s, layer_seq_s  per layer of a step run eagerly (launches; a CUDA-graph replay has none), and per
                           sequence and layer (the CPU attention's gathers and calls)
@@ -60,7 +62,8 @@ DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0, "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
-SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s")
+SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s", "linear_flops_fp32", "linear_flops_bf16",
+           "linear_flops_fp16")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
             "inter_node_bandwidth", "inter_node_latency")
 

@@ -67,9 +67,13 @@ class StepCostModel:
         self.cfg, self.hw, self.tp = cfg, profile, tp
         self.itemsize = torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
         self.peak = profile.peak_flops({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[s.dtype])
-        self.rate = matmul_rate(profile, self.peak)
         self.bandwidth = profile.memory_bandwidth * profile.memory_efficiency
         self.serving = {**SERVING_DEFAULTS, **profile.serving}
+        dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[s.dtype]
+        # The engine's own linear, where calibrate --serve timed it (at 2048 x 2048 weights: the width factor
+        # below taken out); else the training matmul's rate.
+        timed = self.serving.get(f"linear_flops_{dt}")
+        self.rate = timed / self._width(2048, 2048) if timed else matmul_rate(profile, self.peak)
         self.cpu_attention = profile.device == "cpu"  # the gather + SDPA path reads the keys and values thrice
         h, q, kv, f = m.hidden_size, m.q_size // tp, m.kv_size // tp, m.ffn_hidden_size // tp
         up = 2 * f if m.activation == "swiglu" else f
@@ -88,8 +92,14 @@ class StepCostModel:
         if m <= 0:
             return 0.0
         knee = self.serving["skinny_knee"]
-        compute = 2 * m * k * n / (self.rate * m / (m + knee))
+        compute = 2 * m * k * n / (self.rate * self._width(k, n) * m / (m + knee))
         return max(compute, experts * k * n * self.itemsize / self.bandwidth)
+
+    def _width(self, k: float, n: float) -> float:
+        """The weight's dimensions at d / (d + matmul_knee) each, as the training model prices them: a narrow
+        model's products run further below the peak than a square one's."""
+        knee = self.hw.matmul_knee
+        return (k / (k + knee)) * (n / (n + knee))
 
     def mlp(self, tokens: int) -> float:
         m = self.cfg.model
@@ -157,30 +167,32 @@ class StepCostModel:
 # ---- calibration (fivefold calibrate --serve)
 
 
-def _skinny_knee(device: torch.device, dtype: torch.dtype, rate: float) -> float:
-    """The token-dimension knee: products of m rows by weights larger than any cache (as a served model's
-    are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving
-    knee = m (rate / measured - 1); their median. Timed with the linear the engine runs (serve.linear: oneDNN
-    on a CPU)."""
+def _linear_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(the square-product rate, the skinny knee) of the linear the engine runs (serve.linear: oneDNN on a
+    CPU). The rate: m = 2048 rows; the knee: products of m rows by weights larger than any cache (as a served
+    model's are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving
+    knee = m (rate / measured - 1); their median."""
     k = n = 2048
     linear = serving_linear(device)
     weights = [torch.randn(n, k, device=device).to(dtype) for _ in range(8 if device.type == "cpu" else 64)]
-    knees = []
-    for m in (2, 8, 32):
+
+    def flops(m: int, reps: int = 3) -> float:
         x = torch.randn(m, k, device=device).to(dtype)
         for w in weights[:2]:
             linear(x, w)
         best = float("inf")
-        for _ in range(3):
+        for _ in range(reps):
             synchronize(device)
             start = time.perf_counter()
             for w in weights:
                 linear(x, w)
             synchronize(device)
             best = min(best, time.perf_counter() - start)
-        measured = 2 * m * k * n * len(weights) / best
-        knees.append(max(0.0, m * (rate / measured - 1)))
-    return float(np.median(knees))
+        return 2 * m * k * n * len(weights) / best
+
+    rate = flops(2048, reps=2)
+    knees = [max(0.0, m * (rate / flops(m) - 1)) for m in (2, 8, 32)]
+    return rate, float(np.median(knees))
 
 
 def _engine_step_seconds(device: torch.device, layers: int, batch: int, steps: int = 12) -> float:
@@ -201,14 +213,14 @@ def _engine_step_seconds(device: torch.device, layers: int, batch: int, steps: i
 
 
 def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str = "fp32") -> dict[str, float]:
-    """The [serving] table of this machine's profile: the skinny knee against the profile's matmul rate,
+    """The [serving] table of this machine's profile: the rate of the engine's linear and its skinny knee,
     and the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    knee = _skinny_knee(device, torch_dtype, matmul_rate(profile, profile.peak_flops(dtype)))
+    rate, knee = _linear_rates(device, torch_dtype)
     t = {(layers, b): _engine_step_seconds(device, layers, b) for layers in (2, 4) for b in (1, 32)}
     per_layer = {b: (t[4, b] - t[2, b]) / 2 for b in (1, 32)}
     base = {b: t[2, b] - 2 * per_layer[b] for b in (1, 32)}
     layer_seq = max(0.0, (per_layer[32] - per_layer[1]) / 31)
     seq = max(0.0, (base[32] - base[1]) / 31)
-    return {"skinny_knee": knee, "step_s": max(0.0, base[1] - seq), "seq_s": seq,
+    return {"skinny_knee": knee, f"linear_flops_{dtype}": rate, "step_s": max(0.0, base[1] - seq), "seq_s": seq,
             "layer_s": max(0.0, per_layer[1] - layer_seq), "layer_seq_s": layer_seq}
