@@ -145,7 +145,8 @@ def test_measure_serving_gives_the_serving_table():
     assert table["linear_flops_fp32"] > 1e9  # a square product of the engine's own linear, timed
     profile = dataclasses.replace(load_profile("h100-sxm"), device="cpu", serving=table)
     cfg = Config(model=PRESETS["tiny"])
-    assert StepCostModel(cfg, profile).rate == table["linear_flops_fp32"]  # the engine's rate, not the training peak
+    cost = StepCostModel(cfg, profile)  # the engine's timed rate, not the training peak, at the timed width
+    assert cost.rate * cost._width(2048, 2048) == pytest.approx(table["linear_flops_fp32"], rel=1e-12)
 
 
 def fivefold(*args: str) -> subprocess.CompletedProcess:
