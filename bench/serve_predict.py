@@ -81,8 +81,11 @@ def measure(model, serve: ServeConfig, w: Workload, device: str, seed: int = 0) 
     prompts = [torch.randint(0, vocab, (r.prompt,), generator=g).tolist() for r in w.requests]
     params = [SamplingParams(max_tokens=r.output, temperature=0, ignore_eos=True) for r in w.requests]
     llm = LLM(model, device=device, **{f.name: getattr(serve, f.name) for f in dataclasses.fields(serve)})
-    # Warm up on prompts of its own: the workload's would sit in the prefix cache and shorten its prefill.
-    warm = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(2)]
+    # Warm up on prompts of its own (the workload's would sit in the prefix cache and shorten its prefill), one
+    # a full step's token budget long: the first step of that size pays the allocator's first-touch of its
+    # activations, a start-up cost the model does not price.
+    budget = min(serve.max_num_batched_tokens, serve.max_model_len or serve.max_num_batched_tokens) - 8
+    warm = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (32, budget)]
     llm.generate(warm, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)
     assert llm.engine.blocks.hit_tokens == 0
     synchronize(torch.device(device))
