@@ -91,6 +91,15 @@ def test_a_bad_serve_linear_is_refused():
         LLM(tiny(), linear="mkl")
 
 
+def test_without_onednn_auto_falls_back_and_onednn_is_refused(monkeypatch):
+    import fivefold.serve.engine as engine_module
+    monkeypatch.setattr(engine_module, "onednn_available", lambda: False)
+    assert not LLM(tiny()).engine.onednn  # auto: F.linear
+    with pytest.raises(ConfigError, match="serve.linear=onednn cannot be used here: this torch has no oneDNN; set "
+                                          "serve.linear=auto or torch"):
+        LLM(tiny(), linear="onednn")
+
+
 def test_slots_are_reused_and_all_returned():
     model = tiny()
     llm = LLM(model, max_num_seqs=4, num_blocks=40)
