@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fivefold.config import Config
+from fivefold.config import Config, ModelConfig, ServeConfig
 from fivefold.model import build_model
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
@@ -86,6 +86,9 @@ class StepCostModel:
         # to (tokens, heads x d) (2 of q), and the MLP's activation and product (5 passes of the FFN width).
         ffn = f if m.activation == "swiglu" else 2 * f
         self.elementwise_bytes = (18 * h + 6 * q + 4 * kv + 5 * ffn) * self.itemsize
+        # The rate those bytes move at in the engine (calibrate --serve times a prefill step): a CPU's eager
+        # kernels on a few threads reach well under its streaming bandwidth; without a measurement, that.
+        self.elementwise_rate = self.serving.get("elementwise_bandwidth") or self.bandwidth
 
     def matmul(self, m: float, k: float, n: float, experts: float = 1.0) -> float:
         """A (m x k) @ (k x n) product: FLOPs at the skinny rate, or the weights' bytes, whichever binds."""
@@ -149,17 +152,25 @@ class StepCostModel:
     def seconds(self, shape: StepShape) -> float:
         m = self.cfg.model
         t = shape.num_tokens
-        layer = sum(self.matmul(t, k, n) for k, n in self.attention_products) + self.mlp(t) + self.attention(shape)
-        elementwise = t * self.elementwise_bytes / self.bandwidth
+        layer = self.linears(t) + self.attention(shape)
+        elementwise = self.elementwise(t)
         head = self.matmul(shape.sampled, m.hidden_size, m.vocab_size / self.tp)
         sampling = 4 * shape.sampled * m.vocab_size * 4 / self.bandwidth
         return (m.num_layers * (layer + elementwise) + head + sampling + self.collectives(t, shape.sampled)
                 + self.host(shape))
 
+    def elementwise(self, tokens: int) -> float:
+        """One layer's norms, residuals, RoPE and activation over `tokens` tokens."""
+        return tokens * self.elementwise_bytes / self.elementwise_rate
+
+    def linears(self, tokens: int) -> float:
+        """One layer's block products over `tokens` tokens."""
+        return sum(self.matmul(tokens, k, n) for k, n in self.attention_products) + self.mlp(tokens)
+
     def breakdown(self, shape: StepShape) -> dict[str, float]:
         m, t = self.cfg.model, shape.num_tokens
-        linear = m.num_layers * (sum(self.matmul(t, k, n) for k, n in self.attention_products) + self.mlp(t))
-        return {"linear": linear, "attention": m.num_layers * self.attention(shape),
+        return {"linear": m.num_layers * self.linears(t), "attention": m.num_layers * self.attention(shape),
+                "elementwise": m.num_layers * self.elementwise(t),
                 "head": self.matmul(shape.sampled, m.hidden_size, m.vocab_size / self.tp),
                 "collectives": self.collectives(t, shape.sampled), "host": self.host(shape)}
 
@@ -212,9 +223,79 @@ def _engine_step_seconds(device: torch.device, layers: int, batch: int, steps: i
     return statistics.median(times)
 
 
+# A prefill step of calibrate --serve: 16 prompts of 128 tokens (one full 2,048-token budget) on layers of a
+# small Llama block, wider than "tiny" so its elementwise kernels move realistic amounts.
+PREFILL_PROMPTS, PREFILL_LEN = 16, 128
+
+
+def _prefill_model(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=512, hidden_size=512, num_layers=layers, num_heads=8, num_kv_heads=4,
+                       ffn_hidden_size=1536)
+
+
+def _without_products(model: torch.nn.Module) -> None:
+    """Every linear of a served model answers zeros of its output's shape, so that a step's time is what is
+    left: elementwise work, attention and the engine's host work. The zeros are made once per shape: a fresh
+    buffer each call would time the allocator, which the real product's output pays inside its own time."""
+    made: dict[tuple, torch.Tensor] = {}
+
+    def zeros(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = (*x.shape[:-1], weight.shape[0])
+        if shape not in made:
+            made[shape] = x.new_zeros(shape)
+        return made[shape]
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = lambda x, weight=module.weight: zeros(x, weight)
+        elif hasattr(module, "linear_fn"):  # fused q/k/v and gate/up (fivefold.serve.fused)
+            module.linear_fn = zeros
+
+
+def _engine_prefill_seconds(device: torch.device, layers: int, dtype: torch.dtype, reps: int = 5) -> float:
+    """Fastest of `reps` prefill steps of PREFILL_PROMPTS x PREFILL_LEN fresh tokens (no prefix-cache hits)
+    with the products taken out, after one untimed."""
+    model = build_model(_prefill_model(layers), device, seed=0, dtype=dtype).eval()
+    llm = LLM(model, device=str(device), max_num_seqs=PREFILL_PROMPTS, max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN)
+    engine, g = llm.engine, torch.Generator().manual_seed(0)
+    _without_products(engine.model)
+    best = float("inf")
+    for rep in range(reps + 1):
+        for _ in range(PREFILL_PROMPTS):
+            prompt = torch.randint(1, 512, (PREFILL_LEN,), generator=g).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        synchronize(device)
+        start = time.perf_counter()
+        engine.step()
+        synchronize(device)
+        if rep:
+            best = min(best, time.perf_counter() - start)
+        while engine.num_waiting or engine.scheduler.running:
+            engine.step()
+    return best
+
+
+def _elementwise_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
+    """The rate a layer's elementwise bytes (StepCostModel.elementwise_bytes) move at in the engine: a prefill
+    step without its products, less the engine's host work, per layer, less what the model gives attention."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    layers = 4
+    step = _engine_prefill_seconds(device, layers, torch_dtype)
+    host = partial["step_s"] + partial["seq_s"] * PREFILL_PROMPTS
+    host += layers * (partial["layer_s"] + partial["layer_seq_s"] * PREFILL_PROMPTS)
+    serve = ServeConfig(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
+    cost = StepCostModel(Config(model=_prefill_model(layers), serve=serve), dataclasses.replace(profile, serving=partial))
+    tokens = PREFILL_PROMPTS * PREFILL_LEN
+    shape = StepShape(np.full(PREFILL_PROMPTS, PREFILL_LEN), np.full(PREFILL_PROMPTS, PREFILL_LEN), PREFILL_PROMPTS)
+    rest = (step - host) / layers - cost.attention(shape)
+    # Never above the streaming rate: a step faster than its attention alone says nothing about the rest.
+    return cost.bandwidth if rest <= 0 else min(cost.bandwidth, tokens * cost.elementwise_bytes / rest)
+
+
 def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str = "fp32") -> dict[str, float]:
     """The [serving] table of this machine's profile: the rate of the engine's linear and its skinny knee,
-    and the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32."""
+    the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32, and the rate of its
+    elementwise work from prefill steps of the same depths."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     rate, knee = _linear_rates(device, torch_dtype)
     t = {(layers, b): _engine_step_seconds(device, layers, b) for layers in (2, 4) for b in (1, 32)}
@@ -222,5 +303,7 @@ def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str =
     base = {b: t[2, b] - 2 * per_layer[b] for b in (1, 32)}
     layer_seq = max(0.0, (per_layer[32] - per_layer[1]) / 31)
     seq = max(0.0, (base[32] - base[1]) / 31)
-    return {"skinny_knee": knee, f"linear_flops_{dtype}": rate, "step_s": max(0.0, base[1] - seq), "seq_s": seq,
-            "layer_s": max(0.0, per_layer[1] - layer_seq), "layer_seq_s": layer_seq}
+    table = {"skinny_knee": knee, f"linear_flops_{dtype}": rate, "step_s": max(0.0, base[1] - seq), "seq_s": seq,
+             "layer_s": max(0.0, per_layer[1] - layer_seq), "layer_seq_s": layer_seq}
+    table["elementwise_bandwidth"] = _elementwise_bandwidth(device, profile, dtype, table)
+    return table
