@@ -294,6 +294,16 @@ def test_a_second_run_in_the_same_directory_is_refused_naming_the_holder(data_ca
     assert not (out / "checkpoints").exists()
 
 
+def test_a_run_refused_before_it_writes_leaves_no_directory(data_cache, tmp_path):
+    out = tmp_path / "new" / "run"
+    code, _, stderr = fivefold_train(out, "--set", f"train.init_from={tmp_path / 'nowhere'}", cache=data_cache)
+    assert code == 2 and "does not exist" in stderr
+    assert not out.exists()  # the lock made it, and took it away again
+    with RunLock(tmp_path):  # a directory that was there before stays
+        pass
+    assert tmp_path.is_dir()
+
+
 def test_a_stale_lock_from_a_dead_process_is_taken_over(tmp_path, capsys):
     (tmp_path / ".lock").write_text(json.dumps({"pid": _dead_pid(), "host": "h", "since": 0, "command": "x"}))
     with RunLock(tmp_path):

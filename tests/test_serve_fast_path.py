@@ -86,6 +86,41 @@ def test_cpu_linears_on_onednn_compute_what_f_linear_does(preset):
         torch.testing.assert_close(bf16(ids).float(), reference, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])  # untied head; tied head with biases
+def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
+    """The block products' weights become the transpose of an (in, out) contiguous tensor, same names, shapes
+    and values; the fused parts stay views into their fused weight; the embedding and LM head keep their
+    layout; the parameters take the same bytes as before; new weights still reach the fused product."""
+    model = tiny(preset)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    storage = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p
+                                                          for p in model.parameters()}.values())
+    with torch.no_grad():
+        fuse_projections(model)
+        use_onednn(model)
+    params = dict(model.named_parameters())
+    assert list(params) == list(before)
+    for name, p in params.items():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+        if name.startswith("layers.") and p.dim() == 2:  # input-major: an output's weights one column apart
+            assert p.stride()[0] == 1 and p.stride()[1] >= p.shape[0], name
+    attn = model.layers[0].attn
+    assert attn.qkv_weight.stride() == (1, attn.qkv_weight.shape[0])
+    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert attn.o_proj.weight.stride() == (1, attn.o_proj.weight.shape[0])
+    assert model.embed_tokens.weight.is_contiguous() and model.lm_head.weight.is_contiguous()
+    after = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p
+                                                        for p in model.parameters()}.values())
+    assert after == storage
+    new = tiny(preset, seed=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(dict(new.named_parameters())[name])
+        ids = torch.randint(0, new.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(model(ids), new(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_a_bad_serve_linear_is_refused():
     with pytest.raises(ConfigError, match=r"serve.linear.*auto, onednn, torch"):
         LLM(tiny(), linear="mkl")

@@ -27,8 +27,10 @@ class RunLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LOCK_NAME
         self._fd: int | None = None
+        self._made_dir = False
 
     def acquire(self) -> "RunLock":
+        self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -52,6 +54,11 @@ class RunLock:
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # a clean exit leaves no "taking over" message for the next run
+            # A run refused before it wrote anything (a bad config, a missing init_from) leaves no directory
+            # behind it, if the lock made it.
+            if self._made_dir and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()
+                self.path.parent.rmdir()
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
