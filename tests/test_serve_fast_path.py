@@ -89,7 +89,7 @@ def test_cpu_linears_on_onednn_compute_what_f_linear_does(preset):
 @pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])  # untied head; tied head with biases
 def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
-    """The block products' weights become the transpose of an (in, out) contiguous tensor, same names, shapes
+    """Where the layout pays, the block products' weights become the transpose of an (in, out) contiguous tensor, same names, shapes
     and values; the fused parts stay views into their fused weight; the embedding and LM head keep their
     layout; the parameters take the same bytes as before; new weights still reach the fused product."""
     model = tiny(preset)
@@ -98,7 +98,7 @@ def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
                                                           for p in model.parameters()}.values())
     with torch.no_grad():
         fuse_projections(model)
-        use_onednn(model)
+        use_onednn(model, pays=lambda shape, dtype: True)  # on a machine where every shape is faster so
     params = dict(model.named_parameters())
     assert list(params) == list(before)
     for name, p in params.items():
@@ -119,6 +119,28 @@ def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
             p.copy_(dict(new.named_parameters())[name])
         ids = torch.randint(0, new.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
         torch.testing.assert_close(model(ids), new(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("faster", ["input-major", "plain"])
+def test_each_weight_shape_takes_the_layout_that_times_faster_timed_once(monkeypatch, faster):
+    import time
+
+    import fivefold.serve.cpu_linear as cl
+    assert not cl.input_major_pays((64, 64), torch.float32)  # too small to matter: not timed, left as it is
+    calls = []
+
+    def product(x, weight, bias=None):  # the slow layout sleeps
+        calls.append(1)
+        time.sleep(2e-3 if weight.is_contiguous() == (faster == "input-major") else 0)
+        return x @ weight.t()
+
+    monkeypatch.setattr(cl, "onednn_linear", product)
+    monkeypatch.setattr(cl, "_chosen", {})
+    monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)  # one copy of a 1 MiB weight
+    shape = (1024, 256 + (faster == "plain"))
+    assert cl.input_major_pays(shape, torch.float32) == (faster == "input-major")
+    timed = len(calls)
+    assert timed and cl.input_major_pays(shape, torch.float32) == (faster == "input-major") and len(calls) == timed
 
 
 def test_a_bad_serve_linear_is_refused():

@@ -6,17 +6,21 @@ dozen rows are little better. oneDNN's inner product (`mkldnn._linear_pointwise`
 backend emits for a linear) spreads both over the threads: on the same machine it reads ~24-37 GB/s at one
 row, and `bench/serve.py` measures what that gives a whole engine.
 
-The block products' weights are also laid out input-major: the same (out, in) parameter, stored as the
-transpose of an (in, out) contiguous tensor. oneDNN's kernels read that layout's rows of outputs as they
-stream, and on the 2-vCPU machine the projections narrower than about twice their input ran 10-70% faster at
-1-32 rows (o_proj 24 -> 41 GB/s at one row, down_proj 28 -> 40) and the same at 2,048. The LM head keeps its
-layout: it is the embedding too where they are tied, whose lookups read rows. Nothing is held twice (each
-weight is re-laid one at a time), names and shapes are unchanged, and `Engine.update_weights` still copies
-into the same parameters; this is a choice of kernel and layout only: the same product, summed in another
-order.
+A block product's weight is also laid out input-major (the same (out, in) parameter, stored as the
+transpose of an (in, out) contiguous tensor) where oneDNN runs that layout faster at decode sizes, which
+depends on the shape and the machine: on the 2-vCPU machine `smollm2-135m`'s 576-wide products ran 10-70%
+faster at 1-32 rows (o_proj 24 -> 41 GB/s at one row, down_proj 28 -> 40) and a 2048 x 2048 one 20-40%
+slower. So each distinct shape is timed once per process in both layouts (`input_major_pays`) and the faster
+kept. The LM head keeps its layout: it is the embedding too where they are tied, whose lookups read rows.
+Nothing is held twice (each weight is re-laid one at a time), names and shapes are unchanged, and
+`Engine.update_weights` still copies into the same parameters; this is a choice of kernel and layout only:
+the same product, summed in another order.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +46,50 @@ class OneDNNLinear(nn.Linear):
         return onednn_linear(x, self.weight, self.bias)
 
 
-def _input_major(weight: torch.Tensor) -> torch.Tensor:
+def input_major(weight: torch.Tensor) -> torch.Tensor:
     """The same (out, in) values stored as the transpose of a contiguous (in, out) tensor."""
     return weight.detach().t().contiguous().t()
 
 
+# Decode sizes a layout is chosen at; the bytes of weights it is timed over (beyond a server CPU's last-level
+# cache, as a served model's weights are); how much faster input-major must time (1: at all; where the two
+# are that close, either serves); and the smallest weight worth timing (below it a product is its call's
+# overhead, whatever the layout).
+LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_GAIN, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 1.0, 2**20
+_chosen: dict[tuple, bool] = {}
+
+
+def input_major_pays(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether oneDNN's product over (out, in) = `shape` weights runs faster (by LAYOUT_GAIN) laid out
+    input-major, at LAYOUT_ROWS rows together: timed once per process and shape, on random weights."""
+    key = (tuple(shape), dtype)
+    out, inp = shape
+    size = out * inp * torch.empty((), dtype=dtype).element_size()
+    if size < LAYOUT_MIN_BYTES:
+        return False
+    if key not in _chosen:
+        copies = min(64, -(-LAYOUT_BYTES // size))
+        plain = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
+        seconds = {}
+        for name, weights in (("plain", plain), ("input-major", [input_major(w) for w in plain])):
+            xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
+            for x in xs:
+                onednn_linear(x, weights[0])
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                for x in xs:
+                    for w in weights:
+                        onednn_linear(x, w)
+                times.append(time.perf_counter() - start)
+            seconds[name] = min(times)
+        _chosen[key] = seconds["plain"] > LAYOUT_GAIN * seconds["input-major"]
+    return _chosen[key]
+
+
 def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> list[nn.Module]:
     """Re-lay a fused weight input-major and re-point its parts' parameters at their rows of it; the parts."""
-    weight = _input_major(getattr(module, fused))
+    weight = input_major(getattr(module, fused))
     setattr(module, fused, weight)
     start, linears = 0, [getattr(module, name) for name in parts]
     for linear in linears:
@@ -59,36 +99,39 @@ def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> list[nn.Mod
     return linears
 
 
-def use_onednn(model: nn.Module) -> int:
+def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], bool] = input_major_pays) -> int:
     """Route every plain linear of `model` (on a CPU, in float32 or bfloat16) and its fused q/k/v and gate/up
-    products through oneDNN, in place, the block products' weights laid out input-major; the number of
-    products routed."""
+    products through oneDNN, in place, laying out input-major each block product's weight whose shape `pays`
+    says runs faster so; the number of products routed."""
     routed = 0
-    # Laid out already or left as they are: the fused products' parts (views into the fused weight), and
-    # the embedding and LM head.
+    # Left as they are: the embedding and LM head, and the fused products' parts (views into their fused
+    # weight, laid out with it).
     keep = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         keep.add(id(model.lm_head.weight))
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, FusedAttention):
+            fused = ("qkv_weight", ("q_proj", "k_proj", "v_proj")) if isinstance(module, FusedAttention) else \
+                ("gate_up_weight", ("gate_proj", "up_proj")) if hasattr(module, "gate_up_weight") else None
+            if fused:
                 module.linear_fn = onednn_linear
-                keep.update(id(m.weight) for m in _relay(module, "qkv_weight", ("q_proj", "k_proj", "v_proj")))
-                routed += 1
-            elif hasattr(module, "gate_up_weight"):
-                module.linear_fn = onednn_linear
-                keep.update(id(m.weight) for m in _relay(module, "gate_up_weight", ("gate_proj", "up_proj")))
+                weight = getattr(module, fused[0])
+                keep.update(id(getattr(module, name).weight) for name in fused[1])
+                if pays(tuple(weight.shape), weight.dtype):
+                    _relay(module, *fused)
                 routed += 1
             elif type(module) is nn.Linear and module.weight.device.type == "cpu":
                 module.__class__ = OneDNNLinear
-                if id(module.weight) not in keep:
-                    module.weight.data = _input_major(module.weight)
+                w = module.weight
+                if id(w) not in keep and pays(tuple(w.shape), w.dtype):
+                    w.data = input_major(w)
                 routed += 1
     return routed
 
 
 def serving_linear(device: torch.device, choice: str = "auto"):
-    """The linear function the engine runs on `device` for serve.linear=`choice`: what calibration times."""
+    """(the linear function, the weight layout) the engine runs a block product with on `device` for
+    serve.linear=`choice`: what calibration times."""
     if device.type == "cpu" and choice != "torch" and onednn_available():
-        return onednn_linear
-    return F.linear
+        return onednn_linear, lambda w: input_major(w) if input_major_pays(tuple(w.shape), w.dtype) else w
+    return F.linear, lambda weight: weight

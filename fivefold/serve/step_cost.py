@@ -184,8 +184,8 @@ def _linear_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
     model's are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving
     knee = m (rate / measured - 1); their median."""
     k = n = 2048
-    linear = serving_linear(device)
-    weights = [torch.randn(n, k, device=device).to(dtype) for _ in range(8 if device.type == "cpu" else 64)]
+    linear, layout = serving_linear(device)
+    weights = [layout(torch.randn(n, k, device=device).to(dtype)) for _ in range(8 if device.type == "cpu" else 64)]
 
     def flops(m: int, reps: int = 3) -> float:
         x = torch.randn(m, k, device=device).to(dtype)
