@@ -122,7 +122,8 @@ def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
 
 
 @pytest.mark.parametrize("faster", ["input-major", "plain"])
-def test_each_weight_shape_takes_the_layout_that_times_faster_timed_once(monkeypatch, faster):
+def test_each_weight_shape_takes_the_layout_that_times_faster_once_per_machine(monkeypatch, tmp_path, faster):
+    import json
     import time
 
     import fivefold.serve.cpu_linear as cl
@@ -134,13 +135,23 @@ def test_each_weight_shape_takes_the_layout_that_times_faster_timed_once(monkeyp
         time.sleep(2e-3 if weight.is_contiguous() == (faster == "input-major") else 0)
         return x @ weight.t()
 
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
     monkeypatch.setattr(cl, "onednn_linear", product)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)  # one copy of a 1 MiB weight
-    shape = (1024, 256 + (faster == "plain"))
-    assert cl.input_major_pays(shape, torch.float32) == (faster == "input-major")
+    shape, expected = (1024, 256), faster == "input-major"
+    assert cl.input_major_pays(shape, torch.float32) == expected
     timed = len(calls)
-    assert timed and cl.input_major_pays(shape, torch.float32) == (faster == "input-major") and len(calls) == timed
+    assert timed and cl.input_major_pays(shape, torch.float32) == expected and len(calls) == timed
+    # Kept for the next start: a new process (no choices in memory) reads it instead of timing again.
+    saved = json.loads((tmp_path / cl.LAYOUTS_FILE).read_text())
+    assert saved == {cl._machine(): {"1024x256 float32": expected}}
+    monkeypatch.setattr(cl, "_chosen", {})
+    assert cl.input_major_pays(shape, torch.float32) == expected and len(calls) == timed
+    (tmp_path / cl.LAYOUTS_FILE).write_text("{not json")  # damaged: timed again, and rewritten
+    monkeypatch.setattr(cl, "_chosen", {})
+    assert cl.input_major_pays(shape, torch.float32) == expected and len(calls) > timed
+    assert json.loads((tmp_path / cl.LAYOUTS_FILE).read_text()) == saved
 
 
 def test_a_bad_serve_linear_is_refused():

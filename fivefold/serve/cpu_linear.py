@@ -10,8 +10,8 @@ A block product's weight is also laid out input-major (the same (out, in) parame
 transpose of an (in, out) contiguous tensor) where oneDNN runs that layout faster at decode sizes, which
 depends on the shape and the machine: on the 2-vCPU machine `smollm2-135m`'s 576-wide products ran 10-70%
 faster at 1-32 rows (o_proj 24 -> 41 GB/s at one row, down_proj 28 -> 40) and a 2048 x 2048 one 20-40%
-slower. So each distinct shape is timed once per process in both layouts (`input_major_pays`) and the faster
-kept. The LM head keeps its layout: it is the embedding too where they are tied, whose lookups read rows.
+slower. So each distinct shape is timed once per machine in both layouts (`input_major_pays`; the choice is
+kept in the cache directory, so every start of a server sums in the same order) and the faster kept. The LM head keeps its layout: it is the embedding too where they are tied, whose lookups read rows.
 Nothing is held twice (each weight is re-laid one at a time), names and shapes are unchanged, and
 `Engine.update_weights` still copies into the same parameters; this is a choice of kernel and layout only:
 the same product, summed in another order.
@@ -19,6 +19,9 @@ the same product, summed in another order.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
 from collections.abc import Callable
 
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.data.corpus import cache_dir
 from fivefold.serve.fused import FusedAttention
 
 
@@ -52,38 +56,83 @@ def input_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 # Decode sizes a layout is chosen at; the bytes of weights it is timed over (beyond a server CPU's last-level
-# cache, as a served model's weights are); how much faster input-major must time (1: at all; where the two
-# are that close, either serves); and the smallest weight worth timing (below it a product is its call's
-# overhead, whatever the layout).
-LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_GAIN, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 1.0, 2**20
-_chosen: dict[tuple, bool] = {}
+# cache, as a served model's weights are); how much faster input-major must time to be taken; and the
+# smallest weight worth timing (below it a product is its call's overhead, whatever the layout).
+LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_GAIN, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 1.05, 2**20
+LAYOUTS_FILE = "cpu_layouts.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
+_chosen: dict[str, bool] = {}
+
+
+def _machine() -> str:
+    """What a layout choice holds for: this CPU model, the thread count and torch's version."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def _saved() -> dict[str, dict[str, bool]]:
+    try:
+        data = json.loads((cache_dir() / LAYOUTS_FILE).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # none yet, or unreadable: time again
+        return {}
+
+
+def _save(key: str, choice: bool) -> None:
+    data = _saved()
+    data.setdefault(_machine(), {})[key] = choice
+    path = cache_dir() / LAYOUTS_FILE
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _time_layouts(shape: tuple[int, int], dtype: torch.dtype, size: int) -> dict[str, float]:
+    """Seconds of oneDNN's product at LAYOUT_ROWS rows over copies of random `shape` weights, per layout."""
+    out, inp = shape
+    copies = min(64, -(-LAYOUT_BYTES // size))
+    plain = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
+    seconds = {}
+    for name, weights in (("plain", plain), ("input-major", [input_major(w) for w in plain])):
+        xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
+        for x in xs:
+            onednn_linear(x, weights[0])
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for x in xs:
+                for w in weights:
+                    onednn_linear(x, w)
+            times.append(time.perf_counter() - start)
+        seconds[name] = min(times)
+    return seconds
 
 
 def input_major_pays(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     """Whether oneDNN's product over (out, in) = `shape` weights runs faster (by LAYOUT_GAIN) laid out
-    input-major, at LAYOUT_ROWS rows together: timed once per process and shape, on random weights."""
-    key = (tuple(shape), dtype)
+    input-major, at LAYOUT_ROWS rows together. Timed once per machine and shape, on random weights, and kept
+    in the cache directory: each layout sums in its own order, so a close call that fell one way at one start
+    and the other way at the next would change the last bits of the logits between two starts of a server."""
     out, inp = shape
     size = out * inp * torch.empty((), dtype=dtype).element_size()
     if size < LAYOUT_MIN_BYTES:
         return False
+    key = f"{out}x{inp} {str(dtype).removeprefix('torch.')}"
     if key not in _chosen:
-        copies = min(64, -(-LAYOUT_BYTES // size))
-        plain = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
-        seconds = {}
-        for name, weights in (("plain", plain), ("input-major", [input_major(w) for w in plain])):
-            xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
-            for x in xs:
-                onednn_linear(x, weights[0])
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                for x in xs:
-                    for w in weights:
-                        onednn_linear(x, w)
-                times.append(time.perf_counter() - start)
-            seconds[name] = min(times)
-        _chosen[key] = seconds["plain"] > LAYOUT_GAIN * seconds["input-major"]
+        saved = _saved().get(_machine(), {})
+        if isinstance(saved.get(key), bool):
+            _chosen[key] = saved[key]
+        else:
+            seconds = _time_layouts((out, inp), dtype, size)
+            _chosen[key] = seconds["plain"] > LAYOUT_GAIN * seconds["input-major"]
+            try:
+                _save(key, _chosen[key])
+            except OSError:  # a read-only cache: the choice holds for this process, and is timed again next start
+                pass
     return _chosen[key]
 
 
