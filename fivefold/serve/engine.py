@@ -198,7 +198,11 @@ class Engine:
         attention = "Triton paged attention" if self.kernel else "block gather + SDPA"
         decode = "CUDA graphs" if self.graphs else "eager"
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"
-        linears = "oneDNN" if self.onednn else "torch (F.linear)"
+        linears = "torch (F.linear)"
+        if self.onednn:
+            blocks = [p for n, p in self.model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+            laid = sum(p.stride()[0] == 1 and p.shape[0] > 1 for p in blocks)
+            linears = f"oneDNN, {laid} of {len(blocks)} block weights input-major"
         return (f"attention: {attention}; decode steps: {decode}; scheduling: {scheduling}; fused q/k/v and "
                 f"gate/up: {self.fused} modules; linears: {linears}")
 
