@@ -141,17 +141,20 @@ def test_measure_serving_gives_the_serving_table():
         intra_node_bandwidth=0, intra_node_latency=0, inter_node_bandwidth=0, inter_node_latency=0,
         flops={"fp32": 1e11}))
     assert set(table) == {"skinny_knee", "linear_flops_fp32", "step_s", "seq_s", "layer_s", "layer_seq_s",
-                          "elementwise_bandwidth"}
+                          "elementwise_bandwidth", "kv_bandwidth"}
     assert all(v >= 0 for v in table.values()) and table["step_s"] + table["layer_s"] > 0
     assert table["linear_flops_fp32"] > 1e9  # a square product of the engine's own linear, timed
-    # Measured from prefill steps, capped at the profile's streaming rate (2e10 x its memory efficiency).
-    assert 0 < table["elementwise_bandwidth"] <= 2e10 * 0.8
+    # Measured from prefill and decode steps, capped at the profile's streaming rate (2e10 x its efficiency).
+    assert 0 < table["elementwise_bandwidth"] <= 2e10 * 0.8 and 0 < table["kv_bandwidth"] <= 2e10 * 0.8
     profile = dataclasses.replace(load_profile("h100-sxm"), device="cpu", serving=table)
     cfg = Config(model=PRESETS["tiny"])
     cost = StepCostModel(cfg, profile)  # the engine's timed rate, not the training peak, at the timed width
     assert cost.rate * cost._width(2048, 2048) == pytest.approx(table["linear_flops_fp32"], rel=1e-12)
-    # The elementwise term moves its bytes at the measured rate, not the streaming one.
+    # The elementwise term moves its bytes at the measured rate, not the streaming one; so do the CPU path's
+    # cache reads (a decode of 16 sequences at 4,096 tokens: bound by them, not by its FLOPs).
     assert cost.elementwise(100) == pytest.approx(100 * cost.elementwise_bytes / table["elementwise_bandwidth"])
+    decode = StepShape(np.ones(16, dtype=int), np.full(16, 4096), sampled=16)
+    assert cost.attention(decode) == pytest.approx(3 * 16 * 4096 * cost.kv_row_bytes / table["kv_bandwidth"])
 
 
 def fivefold(*args: str) -> subprocess.CompletedProcess:

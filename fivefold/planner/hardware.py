@@ -42,6 +42,8 @@ calibrate --serve`; defaults there):
     elementwise_bandwidth bytes/s the engine's norms, residuals, RoPE and activations move at, from a prefill
                           step (on a CPU well under the streaming bandwidth; default: memory_bandwidth x
                           memory_efficiency)
+    kv_bandwidth          bytes/s the CPU attention path's cache gathers and SDPA reads move at, from decode
+                          steps at two context lengths (CPU only; default: as elementwise_bandwidth's)
 
 Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb from vendor datasheets;
 h100-hbm2e-500w, the power-limited H100s torchtitan benchmarked on, from that page).
@@ -66,7 +68,7 @@ EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficie
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0, "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s", "linear_flops_fp32", "linear_flops_bf16",
-           "linear_flops_fp16", "elementwise_bandwidth")
+           "linear_flops_fp16", "elementwise_bandwidth", "kv_bandwidth")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
             "inter_node_bandwidth", "inter_node_latency")
 

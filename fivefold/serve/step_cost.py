@@ -128,10 +128,11 @@ class StepCostModel:
             groups = [decodes[i:i + DECODE_GROUP] for i in range(0, len(decodes), DECODE_GROUP)]
             bs = self.cfg.serve.block_size
             padded = sum(len(g) * -(-g[-1] // bs) * bs for g in groups) + float(np.ceil(ctx[n != 1] / bs).sum() * bs)
-            reads = 3 * padded * self.kv_row_bytes
-        else:
-            reads = float(ctx.sum()) * self.kv_row_bytes  # the kernel reads each key and value once, in place
-        return max(flops / (self.peak * self.hw.attention_efficiency), reads / self.bandwidth)
+            # at the rate calibrate --serve measured them moving, where it did (not a sum's streaming rate)
+            seconds = 3 * padded * self.kv_row_bytes / (self.serving.get("kv_bandwidth") or self.bandwidth)
+        else:  # the kernel reads each key and value once, in place
+            seconds = float(ctx.sum()) * self.kv_row_bytes / self.bandwidth
+        return max(flops / (self.peak * self.hw.attention_efficiency), seconds)
 
     def collectives(self, tokens: int, sampled: int) -> float:
         if self.tp == 1:
@@ -275,6 +276,53 @@ def _engine_prefill_seconds(device: torch.device, layers: int, dtype: torch.dtyp
     return best
 
 
+# Decode steps of calibrate --serve for the CPU path's cache reads: DECODE_BATCH sequences at a short and a
+# long context (whole blocks of 16), on the prefill model's layers with the products taken out.
+DECODE_BATCH, DECODE_CONTEXTS = 32, (16, 496)
+
+
+def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: torch.dtype,
+                           steps: int = 8) -> float:
+    """Median decode step of DECODE_BATCH sequences whose prompts are `context` tokens, products taken out."""
+    model = build_model(_prefill_model(layers), device, seed=0, dtype=dtype).eval()
+    # Room to decode through the prefill steps (sequences prefilled first decode while the rest prefill) and
+    # the timed ones, so that every sequence is still running when they are timed.
+    tokens = steps + 4 + -(-DECODE_BATCH * context // 2048)
+    llm = LLM(model, device=str(device), max_num_seqs=DECODE_BATCH, max_model_len=context + tokens + 1,
+              max_num_batched_tokens=max(2048, context))
+    engine, g = llm.engine, torch.Generator().manual_seed(0)
+    _without_products(engine.model)
+    for _ in range(DECODE_BATCH):
+        prompt = torch.randint(1, 512, (context,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    while engine.num_waiting or any(s.remaining > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # the first all-decode step, untimed
+    times = []
+    for _ in range(steps):
+        assert len(engine.scheduler.running) == DECODE_BATCH
+        synchronize(device)
+        start = time.perf_counter()
+        engine.step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _kv_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
+    """The rate the CPU path's cache reads (StepCostModel.attention: three passes over each decode group padded
+    to its longest) move at: decode steps at a long context less at a short one, per layer, over those bytes."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    layers = 4
+    short, long = (_engine_decode_seconds(device, layers, c, torch_dtype) for c in DECODE_CONTEXTS)
+    serve = ServeConfig(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
+    cost = StepCostModel(Config(model=_prefill_model(layers), serve=serve), dataclasses.replace(profile, serving=partial))
+    extra_tokens = DECODE_BATCH * (DECODE_CONTEXTS[1] - DECODE_CONTEXTS[0])
+    rest = (long - short) / layers
+    # Never above the streaming rate: no slower with a longer context says nothing about the reads.
+    return cost.bandwidth if rest <= 0 else min(cost.bandwidth, 3 * extra_tokens * cost.kv_row_bytes / rest)
+
+
 def _elementwise_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
     """The rate a layer's elementwise bytes (StepCostModel.elementwise_bytes) move at in the engine: a prefill
     step without its products, less the engine's host work, per layer, less what the model gives attention."""
@@ -306,4 +354,6 @@ def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str =
     table = {"skinny_knee": knee, f"linear_flops_{dtype}": rate, "step_s": max(0.0, base[1] - seq), "seq_s": seq,
              "layer_s": max(0.0, per_layer[1] - layer_seq), "layer_seq_s": layer_seq}
     table["elementwise_bandwidth"] = _elementwise_bandwidth(device, profile, dtype, table)
+    if device.type == "cpu":  # the gather + SDPA path; the CUDA kernel reads in place at the memory's rate
+        table["kv_bandwidth"] = _kv_bandwidth(device, profile, dtype, table)
     return table
