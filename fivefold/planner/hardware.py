@@ -43,7 +43,7 @@ calibrate --serve`; defaults there):
                           step (on a CPU well under the streaming bandwidth; default: memory_bandwidth x
                           memory_efficiency)
     kv_bandwidth          bytes/s the CPU attention path's cache gathers and SDPA reads move at, from decode
-                          steps at two context lengths (CPU only; default: as elementwise_bandwidth's)
+                          steps at two context lengths (CPU only; default: memory_bandwidth x memory_efficiency)
 
 Shipped: fivefold/planner/profiles/*.toml (h100-sxm, h200, a100-80gb, a100-40gb from vendor datasheets;
 h100-hbm2e-500w, the power-limited H100s torchtitan benchmarked on, from that page).

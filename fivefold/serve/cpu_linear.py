@@ -11,8 +11,9 @@ transpose of an (in, out) contiguous tensor) where oneDNN runs that layout faste
 depends on the shape and the machine: on the 2-vCPU machine `smollm2-135m`'s 576-wide products ran 10-70%
 faster at 1-32 rows (o_proj 24 -> 41 GB/s at one row, down_proj 28 -> 40) and a 2048 x 2048 one 20-40%
 slower. So each distinct shape is timed once per machine in both layouts (`input_major_pays`; the choice is
-kept in the cache directory, so every start of a server sums in the same order) and the faster kept. The LM head keeps its layout: it is the embedding too where they are tied, whose lookups read rows.
-Nothing is held twice (each weight is re-laid one at a time), names and shapes are unchanged, and
+kept in the cache directory, so every start of a server sums in the same order) and the faster kept. The LM
+head keeps its layout: it is the embedding too where they are tied, whose lookups read rows. Nothing is held
+twice (each weight is re-laid one at a time), names and shapes are unchanged, and
 `Engine.update_weights` still copies into the same parameters; this is a choice of kernel and layout only:
 the same product, summed in another order.
 """
