@@ -160,8 +160,8 @@ def test_a_bad_serve_linear_is_refused():
 
 
 def test_without_onednn_auto_falls_back_and_onednn_is_refused(monkeypatch):
-    import fivefold.serve.engine as engine_module
-    monkeypatch.setattr(engine_module, "onednn_available", lambda: False)
+    import fivefold.serve.cpu_linear as cpu_linear
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
     assert not LLM(tiny()).engine.onednn  # auto: F.linear
     with pytest.raises(ConfigError, match="serve.linear=onednn cannot be used here: this torch has no oneDNN; set "
                                           "serve.linear=auto or torch"):

@@ -27,7 +27,7 @@ from fivefold.serve.adapters import AdapterSet, load_adapter
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
-from fivefold.serve.cpu_linear import onednn_available, use_onednn
+from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
@@ -168,12 +168,11 @@ class Engine:
     def _use_onednn(self) -> bool:
         """serve.linear: whether the linears run on oneDNN (a CPU), after the projections are fused."""
         choice = self.cfg.linear
-        if choice == "onednn" and (self.device.type != "cpu" or not onednn_available()):
+        onednn = serving_linear(self.device, choice)[0] is onednn_linear
+        if choice == "onednn" and not onednn:
             why = "the device is not a CPU" if self.device.type != "cpu" else "this torch has no oneDNN"
             raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
-        if choice == "torch" or (choice == "auto" and (self.device.type != "cpu" or not onednn_available())):
-            return False
-        return use_onednn(self.model) > 0
+        return onednn and use_onednn(self.model) > 0
 
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
