@@ -106,13 +106,12 @@ def main(argv=None) -> dict:
         profile = load_profile(args.profile)
     else:
         from fivefold.planner.calibrate import calibrate
-        from fivefold.serve.step_cost import measure_serving
+        from fivefold.serve.step_cost import SHORT_DTYPES, measure_serving
 
         print("calibrating this machine (fivefold calibrate --serve) ...", flush=True)
         device = torch.device(args.device)
         profile, _ = calibrate(device, f"this-{args.device}")
-        key = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
-        profile = dataclasses.replace(profile, serving=measure_serving(device, profile, key))
+        profile = dataclasses.replace(profile, serving=measure_serving(device, profile, SHORT_DTYPES[args.dtype]))
     print(f"profile {profile.name}: fp32 {profile.flops['fp32'] / 1e9:.0f} GFLOP/s, {profile.memory_bandwidth / 1e9:.1f} "
           f"GB/s, serving {profile.serving}")
     cfg_model = get_preset(args.model)

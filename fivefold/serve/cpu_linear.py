@@ -137,16 +137,16 @@ def input_major_pays(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     return _chosen[key]
 
 
-def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> list[nn.Module]:
-    """Re-lay a fused weight input-major and re-point its parts' parameters at their rows of it; the parts."""
+def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
+    """Re-lay a fused weight input-major and re-point its parts' parameters at their rows of it."""
     weight = input_major(getattr(module, fused))
     setattr(module, fused, weight)
-    start, linears = 0, [getattr(module, name) for name in parts]
-    for linear in linears:
+    start = 0
+    for name in parts:
+        linear = getattr(module, name)
         rows = linear.weight.shape[0]
         linear.weight.data = weight[start:start + rows]
         start += rows
-    return linears
 
 
 def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], bool] = input_major_pays) -> int:

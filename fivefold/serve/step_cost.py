@@ -41,6 +41,11 @@ from fivefold.serve.sampling import SamplingParams
 SERVING_DEFAULTS = {"skinny_knee": 64.0, "step_s": 3e-4, "seq_s": 4e-6, "layer_s": 1.5e-4, "layer_seq_s": 0.0}
 
 
+# serve.dtype -> the name a profile's tables use for it, and back to torch's dtype
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+TORCH_DTYPES = {short: getattr(torch, name) for name, short in SHORT_DTYPES.items()}
+
+
 def matmul_rate(profile: HardwareProfile, peak: float) -> float:
     """The large-product rate the skinny knee is relative to: a datasheet peak discounted by the profile's
     matmul_efficiency; a calibrated profile's measured [flops] as it stands (its efficiency, an asymptote
@@ -66,10 +71,10 @@ class StepCostModel:
         m, s = cfg.model, cfg.serve
         self.cfg, self.hw, self.tp = cfg, profile, tp
         self.itemsize = torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
-        self.peak = profile.peak_flops({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[s.dtype])
+        dt = SHORT_DTYPES[s.dtype]  # the profile's name for the serving dtype
+        self.peak = profile.peak_flops(dt)
         self.bandwidth = profile.memory_bandwidth * profile.memory_efficiency
         self.serving = {**SERVING_DEFAULTS, **profile.serving}
-        dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[s.dtype]
         # The engine's own linear, where calibrate --serve timed it (at 2048 x 2048 weights: the width factor
         # below taken out); else the training matmul's rate.
         timed = self.serving.get(f"linear_flops_{dt}")
@@ -253,18 +258,34 @@ def _without_products(model: torch.nn.Module) -> None:
             module.linear_fn = zeros
 
 
-def _engine_prefill_seconds(device: torch.device, layers: int, dtype: torch.dtype, reps: int = 5) -> float:
+def _hollow_engine(device: torch.device, layers: int, dtype: str, **options):
+    """An engine serving `layers` of the calibration block (`_prefill_model`) with its products taken out."""
+    model = build_model(_prefill_model(layers), device, seed=0, dtype=TORCH_DTYPES[dtype]).eval()
+    engine = LLM(model, device=str(device), **options).engine
+    _without_products(engine.model)
+    return engine
+
+
+def _calibration_cost(profile: HardwareProfile, dtype: str, partial: dict, layers: int) -> StepCostModel:
+    """The step-cost model of the calibration block, priced with the [serving] figures measured so far."""
+    serve = ServeConfig(dtype={short: name for name, short in SHORT_DTYPES.items()}[dtype])
+    return StepCostModel(Config(model=_prefill_model(layers), serve=serve), dataclasses.replace(profile, serving=partial))
+
+
+def _prompt(g: torch.Generator, length: int) -> list[int]:
+    return torch.randint(1, _prefill_model(1).vocab_size, (length,), generator=g).tolist()
+
+
+def _engine_prefill_seconds(device: torch.device, layers: int, dtype: str, reps: int = 5) -> float:
     """Fastest of `reps` prefill steps of PREFILL_PROMPTS x PREFILL_LEN fresh tokens (no prefix-cache hits)
     with the products taken out, after one untimed."""
-    model = build_model(_prefill_model(layers), device, seed=0, dtype=dtype).eval()
-    llm = LLM(model, device=str(device), max_num_seqs=PREFILL_PROMPTS, max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN)
-    engine, g = llm.engine, torch.Generator().manual_seed(0)
-    _without_products(engine.model)
+    engine = _hollow_engine(device, layers, dtype, max_num_seqs=PREFILL_PROMPTS,
+                            max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN)
+    g = torch.Generator().manual_seed(0)
     best = float("inf")
     for rep in range(reps + 1):
         for _ in range(PREFILL_PROMPTS):
-            prompt = torch.randint(1, 512, (PREFILL_LEN,), generator=g).tolist()
-            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            engine.add_request(_prompt(g, PREFILL_LEN), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         synchronize(device)
         start = time.perf_counter()
         engine.step()
@@ -281,20 +302,16 @@ def _engine_prefill_seconds(device: torch.device, layers: int, dtype: torch.dtyp
 DECODE_BATCH, DECODE_CONTEXTS = 32, (16, 496)
 
 
-def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: torch.dtype,
-                           steps: int = 8) -> float:
+def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: str, steps: int = 8) -> float:
     """Median decode step of DECODE_BATCH sequences whose prompts are `context` tokens, products taken out."""
-    model = build_model(_prefill_model(layers), device, seed=0, dtype=dtype).eval()
     # Room to decode through the prefill steps (sequences prefilled first decode while the rest prefill) and
     # the timed ones, so that every sequence is still running when they are timed.
     tokens = steps + 4 + -(-DECODE_BATCH * context // 2048)
-    llm = LLM(model, device=str(device), max_num_seqs=DECODE_BATCH, max_model_len=context + tokens + 1,
-              max_num_batched_tokens=max(2048, context))
-    engine, g = llm.engine, torch.Generator().manual_seed(0)
-    _without_products(engine.model)
+    engine = _hollow_engine(device, layers, dtype, max_num_seqs=DECODE_BATCH, max_model_len=context + tokens + 1,
+                            max_num_batched_tokens=max(2048, context))
+    g = torch.Generator().manual_seed(0)
     for _ in range(DECODE_BATCH):
-        prompt = torch.randint(1, 512, (context,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        engine.add_request(_prompt(g, context), SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     while engine.num_waiting or any(s.remaining > 1 for s in engine.scheduler.running):
         engine.step()
     engine.step()  # the first all-decode step, untimed
@@ -311,11 +328,9 @@ def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtyp
 def _kv_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
     """The rate the CPU path's cache reads (StepCostModel.attention: three passes over each decode group padded
     to its longest) move at: decode steps at a long context less at a short one, per layer, over those bytes."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     layers = 4
-    short, long = (_engine_decode_seconds(device, layers, c, torch_dtype) for c in DECODE_CONTEXTS)
-    serve = ServeConfig(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
-    cost = StepCostModel(Config(model=_prefill_model(layers), serve=serve), dataclasses.replace(profile, serving=partial))
+    short, long = (_engine_decode_seconds(device, layers, c, dtype) for c in DECODE_CONTEXTS)
+    cost = _calibration_cost(profile, dtype, partial, layers)
     extra_tokens = DECODE_BATCH * (DECODE_CONTEXTS[1] - DECODE_CONTEXTS[0])
     rest = (long - short) / layers
     # Never above the streaming rate: no slower with a longer context says nothing about the reads.
@@ -325,13 +340,11 @@ def _kv_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, pa
 def _elementwise_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
     """The rate a layer's elementwise bytes (StepCostModel.elementwise_bytes) move at in the engine: a prefill
     step without its products, less the engine's host work, per layer, less what the model gives attention."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     layers = 4
-    step = _engine_prefill_seconds(device, layers, torch_dtype)
+    step = _engine_prefill_seconds(device, layers, dtype)
     host = partial["step_s"] + partial["seq_s"] * PREFILL_PROMPTS
     host += layers * (partial["layer_s"] + partial["layer_seq_s"] * PREFILL_PROMPTS)
-    serve = ServeConfig(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
-    cost = StepCostModel(Config(model=_prefill_model(layers), serve=serve), dataclasses.replace(profile, serving=partial))
+    cost = _calibration_cost(profile, dtype, partial, layers)
     tokens = PREFILL_PROMPTS * PREFILL_LEN
     shape = StepShape(np.full(PREFILL_PROMPTS, PREFILL_LEN), np.full(PREFILL_PROMPTS, PREFILL_LEN), PREFILL_PROMPTS)
     rest = (step - host) / layers - cost.attention(shape)
@@ -342,9 +355,9 @@ def _elementwise_bandwidth(device: torch.device, profile: HardwareProfile, dtype
 def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str = "fp32") -> dict[str, float]:
     """The [serving] table of this machine's profile: the rate of the engine's linear and its skinny knee,
     the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32, and the rate of its
-    elementwise work from prefill steps of the same depths."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    rate, knee = _linear_rates(device, torch_dtype)
+    elementwise work from a prefill step of a 4-layer block (on a CPU also of its attention's cache reads, from
+    decode steps at two contexts)."""
+    rate, knee = _linear_rates(device, TORCH_DTYPES[dtype])
     t = {(layers, b): _engine_step_seconds(device, layers, b) for layers in (2, 4) for b in (1, 32)}
     per_layer = {b: (t[4, b] - t[2, b]) / 2 for b in (1, 32)}
     base = {b: t[2, b] - 2 * per_layer[b] for b in (1, 32)}
