@@ -110,6 +110,12 @@ class Engine:
             raise ConfigError(f"serve.max_model_len={self.max_model_len} exceeds the learned positions of "
                               f"model.max_seq_len={mc.max_seq_len}")
         self.tp = tp
+        self.kernel = self._use_kernels()
+        # One GEMM for q/k/v and one for gate/up (checkpoint names unchanged); adapters hook the separate
+        # projections, so an engine serving LoRA keeps them apart. Before the KV pool is sized: the fused
+        # weights' concatenation and the CPU layout timing hold memory only until they are done.
+        self.fused = 0 if self.adapters else fuse_projections(model)
+        self.onednn = self._use_onednn()
         shards = tp.size if tp else 1
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
                                     free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks,
@@ -127,11 +133,6 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.batch)
         self.buffers = StepBuffers(max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs), self.cfg.max_num_seqs,
                                    self.cfg.max_num_seqs, self.batch.max_blocks_per_seq, self.device)
-        self.kernel = self._use_kernels()
-        # One GEMM for q/k/v and one for gate/up (checkpoint names unchanged); adapters hook the separate
-        # projections, so an engine serving LoRA keeps them apart.
-        self.fused = 0 if self.adapters else fuse_projections(model)
-        self.onednn = self._use_onednn()
         self.graphs = self._graphs()
         # serve.async_scheduling: the next step is scheduled and launched before this one's tokens are on
         # the host. Pays only where the device runs apart from the host (CUDA); tensor-parallel followers
