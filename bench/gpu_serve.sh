@@ -10,67 +10,13 @@
 # Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json and gpu_serve_<gpu>.log, where
 # <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
 
-set -u
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-command -v "$PY" >/dev/null 2>&1 || PY=python
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_common.sh"
 MODEL=llama3.2-1b   # Llama-3.2-1B's shape, random weights (fivefold.presets)
+gpu_setup gpu_serve
 
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-gpu=$(printf '%s' "$name" | tr 'A-Z' 'a-z' | grep -oE 'gh200|[a-z][0-9]{2,4}[a-z]?' | head -n 1)
-gpu=${gpu:-gpu}
-mkdir -p bench/results
-log=bench/results/gpu_serve_$gpu.log
-exec > >(tee "$log") 2>&1
-echo "== bench/gpu_serve.sh on $(hostname) at $(date -u '+%Y-%m-%d %H:%M:%S') UTC; git $(git rev-parse --short HEAD 2>/dev/null)"
-nvidia-smi --query-gpu=name,memory.total --format=csv
-
-if ! "$PY" -c "import fivefold" >/dev/null 2>&1; then
-    echo "== installing fivefold: pip install -e . --no-deps"
-    # No internet: the build backend must come from the environment (setuptools), not an isolated build.
-    "$PY" -m pip install -q -e . --no-deps --no-build-isolation || "$PY" -m pip install -q -e . --no-deps
-fi
-if ! "$PY" -c "import fivefold" >/dev/null 2>&1; then
-    echo "== fivefold is still not importable after pip: running from the source tree (PYTHONPATH=$PWD)"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-"$PY" -c "import torch, triton, transformers; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), '
-          f'triton {triton.__version__}, transformers {transformers.__version__}, '
-          f'cuda available: {torch.cuda.is_available()}')"
-
-names=() codes=() secs=()
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit (SIGTERM, then SIGKILL 10 s later), record how it ended
-    local label=$1 limit=$2 start=$SECONDS rc
-    shift 2
-    echo
-    echo "== $label (limit ${limit} s): $*"
-    timeout -k 10 "$limit" "$@"
-    rc=$?
-    names+=("$label") codes+=("$rc") secs+=("$((SECONDS - start))")
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-        echo "== $label: TIMED OUT after ${limit} s (exit $rc)"
-    elif [ "$rc" -ne 0 ]; then
-        echo "== $label: FAILED (exit $rc)"
-    fi
-}
-
-existing() {  # the given test files that this checkout has
-    local t
-    for t in "$@"; do
-        if [ -f "$t" ]; then echo "$t"; else echo "== $t is not in this checkout: left out" >&2; fi
-    done
-}
 # (a) the paged-attention and engine tests. test_paged_attention.py runs its Triton kernels in the
 #     interpreter when it is the first to import triton, so the CUDA-only tests (CUDA-graph decode,
 #     test_serve_fast_path.py) run in a second process, where triton compiles for the GPU.
-pytest_step() {  # pytest_step NAME LIMIT_S FILE...: the files this checkout has (none: the step is left out)
-    local label=$1 limit=$2 files
-    shift 2
-    mapfile -t files < <(existing "$@")
-    if [ "${#files[@]}" -eq 0 ]; then echo "== $label: no test files, left out"; return; fi
-    step "$label" "$limit" "$PY" -m pytest -q -x -p no:cacheprovider "${files[@]}"
-}
 pytest_step "tests" 90 tests/test_paged_attention.py tests/test_serve_engine.py
 pytest_step "cuda-tests" 45 tests/test_serve_fast_path.py
 # (b) the anchor workload: 256 requests, prompts and outputs uniform 100..1024, against transformers
@@ -83,16 +29,7 @@ step "default" 90 "$PY" bench/serve.py --device cuda --model "$MODEL" \
 step "serve-predict" 75 "$PY" bench/serve_predict.py --device cuda --model "$MODEL" \
     --json "bench/results/serve_predict_$gpu.json"
 
-echo
-echo "== summary: $name ($gpu), $SECONDS s in all"
-for i in "${!names[@]}"; do
-    case ${codes[$i]} in
-        0) how="ok" ;;
-        124|137) how="TIMED OUT" ;;
-        *) how="FAILED (exit ${codes[$i]})" ;;
-    esac
-    printf '  %-10s %-18s %4s s\n' "${names[$i]}" "$how" "${secs[$i]}"
-done
+print_steps
 "$PY" - "bench/results/serve_anchors_$gpu.json" "bench/results/serve_default_$gpu.json" <<'EOF'
 import json, os, sys
 

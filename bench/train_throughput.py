@@ -26,6 +26,7 @@ trained with.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -74,6 +75,15 @@ def parse_args(argv=None):
     p.add_argument("--cluster", metavar="PROFILE",
                    help="hardware profile the planner predicts each row on (a shipped name or a file from `fivefold "
                         "calibrate --out FILE`); default on cuda: the shipped profile matching the device name")
+    p.add_argument("--skip-hf", action="store_true",
+                   help="time ours only (e.g. fp8 against our bf16 on a model too large for HF's copy beside ours)")
+    p.add_argument("--sequential", choices=["auto", "yes", "no"], default="auto",
+                   help="yes: build, time and free one runner at a time (no alternating windows); auto: so on "
+                        "cuda when the memory plan says a precision's runners do not fit on the device together")
+    p.add_argument("--check-batch", type=int, default=1,
+                   help="micro-batch of the first-step fp32 check against HF when fp32 is not timed")
+    p.add_argument("--check-seq-len", type=int, default=256,
+                   help="sequence length of that check (at most --seq-len)")
     p.add_argument("--json", default="", help="write all numbers to this file; a directory or 'auto' (bench/results/): "
                    "train_throughput_<device>.json, e.g. train_throughput_h100.json")
     args = p.parse_args(argv)
@@ -191,12 +201,62 @@ def print_predictions(results: list[dict], planner: dict, device: str) -> None:
               f"CPU run's by category)")
 
 
-def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str):
-    overrides = {"train.seq_len": args.seq_len, "train.micro_batch_size": args.batch, "train.grad_accum": 1,
+def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str, seq_len: int = 0, batch: int = 0):
+    overrides = {"train.seq_len": seq_len or args.seq_len, "train.micro_batch_size": batch or args.batch,
+                 "train.grad_accum": 1,
                  "train.precision": PRECISIONS[precision][0], "train.compile": compiled, "train.peak_flops": peak,
                  "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
-                 "train.steps": 10_000, "train.device": args.device, "train.out_dir": out_dir}
+                 "train.steps": 10_000, "train.device": args.device, "train.out_dir": out_dir,
+                 # The batches come from the embedded corpus, whose tokenizer (trained here) ends text with id
+                 # 0; a real preset's own id (Llama 3's 128001) belongs to its real tokenizer. No effect on speed.
+                 "model.eos_token_id": 0}
     return load_config(preset=args.preset, overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+# Room the allocator needs beyond the plan's tensors (fragmentation, cuBLAS workspaces, compiled graphs).
+FIT_HEADROOM = 0.10
+
+
+def planned_runner(cfg, impl: str) -> tuple[float, float]:
+    """(resident, transient) bytes of one runner, from the memory plan: resident = parameters, gradients and
+    optimizer states, held between steps; transient = the rest of its peak (activations, temporaries), held
+    only while it steps. HF's runner is planned as fp32 weights, gradients and AdamW moments (16 bytes a
+    parameter) plus our transient at the same precision and, under autocast, the bf16 weight copies it
+    keeps for backward (2 bytes a parameter): an estimate, where ours is the plan itself."""
+    plan = plan_memory(cfg, device=cfg.train.device, suggest=False).memory
+    resident = plan["parameters"] + plan["gradients"] + plan["optimizer_states"]
+    transient = plan["total"] - resident
+    if impl == "hf":
+        params = count_params(cfg.model)
+        resident = 16 * params
+        transient += 2 * params if cfg.train.precision != "fp32" else 0
+    return resident, transient
+
+
+def choose_sequential(args, plans: dict, device_bytes: int | None) -> tuple[bool, str]:
+    """Whether to time a precision's runners one at a time, and why. Alternating windows hold every runner's
+    resident memory at once plus one runner's transient; `plans`: runner -> planned_runner()."""
+    if args.sequential != "auto":
+        return args.sequential == "yes", f"--sequential {args.sequential}"
+    if device_bytes is None or len(plans) < 2:
+        return False, "alternating"
+    together = sum(r for r, _ in plans.values()) + max(t for _, t in plans.values())
+    room = (1 - FIT_HEADROOM) * device_bytes
+    if together <= room:
+        return False, f"alternating: {together / 2**30:.1f} GiB planned together, {room / 2**30:.1f} GiB usable"
+    return True, (f"one at a time: together they plan {together / 2**30:.1f} GiB, over the {room / 2**30:.1f} GiB "
+                  f"usable of {device_bytes / 2**30:.1f} GiB")
+
+
+def check_fits_alone(plans: dict, device_bytes: int | None) -> None:
+    """Refuse, before building anything, a run whose own runner the plan says cannot fit the device."""
+    if device_bytes is None:
+        return
+    for (impl, compiled), (resident, transient) in plans.items():
+        if impl == "ours" and resident + transient > device_bytes:
+            raise SystemExit(f"train_throughput.py: ours{'+compile' if compiled else ''} plans "
+                             f"{(resident + transient) / 2**30:.1f} GiB, over the device's {device_bytes / 2**30:.1f} "
+                             f"GiB: lower --batch or --seq-len (`fivefold plan --preset ... --fit` finds what fits)")
 
 
 def cuda_allocated(device: str) -> int:
@@ -315,6 +375,14 @@ def time_alternating(runners: dict, warmup: int, steps: int, rounds: int) -> tup
     return times, utils, peaks
 
 
+def release_memory(device: str) -> None:
+    """Free what dropped runners held before the next ones are built (cycles first, then the allocator's
+    cache, so the next runner's peak is measured from a clean start)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def check_same_start(ours: Ours, hf: HF) -> dict:
     """First fp32 step of ours and HF on the same batch. At init the loss is ~ln(vocab) whatever the
     weights (scaling one of the 57 matrices by 1.01 moves it by ~8e-6 relative), so the pre-clip
@@ -360,9 +428,9 @@ def summarize(times: dict, utils: dict, peaks: dict, precision: str, tokens: int
         if (impl, compiled) in peaks:  # on cuda: this runner's own, and the device's (every runner resident)
             rows[-1]["measured_peak_bytes"], rows[-1]["device_peak_bytes"] = peaks[impl, compiled]
     for r in rows:
-        hf = next(x for x in rows if x["impl"] == "hf" and x["compiled"] == r["compiled"])
-        r["ratio_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
-        r["best_ratio_vs_hf"] = r["best_tokens_per_s"] / hf["best_tokens_per_s"]
+        hf = next((x for x in rows if x["impl"] == "hf" and x["compiled"] == r["compiled"]), None)
+        r["ratio_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf else None  # --skip-hf: no HF row
+        r["best_ratio_vs_hf"] = r["best_tokens_per_s"] / hf["best_tokens_per_s"] if hf else None
     return rows
 
 
@@ -376,9 +444,11 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         impl = r["impl"] + ("+compile" if r["compiled"] else "")
         extra = f" | {100 * r['mfu_achievable']:>4.1f}%" if achievable else ""
+        ratio, best_ratio = (("-", "-") if r["ratio_vs_hf"] is None else
+                             (f"{r['ratio_vs_hf']:.3f}", f"{r['best_ratio_vs_hf']:.3f}"))
         print(f"{r['precision']:<9} | {impl:<13} | {r['tokens_per_s']:>8.0f} | {1e3 * r['median_step_s']:>7.0f} | "
-              f"{100 * r['mfu']:>4.1f}%{extra} | {r['ratio_vs_hf']:>11.3f} | {r['best_tokens_per_s']:>8.0f} "
-              f"{100 * r['best_mfu']:>5.1f}% {r['best_ratio_vs_hf']:>6.3f} | {r['median_cpu_util']:>8.2f}")
+              f"{100 * r['mfu']:>4.1f}%{extra} | {ratio:>11} | {r['best_tokens_per_s']:>8.0f} "
+              f"{100 * r['best_mfu']:>5.1f}% {best_ratio:>6} | {r['median_cpu_util']:>8.2f}")
     if achievable:
         print("MFU: of the datasheet peak; achv: of the measured achievable peak")
     if min(r["median_cpu_util"] for r in results) < 0.8:
@@ -400,35 +470,77 @@ def main(argv=None) -> dict:
     base = make_config(args, "fp32", False, max(peak_samples["fp32"]), tmp.name)
     from fivefold.data.load import load_datasets
     datasets = load_datasets(base)  # trains/caches the tokenizer and token shards before any timing
-    initial = build_model(base.model, "cpu", seed=base.train.seed).state_dict()  # the Trainer's init
+    # The Trainer's init, for HF's copy (none to copy with --skip-hf: a 3B model's takes a minute on the host)
+    initial = None if args.skip_hf else build_model(base.model, "cpu", seed=base.train.seed).state_dict()
     fpt = flops_per_token(base.model, args.seq_len)
     tokens = args.batch * args.seq_len
     print(f"{args.preset}: {count_params(base.model) / 1e6:.1f}M params, {fpt / 1e6:.1f} MFLOP/token, "
           f"{tokens} tokens/step")
-    checked = {("ours", False): Ours(base, datasets),
-               ("hf", False): HF(base, datasets, initial, bf16=False, compiled=False)}
-    check = check_same_start(*checked.values())
-    if "fp32" not in args.precision:
-        checked.clear()
+    device_bytes = torch.cuda.mem_get_info()[1] if args.device == "cuda" else None
+    timed_fp32 = "fp32" in args.precision
+    checked, check = {}, None
+    if args.skip_hf:
+        print("first-step check against HF: skipped (--skip-hf)")
+    else:
+        # When fp32 is timed, the checked pair at the timed size become its runners; otherwise the check runs
+        # small (a 1B model's two fp32 copies at seq 2048 do not fit an 80 GB GPU) and is freed after.
+        check_cfg = base if timed_fp32 else make_config(args, "fp32", False, max(peak_samples["fp32"]), tmp.name,
+                                                        min(args.check_seq_len, args.seq_len), args.check_batch)
+        if timed_fp32:
+            check_fits_alone({("ours", False): planned_runner(base, "ours")} if device_bytes else {}, device_bytes)
+        check_data = datasets if timed_fp32 else load_datasets(check_cfg)  # windows of the check's length
+        checked = {("ours", False): Ours(check_cfg, check_data),
+                   ("hf", False): HF(check_cfg, check_data, initial, bf16=False, compiled=False)}
+        check = check_same_start(*checked.values())
+        if not timed_fp32:
+            checked.clear()
+            release_memory(args.device)
     configs = {("fp32", False): base}  # each row's exact Config, for the planner's predictions
 
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    results = []
+    results, schedule = [], {}
     for precision in args.precision:
-        runners = {}
+        makers, plans = {}, {}
         for compiled in variants:
             cfg = make_config(args, precision, compiled, max(peak_samples[precision]), tmp.name)
-            if precision == "fp32" and not compiled:  # the checked pair, one warmup step already done
-                runners.update(checked)
-                checked = {}
-                continue
             configs[precision, compiled] = cfg
-            runners[("ours", compiled)] = Ours(cfg, datasets)
-            runners[("hf", compiled)] = HF(cfg, datasets, initial, bf16=precision != "fp32", compiled=compiled)
-        print(f"timing {precision}: {', '.join(i + ('+compile' if c else '') for i, c in runners)}; warmup "
-              f"{args.warmup}, {args.steps} steps each in {args.rounds} alternating windows ...", flush=True)
-        results += summarize(*time_alternating(runners, args.warmup, args.steps, args.rounds), precision, tokens)
-        del runners
+            for impl in ("ours",) if args.skip_hf else ("ours", "hf"):
+                if args.device == "cuda":
+                    plans[impl, compiled] = planned_runner(cfg, impl)
+                if (impl, compiled) in checked:  # the checked pair, one warmup step already done
+                    makers[impl, compiled] = lambda runner=checked.pop((impl, compiled)): runner
+                elif impl == "ours":
+                    makers[impl, compiled] = lambda cfg=cfg: Ours(cfg, datasets)
+                else:
+                    makers[impl, compiled] = lambda cfg=cfg, compiled=compiled: HF(
+                        cfg, datasets, initial, bf16=precision != "fp32", compiled=compiled)
+        check_fits_alone(plans, device_bytes)
+        sequential, why = choose_sequential(args, plans, device_bytes)
+        schedule[precision] = why
+        print(f"timing {precision}: {', '.join(i + ('+compile' if c else '') for i, c in makers)}; warmup "
+              f"{args.warmup}, {args.steps} steps each, {why} ...", flush=True)
+        if sequential:
+            times, utils, peaks_seen = {}, {}, {}
+            for name, make in list(makers.items()):
+                runner = make()
+                t, u, p = time_alternating({name: runner}, args.warmup, args.steps, args.rounds)
+                times.update(t)
+                utils.update(u)
+                peaks_seen.update(p)
+                del runner, makers[name]
+                release_memory(args.device)
+        else:
+            runners = {name: make() for name, make in makers.items()}
+            times, utils, peaks_seen = time_alternating(runners, args.warmup, args.steps, args.rounds)
+            del runners
+        del makers
+        release_memory(args.device)
+        rows = summarize(times, utils, peaks_seen, precision, tokens)
+        # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
+        for r in rows:
+            print(f"  {precision} {r['impl'] + ('+compile' if r['compiled'] else '')}: {r['tokens_per_s']:,.0f} tokens/s "
+                  f"(median step {1e3 * r['median_step_s']:.1f} ms)", flush=True)
+        results += rows
         sample_peaks(peak_samples, args.device)
 
     peaks = {p: max(v) for p, v in peak_samples.items()}
@@ -457,9 +569,10 @@ def main(argv=None) -> dict:
         top_ops = profile_ours(make_config(args, "bf16", args.compile == "on", peaks["bf16"], tmp.name), datasets)
         print("\nours, one bf16-mixed step, top ops by self CPU time:\n" + top_ops)
     out = {"machine": info, "peak_flops": peaks, "peak_flops_samples": peak_samples, "datasheet_peak_flops": datasheet,
-           "first_step_loss_fp32": check, "results": results, "profile_bf16_ours": top_ops, "planner": planner,
+           "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profile_bf16_ours": top_ops, "planner": planner,
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
+                        "skip_hf": args.skip_hf, "sequential": args.sequential,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
         path = json_path(args.json, device_slug(args.device))

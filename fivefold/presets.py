@@ -23,6 +23,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama 3.2 1B: tied embeddings, RoPE scaled by 32 (the serving and single-GPU training benchmarks' model).
     "llama3.2-1b": ModelConfig(**{**_LLAMA3, **_LLAMA31_SCALING, "rope_scaling_factor": 32.0}, hidden_size=2048,
                                num_layers=16, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192, tie_embeddings=True),
+    # Llama 3.2 3B: the same family at 3072 wide (the fp8 training benchmark's second shape).
+    "llama3.2-3b": ModelConfig(**{**_LLAMA3, **_LLAMA31_SCALING, "rope_scaling_factor": 32.0}, hidden_size=3072,
+                               num_layers=28, num_heads=24, num_kv_heads=8, ffn_hidden_size=8192, tie_embeddings=True),
     "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
                              ffn_hidden_size=11008, max_seq_len=4096, eos_token_id=2),
     "mistral-7b": ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -61,6 +64,7 @@ REAL_PARAM_COUNTS = {
     "llama3-70b": 70_553_706_496,
     "llama3.1-405b": 405_853_388_800,
     "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
     "llama2-7b": 6_738_415_616,
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,

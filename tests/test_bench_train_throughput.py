@@ -1,0 +1,85 @@
+"""bench/train_throughput.py's memory decisions, made from the memory plan before anything is built on a GPU:
+whether a precision's runners can alternate on the device or must be timed one at a time, and refusing a
+runner the plan says cannot fit at all. The shapes are the GPU benchmark's (bench/gpu_train.sh) on an 80 GB
+card; nothing here needs a GPU (the plan is arithmetic). One tiny CPU run checks the --skip-hf and
+--sequential paths end to end."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fivefold.config_load import load_config
+from fivefold.memory.formulas import count_params
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = 80 * 10**9  # bytes: an H100 80GB (torch.cuda.mem_get_info reports ~79.2e9 of it)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "bench"))  # its `machine` helper
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench/train_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(ROOT / "bench"))
+
+
+def _cfg(preset, precision, batch):
+    return load_config(preset=preset, overrides=[f"train.precision={precision}", "train.seq_len=2048",
+                                                 f"train.micro_batch_size={batch}", "train.device=cuda"])
+
+
+def _args(bench, *extra):
+    return bench.parse_args(["--device", "cuda", *extra])
+
+
+def test_the_1b_and_hf_alternate_on_80_gb_but_two_3b_runners_go_one_at_a_time(bench):
+    args = _args(bench)
+    # 1B bf16-mixed, micro-batch 4: ours plans 44.3 GB; with HF's copy resident beside it, ~64 GB.
+    one_b = _cfg("llama3.2-1b", "bf16-mixed", 4)
+    plans = {("ours", True): bench.planned_runner(one_b, "ours"), ("hf", True): bench.planned_runner(one_b, "hf")}
+    sequential, why = bench.choose_sequential(args, plans, H100)
+    assert not sequential, why
+    # HF: fp32 weights, gradients and two AdamW moments, resident between its steps.
+    assert plans["hf", True][0] == 16 * count_params(one_b.model)
+    # 3B bf16 and fp8 (ours both), micro-batch 2: each alone fits (66.4 GB); their resident states together do not.
+    three_b = {("ours", p): bench.planned_runner(_cfg("llama3.2-3b", p, 2), "ours") for p in ("bf16-mixed", "fp8")}
+    assert all(r + t <= H100 for r, t in three_b.values())
+    sequential, why = bench.choose_sequential(args, three_b, H100)
+    assert sequential and "one at a time" in why, why
+    bench.check_fits_alone(three_b, H100)  # no refusal
+
+
+def test_the_choice_follows_the_plan_at_the_boundary(bench):
+    """Alternating needs sum(resident) + max(transient) within the usable share of the device."""
+    args = _args(bench)
+    plans = {("ours", False): (30e9, 20e9), ("hf", False): (25e9, 10e9)}  # together 75e9
+    usable = 75e9 / (1 - bench.FIT_HEADROOM)
+    assert bench.choose_sequential(args, plans, usable * 1.001)[0] is False
+    assert bench.choose_sequential(args, plans, usable * 0.999)[0] is True
+    assert bench.choose_sequential(args, plans, None)[0] is False  # CPU: no device memory to plan against
+    assert bench.choose_sequential(_args(bench, "--sequential", "yes"), plans, None)[0] is True
+    assert bench.choose_sequential(_args(bench, "--sequential", "no"), plans, 1e9)[0] is False
+
+
+def test_a_runner_the_plan_says_cannot_fit_is_refused_before_it_is_built(bench):
+    # 1B in fp32 at micro-batch 4, seq 2048: the plan's 90 GB peak is over an 80 GB card.
+    cfg = _cfg("llama3.2-1b", "fp32", 4)
+    with pytest.raises(SystemExit, match=r"ours plans 8\d\.\d GiB, over the device's 74\.5 GiB: lower --batch"):
+        bench.check_fits_alone({("ours", False): bench.planned_runner(cfg, "ours")}, H100)
+
+
+def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("FIVEFOLD_CACHE", data_cache)  # the session's tokenizer and shards
+    out = tmp_path / "tt.json"
+    bench.main(["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "2", "--precision", "fp32,bf16",
+                "--skip-hf", "--sequential", "yes", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert [(r["precision"], r["impl"]) for r in data["results"]] == [("fp32", "ours"), ("bf16", "ours")]
+    assert all(r["ratio_vs_hf"] is None and len(r["step_times_s"]) == 2 for r in data["results"])
+    assert data["first_step_loss_fp32"] is None and data["schedule"] == {"fp32": "--sequential yes",
+                                                                         "bf16": "--sequential yes"}
