@@ -45,6 +45,7 @@ from fivefold.model import build_model
 from fivefold.train.metrics import datasheet_peak_flops, measure_cuda_peak_flops, measure_peak_flops
 from fivefold.memory.formulas import is_no_decay
 from fivefold.memory.plan import plan_memory
+from fivefold.planner.fit import fit_micro_batch
 from fivefold.planner.hardware import load_profile, profile_for_device_name
 from fivefold.planner.speed import predict_step
 from fivefold.train.optim import lr_at
@@ -61,7 +62,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bench-30m")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4, help="micro-batch size (sequences per step)")
+    p.add_argument("--batch", type=int, default=4, help="micro-batch size (sequences per micro-batch)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (both sides)")
+    p.add_argument("--fit", action="store_true",
+                   help="ours only, at the micro-batch and recomputation `fivefold plan --fit` chooses for the "
+                        "device (its memory, and the planner's speed model where a profile matches), keeping "
+                        "--batch x --grad-accum sequences per step")
+    p.add_argument("--device-memory", type=float, default=0.0, metavar="GB",
+                   help="the device memory the plan decisions use (default on cuda: the GPU's; a CPU has none)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per implementation and precision")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile happens here)")
     p.add_argument("--rounds", type=int, default=0, help="alternating timed windows per implementation "
@@ -96,6 +104,10 @@ def parse_args(argv=None):
     args.rounds = min(args.rounds or args.steps, args.steps)
     if args.warmup < 1 and args.compile != "off":
         p.error("--compile needs --warmup >= 1: the first step compiles")
+    if args.fit and not args.skip_hf:
+        p.error("--fit changes our micro-batch only, so HF would train another shape: add --skip-hf")
+    if args.fit and args.device != "cuda" and not args.device_memory:
+        p.error("--fit needs a device memory to fill: --device cuda, or --device-memory GB")
     return args
 
 
@@ -203,7 +215,7 @@ def print_predictions(results: list[dict], planner: dict, device: str) -> None:
 
 def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str, seq_len: int = 0, batch: int = 0):
     overrides = {"train.seq_len": seq_len or args.seq_len, "train.micro_batch_size": batch or args.batch,
-                 "train.grad_accum": 1,
+                 "train.grad_accum": 1 if batch else args.grad_accum,
                  "train.precision": PRECISIONS[precision][0], "train.compile": compiled, "train.peak_flops": peak,
                  "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
                  "train.steps": 10_000, "train.device": args.device, "train.out_dir": out_dir,
@@ -257,6 +269,19 @@ def check_fits_alone(plans: dict, device_bytes: int | None) -> None:
             raise SystemExit(f"train_throughput.py: ours{'+compile' if compiled else ''} plans "
                              f"{(resident + transient) / 2**30:.1f} GiB, over the device's {device_bytes / 2**30:.1f} "
                              f"GiB: lower --batch or --seq-len (`fivefold plan --preset ... --fit` finds what fits)")
+
+
+def fitted(cfg, device_bytes: float, profile):
+    """`cfg` at the micro-batch, accumulation and recomputation `fivefold plan --fit` chooses for the device:
+    what fills its memory (less FIT_HEADROOM) at the same sequences per step, fastest by the planner's speed
+    model when a profile matches the device, else by the fewest recomputed FLOPs then the largest micro-batch."""
+    result = fit_micro_batch(cfg, int(device_bytes), device=cfg.train.device, headroom=FIT_HEADROOM, profile=profile)
+    t = result.config.train
+    print(f"--fit ({cfg.train.precision}{', compiled' if cfg.train.compile is True else ''}): micro-batch "
+          f"{t.micro_batch_size} x {t.grad_accum} accumulated, recompute {t.recompute}; planned "
+          f"{result.chosen.memory / 2**30:.1f} GiB of {device_bytes / 2**30:.1f} GiB"
+          + (f", predicted {result.chosen.speed.tokens_per_s_per_gpu:,.0f} tokens/s" if result.chosen.speed else ""))
+    return result.config
 
 
 def cuda_allocated(device: str) -> int:
@@ -326,20 +351,24 @@ class HF(Runner):
 
     def _step(self) -> float:
         t = self.cfg.train
-        batch = self.data.batch(self.sampler.take(t.micro_batch_size))  # (B, S + 1)
-        batch = batch.to(self.device)
-        inputs, labels = batch[:, :-1], batch[:, 1:].contiguous()  # HF's loss .view()s the labels
-        # shift_labels: HF's own loss on exactly our next-token labels (all S positions, not S - 1).
-        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = self.model(input_ids=inputs, labels=labels, shift_labels=labels).loss
-        loss.backward()
+        total = 0.0
+        for _ in range(t.grad_accum):  # equal micro-batches: the mean of their mean losses is the step's
+            batch = self.data.batch(self.sampler.take(t.micro_batch_size))  # (B, S + 1)
+            batch = batch.to(self.device)
+            inputs, labels = batch[:, :-1], batch[:, 1:].contiguous()  # HF's loss .view()s the labels
+            # shift_labels: HF's own loss on exactly our next-token labels (all S positions, not S - 1).
+            with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.bf16):
+                loss = self.model(input_ids=inputs, labels=labels, shift_labels=labels).loss / t.grad_accum
+            loss.backward()
+            total += loss.item()
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True).item()
+        tokens = labels.numel() * t.grad_accum
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.steps_done, t, labels.numel(), labels.numel())
+            group["lr"] = lr_at(self.steps_done, t, tokens, tokens)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return loss.item()
+        return total
 
 
 def time_alternating(runners: dict, warmup: int, steps: int, rounds: int) -> tuple[dict, dict, dict]:
@@ -473,10 +502,11 @@ def main(argv=None) -> dict:
     # The Trainer's init, for HF's copy (none to copy with --skip-hf: a 3B model's takes a minute on the host)
     initial = None if args.skip_hf else build_model(base.model, "cpu", seed=base.train.seed).state_dict()
     fpt = flops_per_token(base.model, args.seq_len)
-    tokens = args.batch * args.seq_len
+    tokens = args.batch * args.grad_accum * args.seq_len
     print(f"{args.preset}: {count_params(base.model) / 1e6:.1f}M params, {fpt / 1e6:.1f} MFLOP/token, "
           f"{tokens} tokens/step")
-    device_bytes = torch.cuda.mem_get_info()[1] if args.device == "cuda" else None
+    device_bytes = (args.device_memory * 1e9 if args.device_memory else
+                    torch.cuda.mem_get_info()[1] if args.device == "cuda" else None)
     timed_fp32 = "fp32" in args.precision
     checked, check = {}, None
     if args.skip_hf:
@@ -503,9 +533,11 @@ def main(argv=None) -> dict:
         makers, plans = {}, {}
         for compiled in variants:
             cfg = make_config(args, precision, compiled, max(peak_samples[precision]), tmp.name)
+            if args.fit:
+                cfg = fitted(cfg, device_bytes, profile)
             configs[precision, compiled] = cfg
             for impl in ("ours",) if args.skip_hf else ("ours", "hf"):
-                if args.device == "cuda":
+                if device_bytes:
                     plans[impl, compiled] = planned_runner(cfg, impl)
                 if (impl, compiled) in checked:  # the checked pair, one warmup step already done
                     makers[impl, compiled] = lambda runner=checked.pop((impl, compiled)): runner
@@ -536,6 +568,10 @@ def main(argv=None) -> dict:
         del makers
         release_memory(args.device)
         rows = summarize(times, utils, peaks_seen, precision, tokens)
+        for r in rows:  # each row's shape (--fit changes ours')
+            t = configs[precision, r["compiled"]].train if r["impl"] == "ours" else None
+            r.update(micro_batch_size=t.micro_batch_size if t else args.batch,
+                     grad_accum=t.grad_accum if t else args.grad_accum, recompute=t.recompute if t else "none")
         # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
         for r in rows:
             print(f"  {precision} {r['impl'] + ('+compile' if r['compiled'] else '')}: {r['tokens_per_s']:,.0f} tokens/s "
@@ -572,7 +608,8 @@ def main(argv=None) -> dict:
            "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profile_bf16_ours": top_ops, "planner": planner,
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
-                        "skip_hf": args.skip_hf, "sequential": args.sequential,
+                        "grad_accum": args.grad_accum, "fit": args.fit, "skip_hf": args.skip_hf,
+                        "sequential": args.sequential,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
         path = json_path(args.json, device_slug(args.device))

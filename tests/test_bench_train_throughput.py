@@ -83,3 +83,28 @@ def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, mon
     assert all(r["ratio_vs_hf"] is None and len(r["step_times_s"]) == 2 for r in data["results"])
     assert data["first_step_loss_fp32"] is None and data["schedule"] == {"fp32": "--sequential yes",
                                                                          "bf16": "--sequential yes"}
+
+
+def test_fit_trains_ours_at_the_planners_micro_batch_keeping_the_step(bench, data_cache, tmp_path, monkeypatch):
+    """--fit: the micro-batch, accumulation and recomputation fivefold.planner.fit chooses for the given
+    memory, the step's sequences (--batch x --grad-accum) kept, recorded on the row."""
+    from fivefold.planner.fit import fit_micro_batch
+
+    monkeypatch.setenv("FIVEFOLD_CACHE", data_cache)
+    out = tmp_path / "fit.json"
+    bench.main(["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--grad-accum", "4", "--steps", "1",
+                "--precision", "bf16", "--skip-hf", "--fit", "--device-memory", "0.3", "--json", str(out)])
+    row = json.loads(out.read_text())["results"][0]
+    cfg = load_config(preset="tiny", overrides=["train.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=4",
+                                                "train.precision=bf16-mixed", "model.eos_token_id=0"])
+    chosen = fit_micro_batch(cfg, int(0.3e9), device="cpu", headroom=bench.FIT_HEADROOM).config.train
+    assert (row["micro_batch_size"], row["grad_accum"], row["recompute"]) == \
+        (chosen.micro_batch_size, chosen.grad_accum, chosen.recompute)
+    assert row["micro_batch_size"] * row["grad_accum"] == 8 and row["micro_batch_size"] > 2
+
+
+def test_fit_is_refused_beside_hf_and_without_a_memory(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fit", "--device-memory", "1"])  # HF would train another shape
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fit", "--skip-hf"])  # a CPU has no device memory to fill
