@@ -30,42 +30,7 @@ step "serve-predict" 75 "$PY" bench/serve_predict.py --device cuda --model "$MOD
     --json "bench/results/serve_predict_$gpu.json"
 
 print_steps
-"$PY" - "bench/results/serve_anchors_$gpu.json" "bench/results/serve_default_$gpu.json" <<'EOF'
-import json, os, sys
-
-for path in sys.argv[1:]:
-    if not os.path.exists(path):
-        print(f"  {path}: not written")
-        continue
-    with open(path) as f:
-        d = json.load(f)
-    print(f"  {path} (stage reached: {d.get('stage')})")
-    ours = d.get("fivefold")
-    if ours:
-        steps = ours["step_times"]
-        print(f"    fivefold {ours['output_tokens_per_s']:,.0f} output tok/s in {ours['wall_s']:.1f} s; step max / median "
-              f"{steps['max_over_median']:.2f} (median {1e3 * steps['median_s']:.1f} ms, {steps['steps']} steps)")
-    for r in d.get("transformers") or []:
-        print(f"    transformers bs={r['batch_size']}: {r['output_tokens_per_s']:,.0f} output tok/s")
-    if d.get("ratio_vs_transformers_best"):
-        print(f"    fivefold / transformers best: {d['ratio_vs_transformers_best']:.2f}x")
-    decode = d.get("decode_batch1") or {}
-    if "fivefold" in decode and "bandwidth_roofline_fraction" in decode["fivefold"]:
-        print(f"    batch-1 decode {decode['fivefold']['best']:.0f} tok/s = "
-              f"{100 * decode['fivefold']['bandwidth_roofline_fraction']:.0f}% of the HBM roofline")
-    profile = d.get("profile") or {}
-    if profile.get("wall_over_kernel"):
-        m = profile["median"]
-        print(f"    decode step at batch {profile['batch']}: wall / kernel time {profile['wall_over_kernel']:.2f} "
-              f"({1e3 * profile['step_wall_s']:.2f} / {1e3 * m['kernel_s']:.2f} ms); per step {m['kernel_launches']:g} "
-              f"launches, {m['graph_launches']:g} graph launches, {m['copies']:g} copies, {m['syncs']:g} syncs")
-    elif profile.get("failed"):
-        print(f"    profile failed: {profile['failed']}")
-    for key, t in (d.get("targets") or {}).items():
-        shown = "not measured" if t["met"] is None else ("met" if t["met"] else "NOT met")
-        value = "-" if t["value"] is None else f"{t['value']:,.2f}"
-        print(f"    target {key} {t['op']} {t['target']:g}: {value} {shown}")
-EOF
+"$PY" bench/gpu_summary.py serve "bench/results/serve_anchors_$gpu.json" "bench/results/serve_default_$gpu.json"
 
 if [ -n "${COPY_TO:-}" ]; then
     mkdir -p "$COPY_TO" && cp -f bench/results/serve_anchors_"$gpu".json bench/results/serve_default_"$gpu".json \

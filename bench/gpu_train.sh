@@ -44,31 +44,7 @@ fi
 bench "135m" 90 135m --preset "$M135" --batch 8 --precision bf16 --compile on
 
 print_steps
-"$PY" - bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m}_"$gpu".json <<'PYEOF'
-import json, os, sys
-
-for path in sys.argv[1:]:
-    if not os.path.exists(path):
-        print(f"  {path}: not written")
-        continue
-    with open(path) as f:
-        d = json.load(f)
-    s = d["settings"]
-    print(f"  {path}: {s['preset']}, seq {s['seq_len']}, {s['tokens_per_step']:,} tokens a step")
-    bf16 = {r["compiled"]: r for r in d["results"] if r["precision"] == "bf16" and r["impl"] == "ours"}
-    for r in d["results"]:
-        line = (f"    {r['precision']} {r['impl']}{'+compile' if r['compiled'] else ''} (micro-batch {r['micro_batch_size']} x "
-                f"{r['grad_accum']}, recompute {r['recompute']}): {r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%")
-        if r.get("ratio_vs_hf") is not None and r["impl"] == "ours":
-            line += f", {r['ratio_vs_hf']:.2f}x HF"
-        if r["precision"] == "fp8" and r["compiled"] in bf16:
-            line += f", {r['tokens_per_s'] / bf16[r['compiled']]['tokens_per_s']:.2f}x our bf16"
-        if "predicted_error" in r:
-            line += f"; planner speed {100 * r['predicted_error']:+.1f}%"
-        if "peak_error" in r:
-            line += f", memory {100 * r['peak_error']:+.1f}%"
-        print(line)
-PYEOF
+"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m}_"$gpu".json
 
 if [ -n "${COPY_TO:-}" ]; then
     mkdir -p "$COPY_TO" && cp -f bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m}_"$gpu".json "$log" "$COPY_TO"/ 2>/dev/null

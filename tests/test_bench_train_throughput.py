@@ -1,8 +1,8 @@
 """bench/train_throughput.py's memory decisions, made from the memory plan before anything is built on a GPU:
 whether a precision's runners can alternate on the device or must be timed one at a time, and refusing a
 runner the plan says cannot fit at all. The shapes are the GPU benchmark's (bench/gpu_train.sh) on an 80 GB
-card; nothing here needs a GPU (the plan is arithmetic). One tiny CPU run checks the --skip-hf and
---sequential paths end to end."""
+card; nothing here needs a GPU (the plan is arithmetic). Tiny CPU runs check the --skip-hf, --sequential and
+--fit paths end to end, and the GPU scripts' summaries (bench/gpu_summary.py) read real result files."""
 
 import importlib.util
 import json
@@ -83,6 +83,12 @@ def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, mon
     assert all(r["ratio_vs_hf"] is None and len(r["step_times_s"]) == 2 for r in data["results"])
     assert data["first_step_loss_fp32"] is None and data["schedule"] == {"fp32": "--sequential yes",
                                                                          "bf16": "--sequential yes"}
+    # The end of a GPU session's log (bench/gpu_train.sh) reads this file.
+    import gpu_summary
+
+    lines = gpu_summary.train_lines(data)
+    assert lines[0] == "tiny, seq 32, 64 tokens a step"
+    assert lines[1].startswith("fp32 ours (micro-batch 2 x 1, recompute none): ") and "HF" not in lines[1]
 
 
 def test_fit_trains_ours_at_the_planners_micro_batch_keeping_the_step(bench, data_cache, tmp_path, monkeypatch):
@@ -108,3 +114,17 @@ def test_fit_is_refused_beside_hf_and_without_a_memory(bench):
         bench.parse_args(["--fit", "--device-memory", "1"])  # HF would train another shape
     with pytest.raises(SystemExit):
         bench.parse_args(["--fit", "--skip-hf"])  # a CPU has no device memory to fill
+
+
+def test_the_gpu_scripts_parse_and_the_serving_summary_reads_a_real_result(bench, capsys):
+    import subprocess
+
+    import gpu_summary
+
+    for script in ("gpu_common.sh", "gpu_serve.sh", "gpu_train.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], check=True)
+    path = ROOT / "bench/results/serve_default.json"  # bench/serve.py on this CPU
+    gpu_summary.main(["serve", str(path), str(ROOT / "bench/results/not_there.json")])
+    out = capsys.readouterr().out
+    assert "fivefold / transformers best: " in out and "batch-1 decode " in out
+    assert "not_there.json: not written" in out
