@@ -596,7 +596,8 @@ def main(argv=None) -> dict:
     print_table(results)
     planner = {"profile": None, "profile_source": profile_source}  # predictions skipped
     if profile is not None:
-        planner = {"profile": profile.name, "profile_source": profile_source, "profile_device": profile.device}
+        planner = {"profile": profile.name, "profile_source": profile_source, "profile_device": profile.device,
+                   "profile_toml": profile.to_toml()}  # the figures the predictions were made with
         add_predictions(results, configs, profile, args.device)
         print_predictions(results, planner, args.device)
 

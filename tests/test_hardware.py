@@ -47,6 +47,12 @@ GOOD = load_profile("h200").to_toml()
     (GOOD.replace("matmul_efficiency = 0.755", "matmul_efficiency = 0"), "matmul_efficiency=0 must be in (0, 4]"),
     (GOOD.replace("comm_interference = 0.18", "comm_interference = 1"), "comm_interference=1 must be a fraction "
                                                                          "in [0, 1)"),
+    (GOOD + "\n[kernels.int4]\nmatmul_knee = 1\n", "[kernels.<dtype>] tables are for bf16, fp16, fp8, fp32"),
+    (GOOD + "\n[kernels.fp32]\nop_overhead = 1e-6\n",
+     "[kernels]: [fp32] takes matmul_efficiency, matmul_knee, attention_efficiency"),
+    (GOOD + "\n[kernels.fp32]\nattention_efficiency = 2\n", "[kernels.fp32]: attention_efficiency=2.0 must be a "
+                                                             "fraction in (0, 1]"),
+    (GOOD + "\n[kernels.fp32]\nmatmul_knee = -3\n", "fp32.matmul_knee=-3 must be a number >= 0"),
 ])
 def test_a_bad_profile_is_a_clear_error(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -83,6 +89,13 @@ def test_calibrate_measures_this_machine_into_a_profile(tmp_path, data_cache):
     assert profile.matmul_efficiency * (2048 / (2048 + knee)) ** 3 == pytest.approx(1.0, rel=1e-4)  # 6 digits in TOML
     assert 0 < profile.attention_efficiency <= 1 and 0 < profile.memory_efficiency <= 1
     assert profile.overlap == 0 and 1e-7 < profile.op_overhead < 1e-2
+    # bf16's own matmul and attention figures, measured apart: what a bf16-mixed step is priced with
+    bf16 = profile.for_dtype("bf16")
+    assert set(profile.kernels) == {"bf16"} and set(profile.kernels["bf16"]) == {
+        "matmul_efficiency", "matmul_knee", "attention_efficiency"}
+    assert bf16.matmul_efficiency * (2048 / (2048 + bf16.matmul_knee)) ** 3 == pytest.approx(1.0, rel=1e-4)
+    assert 0 < bf16.attention_efficiency <= 1 and bf16.op_overhead == profile.op_overhead
+    assert profile.for_dtype("fp32") == profile  # the top level is fp32's on a CPU
     assert profile_from_dict(__import__("tomllib").loads(out.read_text()), str(out)) == profile
 
 

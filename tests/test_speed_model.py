@@ -51,6 +51,22 @@ def test_compute_scales_with_the_hardware_and_recompute_costs_a_forward():
     assert full.breakdown["recompute"] == pytest.approx(a.breakdown["compute"] / 3, rel=0.15)
 
 
+def test_a_step_is_priced_with_the_kernel_figures_of_the_dtype_it_computes_in():
+    """[kernels.<dtype>]: a bf16-mixed step takes bf16's matmul and attention figures, an fp32 step the top
+    level's; a profile without the table prices both with the top level (every shipped profile)."""
+    bf16_cfg, fp32_cfg = _cfg(), _cfg("train.precision=fp32")
+    slow_bf16 = dataclasses.replace(H100, kernels={"bf16": {"attention_efficiency": H100.attention_efficiency / 2,
+                                                            "matmul_knee": 4 * H100.matmul_knee}})
+    base, slowed = predict_step(bf16_cfg, H100), predict_step(bf16_cfg, slow_bf16)
+    assert slowed.breakdown["compute"] > base.breakdown["compute"]
+    assert slowed.breakdown["optimizer"] == base.breakdown["optimizer"]  # not a matmul or attention figure
+    assert predict_step(fp32_cfg, slow_bf16).step_time_s == predict_step(fp32_cfg, H100).step_time_s
+    # the same figures given at the top level price the bf16 step alike
+    top = dataclasses.replace(H100, attention_efficiency=H100.attention_efficiency / 2, matmul_knee=4 * H100.matmul_knee)
+    assert predict_step(bf16_cfg, top).step_time_s == slowed.step_time_s
+    assert slow_bf16.for_dtype("fp8") is slow_bf16
+
+
 def test_ops_recompute_runs_half_the_matmuls_and_the_memory_bound_work_again():
     """train.recompute=ops keeps q, v, gate and down (every other matmul) and the attention: it runs k, o
     and up again (their share of the block's matmul FLOPs)

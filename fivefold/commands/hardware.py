@@ -3,6 +3,7 @@ show profiles)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -47,8 +48,6 @@ def run_calibrate(args) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0
     if args.serve:
-        import dataclasses
-
         profile = dataclasses.replace(profile, serving=measure_serving(device, profile,
                                                                        "bf16" if device.type == "cuda" else "fp32"))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -77,5 +76,9 @@ def _summary(p) -> str:
     link = (f"intra-node {p.intra_node_bandwidth / 1e9:.3g} GB/s, {p.intra_node_latency * 1e6:.3g} us; inter-node "
             f"{p.inter_node_bandwidth / 1e9:.3g} GB/s, {p.inter_node_latency * 1e6:.3g} us"
             if p.intra_node_bandwidth else "links not measured")
-    return (f"{p.name}: {p.description}\n  matmul: {flops}\n  memory: {p.memory_bytes / 1e9:.3g} GB at "
-            f"{p.memory_bandwidth / 1e9:.3g} GB/s\n  {p.gpus_per_node} per node; {link}\n  source: {p.source}")
+    kernels = "; ".join(
+        f"{label}knee {k.matmul_knee:.3g}, efficiency {k.matmul_efficiency:.3g}, attention {k.attention_efficiency:.3g}"
+        for label, k in [("", p)] + [(f"{dtype}: ", p.for_dtype(dtype)) for dtype in p.kernels])
+    return (f"{p.name}: {p.description}\n  matmul: {flops}\n  kernels: {kernels}\n  memory: "
+            f"{p.memory_bytes / 1e9:.3g} GB at {p.memory_bandwidth / 1e9:.3g} GB/s\n  {p.gpus_per_node} per node; "
+            f"{link}\n  source: {p.source}")

@@ -8,7 +8,10 @@ Measured, each as the best of several repetitions (outside load only slows a rep
   matmuls of 256 and 2048 (the model reproduces [flops], measured at 2048, there); fused attention's fraction of
   the matmul peak (SDPA forward + backward, causal); elementwise bandwidth (a copy) against the read
   bandwidth; seconds per small autograd op (host overhead); overlap 0 on a CPU host, whose gloo threads
-  share the cores with compute, 1 on CUDA;
+  share the cores with compute, 1 on CUDA. The matmul and attention figures are measured in fp32 and in bf16:
+  the dtype training computes in on the device (bf16 on CUDA, fp32 on a CPU) gives the top-level fields, the
+  other its [kernels.<dtype>] table. On a CPU with native bf16 its kernels sit much further below its peak
+  (a planner priced with fp32's figures was 47% optimistic on a bf16-mixed run there);
 - with `--nproc N` (N >= 2 processes under torchrun, gloo on CPU, NCCL on CUDA): all-reduce and all-to-all
   latency (an 8-byte message, median) and bus bandwidth at 64 MiB (NCCL-tests' convention: all-reduce
   moves 2(n-1)/n of the buffer per rank, all-to-all (n-1)/n). One machine has no inter-node link: those
@@ -26,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.mesh import synchronize
-from fivefold.planner.hardware import HardwareProfile
+from fivefold.planner.hardware import DTYPE_KERNELS, HardwareProfile
 from fivefold.train.metrics import measure_peak_flops, probed_peak_flops
 
 LATENCY_REPS = 30
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BANDWIDTH_BYTES = 64 * 2**20
 
 
@@ -150,7 +154,11 @@ def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
     memory = measure_bandwidth(1.0, device=device)
     bandwidth = memory["read_gb_per_s"] * 1e9
     dtype = "bf16" if device.type == "cuda" else "fp32"  # what training computes in on this device
-    kernels = measure_kernels(device, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], flops[dtype])
+    kernels = measure_kernels(device, TORCH_DTYPES[dtype], flops[dtype])
+    other = "fp32" if dtype == "bf16" else "bf16"  # the other training dtype, for its own [kernels.<dtype>]
+    own = measure_kernels(device, TORCH_DTYPES[other], flops[other])
+    per_dtype = {other: {k: own[k] for k in DTYPE_KERNELS}}
+    raw.update({f"{other}_{k}": v for k, v in per_dtype[other].items()})
     kernels["memory_efficiency"] = min(1.0, memory["copy_gb_per_s"] / memory["read_gb_per_s"])
     kernels["overlap"] = 1.0 if device.type == "cuda" else 0.0
     raw.update(kernels)
@@ -166,7 +174,7 @@ def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
         name=name, description=f"{what}, {_threads()}" if device.type == "cpu" else what,
         device=device.type, memory_bytes=float(memory_size(device)), memory_bandwidth=bandwidth,
         gpus_per_node=world, intra_node_bandwidth=link, intra_node_latency=latency,
-        inter_node_bandwidth=link, inter_node_latency=latency, flops=flops, **kernels,
+        inter_node_bandwidth=link, inter_node_latency=latency, flops=flops, **kernels, kernels=per_dtype,
         source=f"fivefold calibrate on {host}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; {links}")
     return profile, raw
 

@@ -28,6 +28,10 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
     comm_interference     fraction of the compute rate lost while an overlapped collective is in flight:
                           NCCL's kernels hold one SM per channel (CTA) for the whole collective, so the
                           kernels they overlap run on the rest (0: not modelled, as in a calibrated profile)
+    [kernels.<dtype>]     matmul_efficiency, matmul_knee and attention_efficiency measured for one dtype (bf16,
+                          fp16, fp8, fp32) apart from the figures above, which every other dtype uses:
+                          `fivefold calibrate` times both fp32 and bf16, and on a CPU bf16's kernels sit much
+                          further below its peak than fp32's (there: attention 0.11 of the bf16 peak, 0.40 of fp32's)
 
 The serving engine's step costs (fivefold.serve.step_cost; an optional [serving] table, written by `fivefold
 calibrate --serve`; defaults there):
@@ -67,6 +71,7 @@ DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0, "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
+DTYPE_KERNELS = ("matmul_efficiency", "matmul_knee", "attention_efficiency")  # what [kernels.<dtype>] may hold
 SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s", "linear_flops_fp32", "linear_flops_bf16",
            "linear_flops_fp16", "elementwise_bandwidth", "kv_bandwidth")
 _NUMBERS = ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "intra_node_latency",
@@ -95,6 +100,12 @@ class HardwareProfile:
     overlap: float = EFFICIENCY["overlap"]
     comm_interference: float = EFFICIENCY["comm_interference"]
     serving: dict[str, float] = field(default_factory=dict)  # [serving]: measured engine step costs
+    kernels: dict[str, dict[str, float]] = field(default_factory=dict)  # [kernels.<dtype>]: per-dtype figures
+
+    def for_dtype(self, dtype: str) -> "HardwareProfile":
+        """This profile with `dtype`'s own matmul and attention figures ([kernels.<dtype>]) where it has them."""
+        own = self.kernels.get(dtype)
+        return dataclasses.replace(self, **own) if own else self
 
     def peak_flops(self, dtype: str) -> float:
         """Dense matmul FLOP/s for `dtype` (bf16, fp16, fp8, fp32); an error if the device has none."""
@@ -113,6 +124,8 @@ class HardwareProfile:
         lines += ["", "[flops]"] + [f"{dtype} = {value:.6g}" for dtype, value in self.flops.items()]
         if self.serving:
             lines += ["", "[serving]"] + [f"{key} = {value:.6g}" for key, value in self.serving.items()]
+        for dtype, figures in self.kernels.items():
+            lines += ["", f"[kernels.{dtype}]"] + [f"{key} = {value:.6g}" for key, value in figures.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -177,12 +190,13 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
         value = values[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"hardware profile {where}: {key}={value!r} must be a number >= 0")
-    if "matmul_efficiency" in values and not 0 < values["matmul_efficiency"] <= 4:
-        raise ConfigError(f"hardware profile {where}: matmul_efficiency={values['matmul_efficiency']!r} must be "
-                          f"in (0, 4]")
-    for key in _FRACTIONS:
-        if key in values and not 0 < values[key] <= 1 and not (key == "overlap" and values[key] == 0):
-            raise ConfigError(f"hardware profile {where}: {key}={values[key]!r} must be a fraction in (0, 1]")
+    _check_efficiencies(values, where)
+    kernels = values.get("kernels", {})
+    if not isinstance(kernels, dict) or set(kernels) - set(DTYPES):
+        raise ConfigError(f"hardware profile {where}: [kernels.<dtype>] tables are for {', '.join(DTYPES)}")
+    kernels = {dtype: _table(kernels, dtype, DTYPE_KERNELS, f"{where} [kernels]") for dtype in kernels}
+    for dtype, figures in kernels.items():
+        _check_efficiencies(figures, f"{where} [kernels.{dtype}]")
     if "comm_interference" in values and not 0 <= values["comm_interference"] < 1:
         raise ConfigError(f"hardware profile {where}: comm_interference={values['comm_interference']!r} must be a "
                           f"fraction in [0, 1)")
@@ -194,8 +208,18 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
     if values["device"] not in ("cuda", "cpu"):
         raise ConfigError(f"hardware profile {where}: device={values['device']!r} must be cuda or cpu")
     return HardwareProfile(**{**values, "flops": _table(values, "flops", DTYPES, where),
-                              "serving": _table(values, "serving", SERVING, where),
+                              "serving": _table(values, "serving", SERVING, where), "kernels": kernels,
                               **{k: float(values[k]) for k in (*_NUMBERS, *EFFICIENCY) if k in values}})
+
+
+def _check_efficiencies(values: dict, where: str) -> None:
+    """The ranges of the efficiency figures present in `values` (the top level, or a [kernels.<dtype>])."""
+    if "matmul_efficiency" in values and not 0 < values["matmul_efficiency"] <= 4:
+        raise ConfigError(f"hardware profile {where}: matmul_efficiency={values['matmul_efficiency']!r} must be "
+                          f"in (0, 4]")
+    for key in _FRACTIONS:
+        if key in values and not 0 < values[key] <= 1 and not (key == "overlap" and values[key] == 0):
+            raise ConfigError(f"hardware profile {where}: {key}={values[key]!r} must be a fraction in (0, 1]")
 
 
 def _table(values: dict, name: str, keys: tuple[str, ...], where: str) -> dict[str, float]:

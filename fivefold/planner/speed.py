@@ -135,9 +135,11 @@ class _Costs:
 
     def __init__(self, cfg: Config, hw: HardwareProfile, fused: bool):
         t, p = cfg.train, cfg.parallel
+        dtype = "bf16" if t.mixed else "fp32"
+        hw = hw.for_dtype(dtype)  # the matmul and attention figures measured in the dtype the step computes in
         self.cfg, self.hw, self.fused = cfg, hw, fused
         self.p = 2 if t.mixed else 4
-        self.peak = hw.peak_flops("bf16" if t.mixed else "fp32")
+        self.peak = hw.peak_flops(dtype)
         # fp8 (fivefold.train.fp8): the blocks' linears on the fp8 peak where the profile has one, else as
         # bf16; attention, the router and the LM head stay bf16, and MFU stays against the bf16 peak.
         self.linear_peak = (hw.flops.get("fp8") or self.peak) if t.precision == "fp8" else self.peak

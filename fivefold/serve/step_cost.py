@@ -69,9 +69,10 @@ class StepShape:
 class StepCostModel:
     def __init__(self, cfg: Config, profile: HardwareProfile, tp: int = 1):
         m, s = cfg.model, cfg.serve
+        dt = SHORT_DTYPES[s.dtype]  # the profile's name for the serving dtype
+        profile = profile.for_dtype(dt)  # its matmul and attention figures in that dtype, where measured apart
         self.cfg, self.hw, self.tp = cfg, profile, tp
         self.itemsize = torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
-        dt = SHORT_DTYPES[s.dtype]  # the profile's name for the serving dtype
         self.peak = profile.peak_flops(dt)
         self.bandwidth = profile.memory_bandwidth * profile.memory_efficiency
         self.serving = {**SERVING_DEFAULTS, **profile.serving}
