@@ -333,9 +333,11 @@ class HF(Runner):
         before = cuda_allocated(self.device)
         hf_cfg = LlamaConfig(**{**hf_config_from(cfg.model, "llama"), "use_cache": False},
                              attn_implementation="sdpa")
-        self.model = LlamaForCausalLM(hf_cfg).train()
+        # Built where it trains: a 1B model's random initialisation takes HF ~15-20 s on a few host cores, and
+        # the 1B benchmark builds two (the fp32 check's and the timed one).
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(hf_cfg).train()
         self.model.load_state_dict(weights_to_hf(initial, cfg.model), strict=True)
-        self.model.to(self.device)
         if compiled:
             self.model.compile()
         t = cfg.train
