@@ -33,8 +33,10 @@ from fivefold.kernels.paged_attention import (  # noqa: E402
     choose_splits,
     paged_attention,
     paged_attention_reference,
+    split_counts,
     store_kv,
     store_kv_reference,
+    warm_up,
 )
 
 INTERPRETED = isinstance(triton.language.sum, InterpretedFunction)
@@ -150,9 +152,10 @@ def test_long_decodes_and_split_k(interpreter, head_dim, block_size, dtype):
     want = paged_attention_reference(**args)
     plain = paged_attention(**args, split_k=1)
     torch.testing.assert_close(plain, want, **tolerance(dtype))
-    # 8 sequences x 1 kv head fill no GPU, and the longest holds three 512-key parts: split in 3. The
-    # bound comes from the block table's width (2000 tokens) unless max_seq_len says it.
-    assert choose_splits(len(DECODES), 1, 1, 2000) == 3
+    # 8 sequences x 1 kv head fill no GPU, and the longest holds three 512-key parts: split in 2 (a power
+    # of two at most that). The bound comes from the block table's width (2000 tokens) unless max_seq_len
+    # says it. split_k=5 and 3 (below): counts the kernel takes though choose_splits never picks them.
+    assert choose_splits(len(DECODES), 1, 1, 2000) == 2
     for split in ({}, dict(split_k=5), dict(max_seq_len=2000), dict(split_k=16)):
         got = paged_attention(**args, **split)
         if dtype == torch.float32:  # split-K == plain to rounding
@@ -166,10 +169,35 @@ def test_long_decodes_and_split_k(interpreter, head_dim, block_size, dtype):
 def test_split_heuristic():
     assert choose_splits(1, 8, 1, 32768) == 16  # one long decode: as many parts as SPLIT_MAX allows
     assert choose_splits(4, 8, 1, 4096) == 8  # 32 programs: 4096 // 512 parts
+    assert choose_splits(4, 8, 1, 3583) == 4  # 6 parts would fit: rounded down to a power of two
+    assert choose_splits(3, 8, 1, 32768) == 8  # 24 programs want 11 parts: 8
     assert choose_splits(4, 8, 1, 1023) == 1  # too short for two parts
     assert choose_splits(64, 4, 1, 32768) == 1  # 256 programs fill the GPU already
     assert choose_splits(1, 8, 2, 32768) == 1  # a prefill or speculative rows: never
     assert choose_splits(0, 8, 1, 32768) == 1
+
+
+def test_every_split_count_is_one_the_warm_up_compiles():
+    """choose_splits picks from split_counts() alone, over every batch, group and context, so that warm_up
+    compiles each split-K variant a decode step can need before serving starts."""
+    counts = set(split_counts())
+    assert counts == {1, 2, 4, 8, 16}
+    picked = {choose_splits(seqs, kv, 1, length) for seqs in range(0, 70) for kv in (1, 2, 3, 8)
+              for length in range(0, 40000, 97)}
+    assert picked == counts
+
+
+def test_warm_up_launches_each_tile_size_and_split_count_once(interpreter):
+    """Block size 16, 8 query heads over 2 kv heads (a group of 4, tile rows 16 / 32 / 64): decode rows
+    with each split count, then one chunk length per larger tile. Nothing is written to the pool."""
+    pool = torch.randn(6, 16, 2, 32)
+    k_cache, v_cache = pool.clone(), pool.clone()
+    module = __import__(TRITON_MODULE, fromlist=["tiles"])
+    launched = warm_up(k_cache, v_cache, num_heads=8)
+    assert launched == [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (8, 1), (16, 1)]
+    tiles = {module.tiles(n, 4, 32, torch.float32) for n in range(1, 200)}
+    assert {module.tiles(n, 4, 32, torch.float32) for n, _ in launched} == tiles  # every tile a step can use
+    assert torch.equal(k_cache, pool) and torch.equal(v_cache, pool)
 
 
 def sdpa_tail(q, k, v, n, scale=None):

@@ -34,8 +34,11 @@ import fivefold.kernels as kernels
 # computed in parallel and merged by a small second kernel pays when (a) every query is a single token
 # (a prefill tile already has work in its rows), (b) sequences x kv heads < SPLIT_TARGET_PROGRAMS, and
 # (c) the longest context holds at least two SPLIT_MIN_KEYS-key parts. Splits =
-# min(ceil(SPLIT_TARGET_PROGRAMS / programs), longest // SPLIT_MIN_KEYS, SPLIT_MAX). Constants, not a
-# device query, so torch.compile and CUDA graphs see nothing but host integers.
+# min(ceil(SPLIT_TARGET_PROGRAMS / programs), longest // SPLIT_MIN_KEYS, SPLIT_MAX), rounded down to a power
+# of two: the split count is compiled into the kernel (a Triton constexpr), and a count first met in the
+# middle of a run would stall that step while Triton compiles it, so the few counts there are (1, 2, 4, 8,
+# 16) are compiled before serving starts (warm_up). Constants, not a device query, so torch.compile and
+# CUDA graphs see nothing but host integers.
 SPLIT_TARGET_PROGRAMS = 256
 SPLIT_MIN_KEYS = 512  # keys per part below which the merge costs more than the parallelism gains
 SPLIT_MAX = 16
@@ -47,7 +50,12 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_
     if max_query_len != 1 or programs == 0 or programs >= SPLIT_TARGET_PROGRAMS:
         return 1
     splits = min(-(-SPLIT_TARGET_PROGRAMS // programs), max_seq_len // SPLIT_MIN_KEYS, SPLIT_MAX)
-    return splits if splits >= 2 else 1
+    return 1 << (splits.bit_length() - 1) if splits >= 2 else 1
+
+
+def split_counts() -> list[int]:
+    """Every split count choose_splits can return."""
+    return [1 << i for i in range(SPLIT_MAX.bit_length())]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -217,6 +225,34 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         store_kv_reference(k_cache, v_cache, k, v, slot_mapping)
     else:
         module.store(k_cache, v_cache, k, v, slot_mapping)
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> list[tuple[int, int]]:
+    """Compile, before serving starts, every variant of the attention kernels a step can meet, so that no step
+    waits for Triton's compiler mid-run. A variant is a combination of compile-time constants: the query tile
+    (decode rows, short and long prefill chunks: paged_attention_triton.tiles) and, for decode rows, the split
+    count (split_counts). The per-step sizes (sequences, tokens, block-table width) are not specialised on
+    (the kernel's do_not_specialize), so they add none. Each variant runs once on one dummy sequence over
+    block 0 of `k_cache` / `v_cache` (one layer's (blocks, block_size, kv_heads, head_dim) view, nothing
+    written). The (max_query_len, split_k) pairs launched; none where the reference runs (nothing to compile)."""
+    module = _triton(k_cache.device)
+    if module is None:
+        return []
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    device, group = k_cache.device, num_heads // kv_heads
+    lengths: dict[tuple, int] = {}
+    for n in (1 << i for i in range(module.MAX_ROWS.bit_length())):  # rows stop growing at MAX_ROWS
+        lengths.setdefault(module.tiles(n, group, head_dim, k_cache.dtype), n)
+    launched = []
+    for n in lengths.values():
+        q = torch.zeros(n, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+        tables = torch.zeros(1, -(-n // block_size), dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
+        qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
+        for splits in split_counts() if n == 1 else [1]:
+            paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, n, split_k=splits)
+            launched.append((n, splits))
+    return launched
 
 
 @store_kv.register_fake

@@ -42,7 +42,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+# The per-step sizes are not specialised on: Triton would otherwise compile another variant the first time
+# one of them is 1 or a multiple of 16, in the middle of a run (paged_attention.warm_up compiles the rest).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_tab"])
 def _attend(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
             num_seqs, num_tokens, scale_log2, stride_qt, stride_qh, stride_qd, stride_tab, num_kv_heads, group,
             head_dim,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])  # a serving step's token count changes every step
 def _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads,
             sx_b, sx_h, sx_s, sc_b, sc_s, ss_b, ss_s, so_b, so_h, so_s,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr):

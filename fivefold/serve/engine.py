@@ -20,6 +20,7 @@ import torch
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
 from fivefold.data.tokenizer import load_tokenizer
 from fivefold.kernels import apply_kernels, check_usable, triton_available
+from fivefold.kernels.paged_attention import warm_up
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.parallel.mesh import launched_world_size, local_device, resolve_device
@@ -133,6 +134,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.batch)
         self.buffers = StepBuffers(max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs), self.cfg.max_num_seqs,
                                    self.cfg.max_num_seqs, self.batch.max_blocks_per_seq, self.device)
+        self._warm_up_kernels()
         self.graphs = self._graphs()
         # serve.async_scheduling: the next step is scheduled and launched before this one's tokens are on
         # the host. Pays only where the device runs apart from the host (CUDA); tensor-parallel followers
@@ -165,6 +167,18 @@ class Engine:
         check_usable("serve.kernels")
         apply_kernels(self.model, "triton")
         return True
+
+    def _warm_up_kernels(self) -> None:
+        """On a GPU, compile every variant of the paged-attention kernels now (fivefold.kernels.paged_attention
+        .warm_up), not at the step that first needs one: a compile there would stall every running request."""
+        if not (self.kernel and self.device.type == "cuda"):
+            return
+        start = time.perf_counter()
+        k, v = (pool[0].view(-1, self.cfg.block_size, *pool.shape[2:]) for pool in (self.pool.k, self.pool.v))
+        launched = warm_up(k, v, self.model.cfg.num_heads // (self.tp.size if self.tp else 1))
+        torch.cuda.synchronize(self.device)
+        print(f"paged attention: {len(launched)} kernel variants compiled in {time.perf_counter() - start:.1f} s",
+              flush=True)
 
     def _use_onednn(self) -> bool:
         """serve.linear: whether the linears run on oneDNN (a CPU), after the projections are fused."""
