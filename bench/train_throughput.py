@@ -518,8 +518,8 @@ def main(argv=None) -> dict:
         # small (a 1B model's two fp32 copies at seq 2048 do not fit an 80 GB GPU) and is freed after.
         check_cfg = base if timed_fp32 else make_config(args, "fp32", False, max(peak_samples["fp32"]), tmp.name,
                                                         min(args.check_seq_len, args.seq_len), args.check_batch)
-        if timed_fp32:
-            check_fits_alone({("ours", False): planned_runner(base, "ours")} if device_bytes else {}, device_bytes)
+        if timed_fp32 and device_bytes:
+            check_fits_alone({("ours", False): planned_runner(base, "ours")}, device_bytes)
         check_data = datasets if timed_fp32 else load_datasets(check_cfg)  # windows of the check's length
         checked = {("ours", False): Ours(check_cfg, check_data),
                    ("hf", False): HF(check_cfg, check_data, initial, bf16=False, compiled=False)}
@@ -608,7 +608,8 @@ def main(argv=None) -> dict:
         top_ops = profile_ours(make_config(args, "bf16", args.compile == "on", peaks["bf16"], tmp.name), datasets)
         print("\nours, one bf16-mixed step, top ops by self CPU time:\n" + top_ops)
     out = {"machine": info, "peak_flops": peaks, "peak_flops_samples": peak_samples, "datasheet_peak_flops": datasheet,
-           "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profile_bf16_ours": top_ops, "planner": planner,
+           "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profile_bf16_ours": top_ops,
+           "planner": planner,
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
                         "grad_accum": args.grad_accum, "fit": args.fit, "skip_hf": args.skip_hf,
