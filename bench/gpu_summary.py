@@ -20,7 +20,8 @@ def serve_lines(d: dict) -> list[str]:
     if ours:
         steps = ours["step_times"]
         out.append(f"fivefold {ours['output_tokens_per_s']:,.0f} output tok/s in {ours['wall_s']:.1f} s; step max / "
-                   f"median {steps['max_over_median']:.2f} (median {1e3 * steps['median_s']:.1f} ms, {steps['steps']} steps)")
+                   f"median {steps['max_over_median']:.2f} (median {1e3 * steps['median_s']:.1f} ms, "
+                   f"{steps['steps']} steps)")
     for r in d.get("transformers") or []:
         out.append(f"transformers bs={r['batch_size']}: {r['output_tokens_per_s']:,.0f} output tok/s")
     if d.get("ratio_vs_transformers_best"):
@@ -32,7 +33,8 @@ def serve_lines(d: dict) -> list[str]:
     profile = d.get("profile") or {}
     if profile.get("wall_over_kernel"):
         m = profile["median"]
-        out.append(f"decode step at batch {profile['batch']}: wall / kernel time {profile['wall_over_kernel']:.2f} "
+        out.append(f"decode step at batch {profile['batch']}: wall / kernel time "
+                   f"{profile['wall_over_kernel']:.2f} "
                    f"({1e3 * profile['step_wall_s']:.2f} / {1e3 * m['kernel_s']:.2f} ms); per step "
                    f"{m['kernel_launches']:g} launches, {m['graph_launches']:g} graph launches, {m['copies']:g} copies, "
                    f"{m['syncs']:g} syncs")

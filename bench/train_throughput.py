@@ -576,8 +576,9 @@ def main(argv=None) -> dict:
                      grad_accum=t.grad_accum if t else args.grad_accum, recompute=t.recompute if t else "none")
         # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
         for r in rows:
-            print(f"  {precision} {r['impl'] + ('+compile' if r['compiled'] else '')}: {r['tokens_per_s']:,.0f} tokens/s "
-                  f"(median step {1e3 * r['median_step_s']:.1f} ms)", flush=True)
+            impl = r["impl"] + ("+compile" if r["compiled"] else "")
+            print(f"  {precision} {impl}: {r['tokens_per_s']:,.0f} tokens/s (median step {1e3 * r['median_step_s']:.1f} "
+                  f"ms)", flush=True)
         results += rows
         sample_peaks(peak_samples, args.device)
 

@@ -62,7 +62,8 @@ def test_a_step_is_priced_with_the_kernel_figures_of_the_dtype_it_computes_in():
     assert slowed.breakdown["optimizer"] == base.breakdown["optimizer"]  # not a matmul or attention figure
     assert predict_step(fp32_cfg, slow_bf16).step_time_s == predict_step(fp32_cfg, H100).step_time_s
     # the same figures given at the top level price the bf16 step alike
-    top = dataclasses.replace(H100, attention_efficiency=H100.attention_efficiency / 2, matmul_knee=4 * H100.matmul_knee)
+    top = dataclasses.replace(H100, attention_efficiency=H100.attention_efficiency / 2,
+                              matmul_knee=4 * H100.matmul_knee)
     assert predict_step(bf16_cfg, top).step_time_s == slowed.step_time_s
     assert slow_bf16.for_dtype("fp8") is slow_bf16
 
