@@ -75,6 +75,6 @@ print_steps() {
             124|137) how="TIMED OUT" ;;
             *) how="FAILED (exit ${codes[$i]})" ;;
         esac
-        printf '  %-10s %-18s %4s s\n' "${names[$i]}" "$how" "${secs[$i]}"
+        printf '  %-14s %-18s %4s s\n' "${names[$i]}" "$how" "${secs[$i]}"
     done
 }

@@ -9,9 +9,13 @@
 #
 # Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json and gpu_serve_<gpu>.log, where
 # <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
+#
+# A dry run on a CPU checks the plumbing (a tiny model; the CUDA-only profile and tests are skipped there):
+#   DEVICE=cpu MODEL=tiny GPU_SLUG=dry bash bench/gpu_serve.sh
 
 source "$(dirname "$0")/gpu_common.sh"
-MODEL=llama3.2-1b   # Llama-3.2-1B's shape, random weights (fivefold.presets)
+MODEL=${MODEL:-llama3.2-1b}   # Llama-3.2-1B's shape, random weights (fivefold.presets)
+DEVICE=${DEVICE:-cuda}
 gpu_setup gpu_serve
 
 # (a) the paged-attention and engine tests. test_paged_attention.py runs its Triton kernels in the
@@ -21,12 +25,12 @@ pytest_step "tests" 90 tests/test_paged_attention.py tests/test_serve_engine.py
 pytest_step "cuda-tests" 45 tests/test_serve_fast_path.py
 # (b) the anchor workload: 256 requests, prompts and outputs uniform 100..1024, against transformers
 #     static batches of 256, 128 and 64; per-step times, batch-1 decode, and the profiled batch-256 decode step
-step "anchors" 255 "$PY" bench/serve.py --device cuda --model "$MODEL" --workload anchors --profile \
+step "anchors" 255 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --profile \
     --json "bench/results/serve_anchors_$gpu.json"
 # (c) the default workload (the CPU results' request set: 32 requests, log-uniform outputs 16..256)
-step "default" 90 "$PY" bench/serve.py --device cuda --model "$MODEL" \
+step "default" 90 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_default_$gpu.json"
-step "serve-predict" 75 "$PY" bench/serve_predict.py --device cuda --model "$MODEL" \
+step "serve-predict" 75 "$PY" bench/serve_predict.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_predict_$gpu.json"
 
 print_steps

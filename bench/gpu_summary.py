@@ -29,7 +29,7 @@ def serve_lines(d: dict) -> list[str]:
     decode = d.get("decode_batch1") or {}
     if "fivefold" in decode and "bandwidth_roofline_fraction" in decode["fivefold"]:
         out.append(f"batch-1 decode {decode['fivefold']['best']:.0f} tok/s = "
-                   f"{100 * decode['fivefold']['bandwidth_roofline_fraction']:.0f}% of the HBM roofline")
+                   f"{100 * decode['fivefold']['bandwidth_roofline_fraction']:.0f}% of the memory-bandwidth roofline")
     profile = d.get("profile") or {}
     if profile.get("wall_over_kernel"):
         m = profile["median"]
