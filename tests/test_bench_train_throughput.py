@@ -46,6 +46,9 @@ def test_the_1b_and_hf_alternate_on_80_gb_but_two_3b_runners_go_one_at_a_time(be
     assert not sequential, why
     # HF: fp32 weights, gradients and two AdamW moments, resident between its steps.
     assert plans["hf", True][0] == 16 * count_params(one_b.model)
+    # gpu_train.sh's --compile both: four such runners' states (~79 GB) no longer fit beside each other
+    four = {**plans, ("ours", False): plans["ours", True], ("hf", False): plans["hf", True]}
+    assert bench.choose_sequential(args, four, H100)[0]
     # 3B bf16 and fp8 (ours both), micro-batch 2: each alone fits (66.4 GB); their resident states together do not.
     three_b = {("ours", p): bench.planned_runner(_cfg("llama3.2-3b", p, 2), "ours") for p in ("bf16-mixed", "fp8")}
     assert all(r + t <= H100 for r, t in three_b.values())
