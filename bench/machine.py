@@ -1,5 +1,6 @@
 """What the benchmarks record about the machine they ran on."""
 
+import json
 import os
 import platform
 
@@ -11,3 +12,11 @@ from fivefold.planner.calibrate import cpu_model
 def base_info() -> dict:
     return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version()}
+
+
+def write_results(path: str, data: dict) -> None:
+    """A benchmark's numbers as indented JSON at `path` (its folder made if missing), and a line saying where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}")

@@ -13,12 +13,12 @@ one process says what a change is worth.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
 import torch
+from machine import write_results
 
 from fivefold.model import build_model
 from fivefold.presets import get_preset
@@ -76,9 +76,7 @@ def main(argv=None) -> dict:
               f"input-major best {summary['input-major']['best']:.1f} median {summary['input-major']['median']:.1f}; "
               f"gain {100 * summary['gain_best']:+.1f}% (best) {100 * summary['gain_median']:+.1f}% (median)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_results(args.json, result)
     return result
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ from fivefold.serve.blocks import blocks_for
 from fivefold.serve.workload import Request, Workload, parse_workload
 
 sys.path.insert(0, os.path.dirname(__file__))
+from machine import write_results  # noqa: E402
 from serve_client import make_requests  # noqa: E402
 
 
@@ -145,10 +145,7 @@ def main(argv=None) -> dict:
            "rows": rows, "worst_error": worst, "threads": torch.get_num_threads(),
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else None}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        write_results(args.json, out)
     return out
 
 

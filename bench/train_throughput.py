@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import statistics
@@ -35,6 +34,7 @@ import tempfile
 import time
 
 import torch
+from machine import base_info, write_results
 
 from fivefold.config import ConfigError
 from fivefold.config_load import load_config
@@ -113,7 +113,6 @@ def parse_args(argv=None):
 
 def machine_info(threads: int, device: str) -> dict:
     import transformers
-    from machine import base_info
     gpu = {"gpu": torch.cuda.get_device_name()} if device == "cuda" else {}
     return {**base_info(), **gpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "transformers": transformers.__version__, "threads": threads}
@@ -617,11 +616,7 @@ def main(argv=None) -> dict:
                         "sequential": args.sequential,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
-        path = json_path(args.json, device_slug(args.device))
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {path}")
+        write_results(json_path(args.json, device_slug(args.device)), out)
     tmp.cleanup()
     return out
 

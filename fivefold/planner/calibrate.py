@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.mesh import synchronize
-from fivefold.planner.hardware import DTYPE_KERNELS, HardwareProfile
+from fivefold.planner.hardware import HardwareProfile
 from fivefold.train.metrics import measure_peak_flops, probed_peak_flops
 
 LATENCY_REPS = 30
@@ -69,7 +69,7 @@ def measure_flops(device: torch.device) -> dict[str, float]:
 
 
 def measure_kernels(device: torch.device, dtype: torch.dtype, peak: float) -> dict[str, float]:
-    """matmul_knee, matmul_efficiency, attention_efficiency and op_overhead (see the module docstring)."""
+    """matmul_knee, matmul_efficiency and attention_efficiency in `dtype` (see the module docstring)."""
     small = measure_peak_flops(device, dtype, size=256, reps=20)
     ratio = min(small / peak, 0.999)
     # (256 / (256 + k) / (2048 / (2048 + k)))^3 = ratio: bisect for k
@@ -93,6 +93,11 @@ def measure_kernels(device: torch.device, dtype: torch.dtype, peak: float) -> di
         if rep:  # the first is warm-up
             best = min(best, time.perf_counter() - start)
     out["attention_efficiency"] = min(1.0, 3.5 * 2 * b * heads * s * s * hd / best / peak)  # causal: half of 4bhs^2d
+    return out
+
+
+def measure_op_overhead(device: torch.device) -> float:
+    """Seconds of host time per small autograd op: the same for every dtype."""
     x = torch.ones(8, device=device, requires_grad=True)
     ops, best = 20, float("inf")
     for rep in range(30):
@@ -104,8 +109,7 @@ def measure_kernels(device: torch.device, dtype: torch.dtype, peak: float) -> di
         synchronize(device)
         if rep:
             best = min(best, time.perf_counter() - start)
-    out["op_overhead"] = best / (2 * ops + 2)  # forward and backward kernels
-    return out
+    return best / (2 * ops + 2)  # forward and backward kernels
 
 
 def memory_size(device: torch.device) -> int:
@@ -155,9 +159,9 @@ def calibrate(device: torch.device, name: str) -> tuple[HardwareProfile, dict]:
     bandwidth = memory["read_gb_per_s"] * 1e9
     dtype = "bf16" if device.type == "cuda" else "fp32"  # what training computes in on this device
     kernels = measure_kernels(device, TORCH_DTYPES[dtype], flops[dtype])
+    kernels["op_overhead"] = measure_op_overhead(device)
     other = "fp32" if dtype == "bf16" else "bf16"  # the other training dtype, for its own [kernels.<dtype>]
-    own = measure_kernels(device, TORCH_DTYPES[other], flops[other])
-    per_dtype = {other: {k: own[k] for k in DTYPE_KERNELS}}
+    per_dtype = {other: measure_kernels(device, TORCH_DTYPES[other], flops[other])}
     raw.update({f"{other}_{k}": v for k, v in per_dtype[other].items()})
     kernels["memory_efficiency"] = min(1.0, memory["copy_gb_per_s"] / memory["read_gb_per_s"])
     kernels["overlap"] = 1.0 if device.type == "cuda" else 0.0

@@ -174,8 +174,7 @@ class Engine:
         if not (self.kernel and self.device.type == "cuda"):
             return
         start = time.perf_counter()
-        k, v = (pool[0].view(-1, self.cfg.block_size, *pool.shape[2:]) for pool in (self.pool.k, self.pool.v))
-        launched = warm_up(k, v, self.model.cfg.num_heads // (self.tp.size if self.tp else 1))
+        launched = warm_up(*self.pool.blocks(0), self.model.cfg.num_heads // (self.tp.size if self.tp else 1))
         torch.cuda.synchronize(self.device)
         print(f"paged attention: {len(launched)} kernel variants compiled in {time.perf_counter() - start:.1f} s",
               flush=True)

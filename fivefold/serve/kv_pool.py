@@ -80,6 +80,10 @@ class KVPool:
     def bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values as (blocks, block_size, kv heads, head size) views."""
+        return tuple(pool[layer].view(-1, self.block_size, *pool.shape[2:]) for pool in (self.k, self.v))
+
 
 # The CPU path attends decodes in groups of this many sequences of similar length: padding every sequence
 # to the longest of the whole batch doubled the keys and values gathered (bench/serve.py, batch 64).
@@ -132,8 +136,7 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, mask) -> torch.Tensor:
         """q (1, H, T, d), k and v (1, Hkv, T, d) -> (1, H, T, d)."""
         bs, heads, dim = self.pool.block_size, k.shape[1], k.shape[3]
-        kb = self.pool.k[layer].view(-1, bs, heads, dim)  # (blocks, bs, Hkv, d)
-        vb = self.pool.v[layer].view(-1, bs, heads, dim)
+        kb, vb = self.pool.blocks(layer)  # (blocks, bs, Hkv, d)
         if self.kernel:
             d = self.dev
             store_kv(kb, vb, k[0].transpose(0, 1), v[0].transpose(0, 1), d.slot_mapping)
