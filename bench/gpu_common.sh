@@ -1,7 +1,8 @@
 # Shared by the one-session GPU scripts (gpu_serve.sh, gpu_train.sh): sourced, not run. Sets PY, gpu (a slug
 # of the GPU's name: h100, h200, a100, ...), name and log; sends all output to the log too; installs fivefold
 # if it is not importable; and gives step / pytest_step (each with its own time limit, so a failing or
-# timed-out step does not stop the next) and print_steps (how each ended).
+# timed-out step does not stop the next) and print_steps (how each ended). ONLY="NAME ..." runs just the
+# steps so named (a session's device time may not cover every step of both scripts).
 #
 #   gpu_setup LOG_PREFIX    # bench/results/<LOG_PREFIX>_<gpu>.log
 
@@ -38,6 +39,10 @@ names=() codes=() secs=()
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit (SIGTERM, then SIGKILL 10 s later), record how it ended
     local label=$1 limit=$2 start=$SECONDS rc
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $label "* ]]; then
+        echo "== $label: left out (not in ONLY=\"$ONLY\")"
+        return
+    fi
     echo
     echo "== $label (limit ${limit} s): $*"
     timeout -k 10 "$limit" "$@"

@@ -5,7 +5,8 @@
 # the output. bench/serve.py writes its JSON after each stage, so a run cut short keeps what it measured.
 #
 #   bash bench/gpu_serve.sh               # PYTHON=/path/to/python to choose the interpreter;
-#                                         # COPY_TO=DIR also copies the results and the log there
+#                                         # COPY_TO=DIR also copies the results and the log there;
+#                                         # BATCH_SIZES=256 times fewer transformers static batches
 #
 # Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json and gpu_serve_<gpu>.log, where
 # <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
@@ -26,7 +27,7 @@ pytest_step "cuda-tests" 45 tests/test_serve_fast_path.py
 # (b) the anchor workload: 256 requests, prompts and outputs uniform 100..1024, against transformers
 #     static batches of 256, 128 and 64; per-step times, batch-1 decode, and the profiled batch-256 decode step
 step "anchors" 255 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --profile \
-    --json "bench/results/serve_anchors_$gpu.json"
+    ${BATCH_SIZES:+--batch-sizes "$BATCH_SIZES"} --json "bench/results/serve_anchors_$gpu.json"
 # (c) the default workload (the CPU results' request set: 32 requests, log-uniform outputs 16..256)
 step "default" 90 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_default_$gpu.json"
