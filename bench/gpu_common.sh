@@ -21,12 +21,14 @@ gpu_setup() {
     exec > >(tee "$log") 2>&1
     echo "== bench/$1.sh on $(hostname) at $(date -u '+%Y-%m-%d %H:%M:%S') UTC; git $(git rev-parse --short HEAD 2>/dev/null)"
     nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null || echo "(no nvidia-smi)"
-    if ! "$PY" -c "import fivefold" >/dev/null 2>&1; then
+    # -P: `python -c` would find the source tree through the working directory where `python bench/x.py`
+    # does not (it puts bench/ on the path instead), and the benches would then fail to import fivefold.
+    if ! "$PY" -P -c "import fivefold" >/dev/null 2>&1; then
         echo "== installing fivefold: pip install -e . --no-deps"
         # No internet: the build backend must come from the environment (setuptools), not an isolated build.
         "$PY" -m pip install -q -e . --no-deps --no-build-isolation || "$PY" -m pip install -q -e . --no-deps
     fi
-    if ! "$PY" -c "import fivefold" >/dev/null 2>&1; then
+    if ! "$PY" -P -c "import fivefold" >/dev/null 2>&1; then
         echo "== fivefold is still not importable after pip: running from the source tree (PYTHONPATH=$PWD)"
         export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fi
