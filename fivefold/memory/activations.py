@@ -88,6 +88,9 @@ class Shapes:
     shared_f: int = 0
     ep: int = 1
     capacity: int = 0
+    # train.compile: each block saves what torch.compile's min-cut partitioning keeps (_compiled_block);
+    # set only for the blocks that replay models (fivefold.memory.plan.compiled_blocks_modelled).
+    compiled: bool = False
 
     @property
     def chunk(self) -> int:
@@ -646,7 +649,39 @@ def _all_to_all_dispatch(r: Replay, x: _Buf, A: float, d: Shapes) -> _Buf:
     return out
 
 
+def _compiled_block(r: Replay, x: _Buf, d: Shapes) -> _Buf:
+    """A dense block as torch.compile runs it. Its min-cut partitioner keeps the tensors that a matmul or
+    the attention kernel made and recomputes the pointwise rest (the norms' products, RoPE, SiLU, the
+    residual sums) in backward, from: the block input and each norm's rsqrt; the normed inputs of q/k/v
+    and of gate/up; roped q and k, and v; the attention output twice (SDPA's (b, heads, s, d) result and
+    o_proj's contiguous input) with its logsumexp; o_proj's output (the residual is recomputed from it);
+    gate, up and their product. Per token and block, p bytes an element: 4ph + 3pq + 2p kv + 4 heads + 8 +
+    3pf, where eager bf16 saves 8h + 4ph + 2pq + 2p kv + 4 heads + 8 + 4pf (the norms' fp32 inputs, SiLU's
+    output): 80.0 against 108.7 KB at Llama-3.2-1B's shape.
+    tests/test_memory_compiled.py checks the list against the partitioner (inductor's decompositions)."""
+    bs, bsh, bsq, bsf = d.b * d.s, d.p * d.bsh, d.p * d.b * d.s * d.q, d.p * d.b * d.s * d.f
+    r.mark("block")
+    r.save(x)
+    rsqrt, n = r.alloc(4 * bs), r.alloc(bsh)
+    q, k, v = r.alloc(bsq), r.alloc(d.p * bs * d.kv), r.alloc(d.p * bs * d.kv)
+    out, lse = r.alloc(bsq), r.alloc(4 * d.b * d.heads * d.s)
+    o_in, o = r.alloc(bsq), r.alloc(bsh)
+    r.save(rsqrt, n, q, k, v, out, lse, o_in, o)
+    r.mark("attention")
+    x2 = r.alloc(bsh)
+    rsqrt2, n2 = r.alloc(4 * bs), r.alloc(bsh)
+    gate, up, prod = r.alloc(bsf), r.alloc(bsf), r.alloc(bsf)
+    r.save(rsqrt2, n2, gate, up, prod)
+    m = r.alloc(bsh)
+    r.mark("mlp")
+    x3 = r.alloc(bsh)
+    r.free(m, x2, x)
+    return x3
+
+
 def _block(r: Replay, x: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
+    if d.compiled:
+        return _compiled_block(r, x, d)
     r.mark("block")
     n = _norm(r, x, d, grad_in)
     o = _attention(r, n, d, selective, grad_in)

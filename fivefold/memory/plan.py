@@ -70,6 +70,20 @@ def _weight_pass_bytes(d) -> int:
     return d.p * d.b * d.s * (inputs + grads)
 
 
+def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
+    """Whether the activations replay compiled blocks (activations._compiled_block): train.compile on
+    `device` with the blocks that list was checked for against torch.compile's partitioner: dense
+    RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, fp32 or
+    bf16-mixed, recompute none or full, no tensor, sequence or context parallelism, no LoRA, no document mask. Any other compiled run replays
+    the eager model's saved tensors (an upper bound: the partitioner saves no more than eager does)."""
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    return (t.compiled(device) and t.precision in ("fp32", "bf16-mixed") and t.recompute in ("none", "full")
+            and t.kernels == "torch"
+            and not m.num_experts and m.norm == "rmsnorm" and m.activation == "swiglu" and m.position == "rope"
+            and not m.document_mask and not scores_materialised(cfg, device) and par.tp == 1 and par.cp == 1
+            and not cfg.lora.r)
+
+
 def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
     m, t, par = cfg.model, cfg.train, cfg.parallel
     p = 2 if t.mixed else 4
@@ -92,7 +106,8 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   experts=m.num_experts, topk=m.experts_per_token if m.num_experts else 0,
                   expert_f=math.ceil(m.expert_size / tp) if m.num_experts else 0,
                   shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
-                  ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg))
+                  ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg),
+                  compiled=compiled_blocks_modelled(cfg, device))
 
 
 def _capacity(cfg: Config) -> int:
@@ -616,9 +631,12 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
         notes.append("gloo (CPU) copies a reduce-scatter's input or an all-gather's output on its own thread "
                      "while the collective runs: transient, up to one gradient bucket or gathered unit more, "
                      "not counted here (NCCL makes no such copy)")
-    if cfg.train.compiled(device):
+    if compiled_blocks_modelled(cfg, device):
+        notes.append(f"train.compile={cfg.train.compile}: the blocks save what torch.compile's min-cut partitioning "
+                     "keeps (checked against it on CPU); the embedding, head and loss run eagerly")
+    elif cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
-                     "less than eager; the activations here replay the eager model")
+                     "less than eager; for this model, precision or layout the activations here replay the eager model")
     if cfg.train.precision == "fp8":
         notes.append("fp8: model states and saved activations as bf16-mixed; each linear's float8 casts are "
                      "transient" + ("" if device != "cuda" else " (modelled for eager torch._scaled_mm, measured "
