@@ -249,6 +249,15 @@ def test_speed_model_runs_the_block_linears_at_the_fp8_peak():
     assert costs["fp8"].layer_matmuls() == pytest.approx(costs["bf16-mixed"].layer_matmuls() * ratio, rel=1e-12)
     assert costs["fp8"].attention() == costs["bf16-mixed"].attention()
     assert costs["fp8"].head() == costs["bf16-mixed"].head()
+    # The float8 casts, memory passes of 5 bytes an element (amax read, scaling read, float8 write): forward
+    # each linear's input and weight, backward its output gradient twice, the weight and the input again.
+    T, h, kv, f = 4096, 4096, 1024, 14336
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    bandwidth = h100.memory_bandwidth * h100.memory_efficiency
+    assert costs["fp8"].fp8_casts() == pytest.approx(
+        (sum(T * k + k * n for k, n in linears) * 5 / bandwidth,
+         sum(2 * T * n + k * n + T * k for k, n in linears) * 5 / bandwidth), rel=1e-12)
+    assert costs["bf16-mixed"].fp8_casts() == (0.0, 0.0)
     fast, slow = predict_step(cfg["fp8"], h100), predict_step(cfg["bf16-mixed"], h100)
     assert fast.step_time_s < slow.step_time_s and fast.peak_flops == slow.peak_flops  # MFU against bf16
     # No fp8 tensor cores: timed as bf16, and said so.

@@ -133,11 +133,12 @@ def recomputed_matmul_share(m: ModelConfig) -> float:
 class _Costs:
     """Seconds of one micro-batch's work on this hardware, by kind."""
 
-    def __init__(self, cfg: Config, hw: HardwareProfile, fused: bool):
+    def __init__(self, cfg: Config, hw: HardwareProfile, fused: bool, head_fused: bool | None = None):
         t, p = cfg.train, cfg.parallel
         dtype = "bf16" if t.mixed else "fp32"
         hw = hw.for_dtype(dtype)  # the matmul and attention figures measured in the dtype the step computes in
         self.cfg, self.hw, self.fused = cfg, hw, fused
+        self.head_fused = fused if head_fused is None else head_fused
         self.p = 2 if t.mixed else 4
         self.peak = hw.peak_flops(dtype)
         # fp8 (fivefold.train.fp8): the blocks' linears on the fp8 peak where the profile has one, else as
@@ -155,8 +156,8 @@ class _Costs:
         """A block's linear layer: float8 under train.precision=fp8."""
         return self.matmul(m, k, n, self.linear_peak)
 
-    def bytes(self, kind: str, elements: float) -> float:
-        act, fp32 = (FUSED if self.fused else UNFUSED)[kind]
+    def bytes(self, kind: str, elements: float, fused: bool | None = None) -> float:
+        act, fp32 = (FUSED if (self.fused if fused is None else fused) else UNFUSED)[kind]
         return elements * (act * self.p + fp32) / self.bandwidth
 
     def layer_matmuls(self) -> float:
@@ -169,13 +170,37 @@ class _Costs:
             per_expert = T * m.experts_per_token * ep / m.num_experts  # tokens each local expert gets
             experts = m.num_experts / ep
             out += self.matmul(T, h, m.num_experts)
-            out += experts * (self.linear(per_expert, h, 2 * m.expert_size / tp)
-                              + self.linear(per_expert, m.expert_size / tp, h))
+            # the routed experts' grouped matmuls stay bf16 under fp8 (fivefold.train.fp8)
+            out += experts * (self.matmul(per_expert, h, 2 * m.expert_size / tp)
+                              + self.matmul(per_expert, m.expert_size / tp, h))
             if m.shared_expert_size:
                 out += self.linear(T, h, 2 * m.shared_expert_size / tp) + self.linear(T, m.shared_expert_size / tp, h)
             return out
         up = 2 if m.activation == "swiglu" else 1
         return out + self.linear(T, h, up * m.ffn_hidden_size / tp) + self.linear(T, m.ffn_hidden_size / tp, h)
+
+    def fp8_casts(self) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's float8 casts under train.precision=fp8 (torchao's dynamic
+        tensorwise scaling, fivefold.train.fp8): each matmul of a float8 linear casts both its operands, each
+        cast an amax pass and a scaling pass (2p + 1 bytes an element: read twice, one float8 byte written).
+        Forward: the input and the weight; backward: the output gradient for each of its two products, the
+        weight again and the input again. q, k and v cast their shared input each; the routed experts of a
+        mixture stay bf16. On an H100 (Llama-3.2-3B shape, micro-batch 2: bench/results/train_throughput_3b_fp8_
+        h100.json) fp8 measured 201.7 ms a step against bf16's 215.3; without the casts the model said 158 (+28%
+        tokens/s), with them 195 (+3.5%): 34 ms of casts."""
+        m, tp, T = self.cfg.model, self.cfg.parallel.tp, self.tokens
+        if self.cfg.train.precision != "fp8" or self.linear_peak == self.peak:  # no fp8 tensor cores: as bf16
+            return 0.0, 0.0
+        h = m.hidden_size
+        shapes = [(h, m.q_size / tp), (h, m.kv_size / tp), (h, m.kv_size / tp), (m.q_size / tp, h)]
+        f = m.shared_expert_size if m.num_experts else m.ffn_hidden_size
+        if f:
+            up = 2 if m.activation == "swiglu" or m.num_experts else 1
+            shapes += [(h, f / tp)] * up + [(f / tp, h)]
+        forward = sum(T * k + k * n for k, n in shapes)
+        backward = sum(2 * T * n + k * n + T * k for k, n in shapes)
+        per_element = (2 * self.p + 1) / self.bandwidth
+        return forward * per_element, backward * per_element
 
     def recomputed_matmul_share(self) -> float:
         return recomputed_matmul_share(self.cfg.model)
@@ -216,7 +241,8 @@ class _Costs:
         m, p = self.cfg.model, self.cfg.parallel
         T = self.tokens
         matmul = self.matmul(T, m.hidden_size, m.vocab_size / p.tp)
-        loss = self.bytes("loss", T * m.vocab_size / p.tp) + self.bytes("norm", T * m.hidden_size)
+        loss = (self.bytes("loss", T * m.vocab_size / p.tp, self.head_fused)
+                + self.bytes("norm", T * m.hidden_size, self.head_fused))
         if self.cfg.train.loss_chunk:  # fused chunks: backward makes the logits again
             return matmul + loss / 3, 3 * matmul + 2 * loss / 3
         return matmul + loss / 3, 2 * matmul + 2 * loss / 3
@@ -265,10 +291,11 @@ def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict
                  split_w: bool) -> _Stage:
     t = cfg.train
     matmul, (attn_f, attn_b), elem = costs.layer_matmuls(), costs.attention(), costs.layer_elementwise()
+    cast_f, cast_b = costs.fp8_casts()
     ops = costs.ops(layers)
-    forward = layers * (matmul + attn_f + elem) + ops
+    forward = layers * (matmul + attn_f + elem + cast_f) + ops
     weight = layers * matmul if split_w else 0.0  # the weight gradients, a W pass of their own
-    backward = layers * (2 * matmul + attn_b + 2 * elem) + 2 * ops - weight
+    backward = layers * (2 * matmul + attn_b + 2 * elem + cast_b) + 2 * ops - weight
     recompute = 0.0
     if t.recompute == "full":
         recompute = forward
@@ -357,12 +384,16 @@ def _last_bucket(cfg: Config, c: Collective) -> float:
 def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = None,
                  at_least: float = 0.0) -> SpeedPlan | None:
     """Step time, throughput, MFU and the breakdown of training `cfg` on `profile` devices. `fused`:
-    assume fused elementwise kernels (default: whether train.compile compiles on the profile's device).
+    assume fused elementwise kernels everywhere, as published frameworks' fused kernels give (default:
+    fivefold's own, where train.compile compiles the blocks on the profile's device and the final norm, LM
+    head and loss run eagerly: on an H100 their unfused traffic is 7 ms of a 1B step at micro-batch 4, and
+    5.5 of the 8.3 ms by which smollm2-135m's measured 83 ms step exceeded the all-fused prediction)
     `at_least` (tokens/s per device): None when even a pipeline without bubble would not reach it (the
     search skips the simulation)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    fused = t.compiled(profile.device) if fused is None else fused
-    costs = _Costs(cfg, profile, fused)
+    own = fused is None
+    fused = t.compiled(profile.device) if own else fused
+    costs = _Costs(cfg, profile, fused, head_fused=False if own else fused)
     v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
     parts = formulas.partition(m.num_layers, p.pp * v, p.pp_layers)
     split_w = p.pp_schedule == "zero-bubble" and p.pp > 1
@@ -424,8 +455,8 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     if not profile.intra_node_bandwidth and p.world_size > 1:
         notes.append(f"profile {profile.name!r} has no link figures: communication is not timed")
     if t.precision == "fp8":
-        notes.append("fp8: the blocks' linears at the fp8 peak, their float8 casts not timed; MFU against the "
-                     "bf16 peak" if profile.flops.get("fp8") else
+        notes.append("fp8: the blocks' linears at the fp8 peak, their float8 casts as memory passes; MFU against "
+                     "the bf16 peak" if profile.flops.get("fp8") else
                      f"fp8: profile {profile.name!r} has no fp8 matmul figure (no fp8 tensor cores): the linears "
                      f"are timed as bf16")
     return SpeedPlan(step_time_s=step, tokens_per_step=tokens, world=p.world_size,
