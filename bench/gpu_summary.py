@@ -30,16 +30,17 @@ def serve_lines(d: dict) -> list[str]:
     if "fivefold" in decode and "bandwidth_roofline_fraction" in decode["fivefold"]:
         out.append(f"batch-1 decode {decode['fivefold']['best']:.0f} tok/s = "
                    f"{100 * decode['fivefold']['bandwidth_roofline_fraction']:.0f}% of the memory-bandwidth roofline")
-    profile = d.get("profile") or {}
-    if profile.get("wall_over_kernel"):
-        m = profile["median"]
-        out.append(f"decode step at batch {profile['batch']}: wall / kernel time "
-                   f"{profile['wall_over_kernel']:.2f} "
-                   f"({1e3 * profile['step_wall_s']:.2f} / {1e3 * m['kernel_s']:.2f} ms); per step "
-                   f"{m['kernel_launches']:g} launches, {m['graph_launches']:g} graph launches, {m['copies']:g} copies, "
-                   f"{m['syncs']:g} syncs")
-    elif profile.get("failed"):
-        out.append(f"profile failed: {profile['failed']}")
+    for key in ("profile", "profile_batch1"):
+        profile = d.get(key) or {}
+        if profile.get("wall_over_kernel"):
+            m = profile["median"]
+            out.append(f"decode step at batch {profile['batch']}: wall / kernel time "
+                       f"{profile['wall_over_kernel']:.2f} "
+                       f"({1e3 * profile['step_wall_s']:.2f} / {1e3 * m['kernel_s']:.2f} ms); per step "
+                       f"{m['kernel_launches']:g} launches, {m['graph_launches']:g} graph launches, "
+                       f"{m['copies']:g} copies, {m['syncs']:g} syncs")
+        elif profile.get("failed"):
+            out.append(f"{key.replace('_', ' ')} failed: {profile['failed']}")
     for key, t in (d.get("targets") or {}).items():
         shown = "not measured" if t["met"] is None else ("met" if t["met"] else "NOT met")
         value = "-" if t["value"] is None else f"{t['value']:,.2f}"

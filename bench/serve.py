@@ -679,15 +679,17 @@ def fill_for_decode(model, args, requests: list[Request], count: int):
     return llm
 
 
-def profile_decode_cuda(model, args, requests: list[Request], steps: int = 5, rows: int = 15) -> dict:
-    """A full batch (--max-num-seqs requests, all decoding) on the GPU: `steps` decode steps timed as the
+def profile_decode_cuda(model, args, requests: list[Request], steps: int = 5, rows: int = 15,
+                        count: int = 0) -> dict:
+    """A full batch (--max-num-seqs requests, all decoding; `count` requests if given) on the GPU: `steps`
+    decode steps timed as the
     engine runs them (their mean is the step's wall), then `steps` more each under its own torch.profiler
     (CPU + CUDA activities): kernel launches (graph launches apart), host<->device copies, synchronizations,
     GPU kernel time. wall / kernel time is the GPU target (<= 1.3): what the host adds on top of the
     kernels. Then one step under cProfile, for where the host's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    llm = fill_for_decode(model, args, requests, args.max_num_seqs)
+    llm = fill_for_decode(model, args, requests, count or args.max_num_seqs)
     engine = llm.engine
     for _ in range(3):  # warm decode steps: allocator, kernel choice, graphs
         engine.step()
@@ -806,7 +808,7 @@ def print_steps(steps: dict) -> None:
           f"{steps['steps_over_3x_median']} steps above 3x")
 
 
-def print_cuda_profile(profile: dict) -> None:
+def print_cuda_profile(profile: dict, kernels: bool = True) -> None:
     m = profile["median"]
     print(f"\nfivefold decode step at batch {profile['batch']} (context mean {profile['context_mean']:.0f}, longest "
           f"{profile['context_max']} tokens): {1e3 * profile['step_wall_s']:.2f} ms wall (mean of "
@@ -825,8 +827,9 @@ def print_cuda_profile(profile: dict) -> None:
         calls.update(p["runtime_calls"])
     n = len(profile["per_step"])
     print("  runtime calls per step: " + ", ".join(f"{k} {v / n:g}" for k, v in calls.most_common()))
-    print(profile["kernels_table"])
-    print(profile["python"])
+    if kernels:
+        print(profile["kernels_table"])
+        print(profile["python"])
 
 
 def print_targets(out: dict, args) -> dict:
@@ -956,6 +959,16 @@ def main(argv=None) -> dict:
                 print(f"PROFILE FAILED ({type(e).__name__}: {e}); going on without it", flush=True)
                 profile = {"failed": f"{type(e).__name__}: {e}"}
             out["profile"] = profile
+            # Batch 1 too: whether a single request's token waits on the host or on the kernels (the batch-1
+            # roofline target), in a few more steps.
+            gc.collect()
+            torch.cuda.empty_cache()  # the batch-256 engine's KV pool
+            try:
+                out["profile_batch1"] = profile_decode_cuda(model, args, requests, count=1)
+                print_cuda_profile(out["profile_batch1"], kernels=False)
+            except Exception as e:
+                print(f"BATCH-1 PROFILE FAILED ({type(e).__name__}: {e}); going on without it", flush=True)
+                out["profile_batch1"] = {"failed": f"{type(e).__name__}: {e}"}
             write_json(args.json, out, "profile")
             gc.collect()
             torch.cuda.empty_cache()  # the profiled engine's KV pool, before transformers' caches

@@ -131,6 +131,15 @@ def test_the_gpu_scripts_parse_and_the_serving_summary_reads_a_real_result(bench
     out = capsys.readouterr().out
     assert "fivefold / transformers best: " in out and "batch-1 decode " in out
     assert "not_there.json: not written" in out
+    # The stored H100 results (the serving anchors, the training rows with the planner's errors).
+    gpu_summary.main(["serve", str(ROOT / "bench/results/serve_anchors_h100.json")])
+    out = capsys.readouterr().out
+    assert "fivefold / transformers best: 31.16x" in out and "batch-1 decode 659 tok/s = 49%" in out
+    assert "decode step at batch 256: wall / kernel time 1.16" in out
+    assert "target batch1_hbm_roofline_fraction >= 0.5: 0.49 NOT met" in out
+    gpu_summary.main(["train", str(ROOT / "bench/results/train_throughput_3b_fp8_h100.json")])
+    out = capsys.readouterr().out
+    assert "fp8 ours+compile (micro-batch 2 x 1, recompute none): 20,306 tok/s, MFU 43.9%, 1.07x our bf16" in out
 
 
 def test_hf_accumulates_like_ours(bench, data_cache, tmp_path, monkeypatch):
