@@ -73,12 +73,12 @@ def _weight_pass_bytes(d) -> int:
 def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
     """Whether the activations replay compiled blocks (activations._compiled_block): train.compile on
     `device` with the blocks that list was checked for against torch.compile's partitioner: dense
-    RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, fp32 or
-    bf16-mixed, recompute none or full, no tensor, sequence or context parallelism, no LoRA, no document mask. Any other compiled run replays
-    the eager model's saved tensors (an upper bound: the partitioner saves no more than eager does)."""
+    RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, in any
+    precision (fp8: torchao's float8 linears), recompute none or full, no tensor, sequence or context
+    parallelism, no LoRA, no document mask. Any other compiled run replays the eager model's saved
+    tensors (an upper bound: the partitioner saves no more than eager does)."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    return (t.compiled(device) and t.precision in ("fp32", "bf16-mixed") and t.recompute in ("none", "full")
-            and t.kernels == "torch"
+    return (t.compiled(device) and t.recompute in ("none", "full") and t.kernels == "torch"
             and not m.num_experts and m.norm == "rmsnorm" and m.activation == "swiglu" and m.position == "rope"
             and not m.document_mask and not scores_materialised(cfg, device) and par.tp == 1 and par.cp == 1
             and not cfg.lora.r)
