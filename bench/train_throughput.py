@@ -206,7 +206,7 @@ def print_predictions(results: list[dict], planner: dict, device: str) -> None:
               "memory; planned: fivefold.memory.plan.plan_memory's total")
         if any(r["compiled"] for r in results):
             print("note: compiled rows: the plan's blocks save what torch.compile's min-cut partitioning keeps "
-                  "(bf16-mixed and fp32); fp8 and other runs replay the eager model's saved tensors, an upper bound")
+                  "(its notes say where it replays the eager blocks instead, an upper bound)")
     else:
         print(f"peak memory: not compared on {device} (no CUDA allocator statistic; `fivefold memory` measures a "
               f"CPU run's by category)")
