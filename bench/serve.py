@@ -682,8 +682,8 @@ def fill_for_decode(model, args, requests: list[Request], count: int):
 def profile_decode_cuda(model, args, requests: list[Request], steps: int = 5, rows: int = 15,
                         count: int = 0) -> dict:
     """A full batch (--max-num-seqs requests, all decoding; `count` requests if given) on the GPU: `steps`
-    decode steps timed as the
-    engine runs them (their mean is the step's wall), then `steps` more each under its own torch.profiler
+    decode steps timed as the engine runs them (their mean is the step's wall), then `steps` more each under
+    its own torch.profiler
     (CPU + CUDA activities): kernel launches (graph launches apart), host<->device copies, synchronizations,
     GPU kernel time. wall / kernel time is the GPU target (<= 1.3): what the host adds on top of the
     kernels. Then one step under cProfile, for where the host's time goes."""

@@ -108,7 +108,7 @@ def test_compiled_plan_is_below_eager_and_says_so():
 
 
 @pytest.mark.parametrize("change", [
-    dict(train=dict(recompute="ops")), dict(train=dict(recompute="selective")), dict(parallel=dict(tp=2)),
+    dict(train=dict(recompute="full")), dict(train=dict(recompute="selective")), dict(parallel=dict(tp=2)),
     dict(model=dict(activation="gelu", norm="layernorm", position="learned")), dict(lora=dict(r=8)),
     dict(train=dict(kernels="triton")),
 ])

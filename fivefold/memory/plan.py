@@ -74,11 +74,12 @@ def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
     """Whether the activations replay compiled blocks (activations._compiled_block): train.compile on
     `device` with the blocks that list was checked for against torch.compile's partitioner: dense
     RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, in any
-    precision (fp8: torchao's float8 linears), recompute none or full, no tensor, sequence or context
+    precision (fp8: torchao's float8 linears), no recomputation, no tensor, sequence or context
     parallelism, no LoRA, no document mask. Any other compiled run replays the eager model's saved
-    tensors (an upper bound: the partitioner saves no more than eager does)."""
+    tensors (an upper bound: the partitioner saves no more than eager does; under full recomputation a
+    block saves only its input either way, and what its recomputation holds is eager's in the plan)."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    return (t.compiled(device) and t.recompute in ("none", "full") and t.kernels == "torch"
+    return (t.compiled(device) and t.recompute == "none" and t.kernels == "torch"
             and not m.num_experts and m.norm == "rmsnorm" and m.activation == "swiglu" and m.position == "rope"
             and not m.document_mask and not scores_materialised(cfg, device) and par.tp == 1 and par.cp == 1
             and not cfg.lora.r)
@@ -637,7 +638,10 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
     elif cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; for this model, precision or layout the activations here replay the eager model")
-    if cfg.train.precision == "fp8":
+    if cfg.train.precision == "fp8" and compiled_blocks_modelled(cfg, device):
+        notes.append("fp8: model states as bf16-mixed; the compiled blocks save less than bf16-mixed's (each float8 "
+                     "linear's bf16 input is recomputed in backward)")
+    elif cfg.train.precision == "fp8":
         notes.append("fp8: model states and saved activations as bf16-mixed; each linear's float8 casts are "
                      "transient" + ("" if device != "cuda" else " (modelled for eager torch._scaled_mm, measured "
                                     "only in CPU emulation)"))
