@@ -153,3 +153,37 @@ def test_hf_accumulates_like_ours(bench, data_cache, tmp_path, monkeypatch):
     check = json.loads(out.read_text())["first_step_loss_fp32"]
     assert check["loss_rel_diff"] < 1e-4 and check["grad_norm_rel_diff"] < 1e-5
     assert check["loss_ours"] > 5.0  # ~ln(512) at init: the three micro-batches' mean, not one of them / 3
+
+
+H100_ROWS = ["1b", "1b_fit", "3b_fp8", "135m"]
+
+
+def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
+    """Issue 32's check of the planner against fivefold's own GPU runs, on the rows one H100 measured
+    (bench/results/train_throughput_*_h100.json), each row's Config rebuilt as the bench built it: the
+    step-time model within 10% of the measured median step's tokens/s, the memory plan within 3% of
+    torch.cuda.max_memory_allocated (within 0.5% on the eager 1B row and the fp8 row)."""
+    from fivefold.memory.plan import plan_memory
+    from fivefold.planner.hardware import load_profile
+    from fivefold.planner.speed import predict_step
+
+    profile = load_profile("h100-sxm")
+    rows = 0
+    for tag in H100_ROWS:
+        d = json.loads((ROOT / f"bench/results/train_throughput_{tag}_h100.json").read_text())
+        assert d["planner"]["profile"] == "h100-sxm" and "H100" in d["machine"]["gpu"]
+        args = bench.parse_args(["--device", "cuda", "--preset", d["settings"]["preset"],
+                                 "--seq-len", str(d["settings"]["seq_len"])])
+        for r in d["results"]:
+            if r["impl"] != "ours":
+                continue
+            cfg = bench.make_config(args, r["precision"], r["compiled"], 1.0, str(tmp_path), batch=r["micro_batch_size"])
+            cfg.train.grad_accum, cfg.train.recompute = r["grad_accum"], r["recompute"]
+            speed = predict_step(cfg, profile)
+            assert speed.tokens_per_s_per_gpu / r["tokens_per_s"] - 1 == pytest.approx(0, abs=0.10), (tag, r["precision"])
+            planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
+            exact = not r["compiled"] or r["precision"] == "fp8"
+            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005 if exact else 0.03), \
+                (tag, r["precision"], r["compiled"])
+            rows += 1
+    assert rows == 6
