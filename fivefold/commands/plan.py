@@ -12,7 +12,8 @@ from fivefold.commands import plan_fit, plan_serve, plan_speed
 from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
 from fivefold.commands.plan_fit import run_fit
 from fivefold.config import ConfigError
-from fivefold.memory.plan import model_name, plan_memory, recompute_sweep, scores_materialised, sweep
+from fivefold.memory.plan import (RECOMPUTE_SWEEP_NOTE, model_name, plan_memory, recompute_sweep,
+                                  scores_materialised, sweep)
 from fivefold.memory.plots import plot_recompute_sweep, plot_sweep, plot_timeline
 from fivefold.memory.tracker import measure_memory, random_datasets
 from fivefold.memory.units import human_bytes, parse_bytes
@@ -125,13 +126,16 @@ def _sweep_values(cfg, key: str) -> list[int]:
 def _run_recompute_sweep(args, cfg) -> int:
     every = [int(v) for v in args.values.split(",")] if args.values else None
     rows = recompute_sweep(cfg, device=args.device, every=every)
+    note = RECOMPUTE_SWEEP_NOTE if cfg.train.compiled(args.device) else ""
     if args.json:
-        print(json.dumps({"key": "recompute", "rows": rows}, indent=2))
+        print(json.dumps({"key": "recompute", "rows": rows, **({"note": note} if note else {})}, indent=2))
     else:
         print(f"{'recompute':>12s} {'layers':>7s} {'activations':>12s} {'total':>12s} {'extra compute':>14s}")
         for r in rows:
             print(f"{r['recompute']:>12s} {r['recomputed_layers']:>7d} {human_bytes(r['activations']):>12s} "
                   f"{human_bytes(r['total']):>12s} {100 * r['extra_compute']:>13.1f}%")
+        if note:
+            print(f"note: {note}")
     if args.png:
         title = (f"{model_name(cfg)}: activation memory per rank vs recomputation\n{cfg.train.precision}, "
                  f"seq {cfg.train.seq_len}, micro-batch {cfg.train.micro_batch_size}, tp={cfg.parallel.tp}, "

@@ -772,12 +772,19 @@ def sweep(cfg: Config, key: str, values: list[int], device: str = "cuda") -> dic
     return out
 
 
+RECOMPUTE_SWEEP_NOTE = ("the rows replay eager blocks; under train.compile the blocks without recomputation save "
+                        "less (the plan without --sweep shows it)")
+
+
 def recompute_sweep(cfg: Config, device: str = "cuda", every: list[int] | None = None) -> list[dict]:
     """Activation memory against the compute recomputation adds: no recomputation, full recomputation of
     every k-th layer (train.recompute_layers="every:k") for k from the layer count down to 1, and selective.
     `extra_compute`: the recomputed forward FLOPs as a fraction of the step's (formulas.flops_per_token).
     Each recomputed layer gives back its saved activations but its input for one more forward, so memory
-    falls and compute grows linearly in the recomputed layers."""
+    falls and compute grows linearly in the recomputed layers. Every row replays eager blocks: compiled
+    ones are modelled without recomputation only (compiled_blocks_modelled), and a sweep must compare like
+    with like (RECOMPUTE_SWEEP_NOTE)."""
+    cfg = _with(cfg, {"train.compile": "false"})
     m, seq = cfg.model, cfg.train.seq_len
     n = m.num_layers
     step = formulas.flops_per_token(m, seq)
