@@ -37,10 +37,11 @@ gpu_setup() {
               f'cuda available: {torch.cuda.is_available()}')"
 }
 
-names=() codes=() secs=()
+names=() codes=() secs=() known=()
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit (SIGTERM, then SIGKILL 10 s later), record how it ended
     local label=$1 limit=$2 start=$SECONDS rc
     shift 2
+    known+=("$label")
     if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $label "* ]]; then
         echo "== $label: left out (not in ONLY=\"$ONLY\")"
         return
@@ -75,6 +76,10 @@ pytest_step() {  # pytest_step NAME LIMIT_S FILE_OR_NODE...: the files this chec
 print_steps() {
     echo
     echo "== summary: $name ($gpu), $SECONDS s in all"
+    local word
+    for word in ${ONLY:-}; do  # a mistyped name would otherwise leave every step out without a word
+        [[ " ${known[*]} " == *" $word "* ]] || echo "  ONLY names '$word', which is no step here (steps: ${known[*]})"
+    done
     local i how
     for i in "${!names[@]}"; do
         case ${codes[$i]} in

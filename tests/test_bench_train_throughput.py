@@ -126,6 +126,12 @@ def test_the_gpu_scripts_parse_and_the_serving_summary_reads_a_real_result(bench
 
     for script in ("gpu_common.sh", "gpu_serve.sh", "gpu_train.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], check=True)
+    # ONLY runs the named steps, leaves the others out, and names a word that is no step.
+    run = subprocess.run(["bash", "-c", 'source bench/gpu_common.sh; name=check gpu=cpu; ONLY="b typo"; '
+                          'step a 5 echo ran-a; step b 5 echo ran-b; print_steps'],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "ran-b" in run.stdout and "ran-a" not in run.stdout and '== a: left out (not in ONLY="b typo")' in run.stdout
+    assert "ONLY names 'typo', which is no step here (steps: a b)" in run.stdout
     path = ROOT / "bench/results/serve_default.json"  # bench/serve.py on this CPU
     gpu_summary.main(["serve", str(path), str(ROOT / "bench/results/not_there.json")])
     out = capsys.readouterr().out
