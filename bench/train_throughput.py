@@ -173,6 +173,7 @@ def add_predictions(results: list[dict], configs: dict, profile, device: str) ->
         cfg = configs[r["precision"], r["compiled"]]
         speed = predict_step(cfg, profile)
         predicted = speed.tokens_per_s_per_gpu * speed.world
+        r["loss_compiled"] = cfg.compiled_loss(device)  # the final norm and the loss too (train.compile=true)
         r.update(predicted_tokens_per_s=predicted, predicted_step_s=speed.step_time_s, predicted_mfu=speed.mfu,
                  predicted_error=predicted / r["tokens_per_s"] - 1,
                  predicted_error_best=predicted / r["best_tokens_per_s"] - 1, predicted_notes=speed.notes)

@@ -124,9 +124,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     optimizer_impl: Literal["foreach", "fused"] = "fused"  # fused: one kernel, no per-group temporaries
-    # torch.compile each block: "auto" = on CUDA (compiled graphs, fused kernels), off elsewhere (a CPU
-    # gains little and pays the compile time). Every layout compiles.
-    compile: Literal["auto", "true", "false"] = "auto"
+    # torch.compile each block, and the final norm and the loss: "auto" = on CUDA (compiled graphs, fused
+    # kernels), off elsewhere (a CPU gains little and pays the compile time); "blocks": the blocks only, the
+    # final norm and the loss eager (Config.compiled_loss says where the loss compiles). Every layout compiles.
+    compile: Literal["auto", "true", "blocks", "false"] = "auto"
     # "triton": RMSNorm, the SwiGLU product and RoPE as fused Triton kernels (fivefold.kernels: a CUDA GPU, or
     # TRITON_INTERPRET=1 for tests); "torch": the model's plain PyTorch ops. bench/kernels.py says where it pays.
     kernels: Literal["torch", "triton"] = "torch"
@@ -154,7 +155,7 @@ class TrainConfig:
 
     def compiled(self, device: str) -> bool:
         """Whether blocks are compiled on `device` ("cuda", "cpu") under train.compile."""
-        return self.compile == "true" or (self.compile == "auto" and device == "cuda")
+        return self.compile in ("true", "blocks") or (self.compile == "auto" and device == "cuda")
 
 
 @dataclass
@@ -266,6 +267,15 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def compiled_loss(self, device: str) -> bool:
+        """Whether the final norm and the cross-entropy are compiled on `device` beside the blocks: the
+        plain loss only (the chunked loss and the vocabulary-parallel one of tp > 1 run their own loops and
+        collectives eagerly). Compiled, the loss keeps the logits in the compute dtype and two fp32 figures
+        a row for backward where eager keeps fp32 log-probabilities, and runs as a few fused kernels."""
+        t = self.train
+        return (t.compile == "true" or (t.compile == "auto" and device == "cuda")) and not t.loss_chunk \
+            and self.parallel.tp == 1
 
     @property
     def global_batch_sequences(self) -> int:

@@ -67,6 +67,6 @@ def test_compiled_layout_matches_one_eager_process(runs, name):
 def test_compile_defaults_to_cuda_only():
     cfg = load_config(preset="tiny")
     assert cfg.train.compile == "auto" and cfg.train.compiled("cuda") and not cfg.train.compiled("cpu")
-    for value, expected in (("true", True), ("false", False), (True, True)):
+    for value, expected in (("true", True), ("blocks", True), ("false", False), (True, True)):
         cfg = load_config(preset="tiny", overrides=[f"train.compile={value}"])
         assert cfg.train.compiled("cpu") is expected

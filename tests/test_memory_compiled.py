@@ -72,6 +72,32 @@ def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int
     return sum(saved)
 
 
+def graph_saved_bytes(fn, *args, keep=lambda value: True) -> int:
+    """Bytes the forward graph of torch.compile(fn) saves for backward under the min-cut partitioner (as
+    in partitioner_saved_bytes): its outputs after the first, 0-dim tensors and the inputs `keep` refuses
+    left out."""
+    saved = []
+
+    def forward_compiler(gm, _inputs):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        for node in output.args[0][1:]:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor) and value.dim() and (node.op != "placeholder" or keep(value)):
+                saved.append(value.numel() * value.element_size())
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm),
+                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, backend=backend, dynamic=False)(*args)
+        out.float().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert saved, "the forward compiler was not called"
+    return sum(saved)
+
+
 def planned_block_bytes(model: ModelConfig, precision: str, b: int, s: int) -> float:
     cfg = Config(model=model, train=TrainConfig(precision=precision, compile="true", micro_batch_size=b, seq_len=s))
     d = activation_shapes(cfg, "cpu")
@@ -91,10 +117,16 @@ def test_compiled_block_saves_what_the_partitioner_keeps(shape, precision, dtype
 
 def test_compiled_plan_is_below_eager_and_says_so():
     """At Llama-3.2-1B's shape the partitioner saves 80,008 bytes a token and block where eager saves
-    108,680; the plan's note says which replay it used."""
+    108,680; compiling the loss too frees 8 bytes a logit at the start of backward (eager: fp32
+    log-probabilities and two fp32 gradients; compiled: the bf16 logits and their gradient). The plan's note
+    says which replay it used."""
     base = Config(model=get_preset("llama3.2-1b"),
                   train=TrainConfig(precision="bf16-mixed", micro_batch_size=4, seq_len=2048, compile="false"))
-    compiled = dataclasses.replace(base, train=dataclasses.replace(base.train, compile="auto"))
+    compiled = dataclasses.replace(base, train=dataclasses.replace(base.train, compile="blocks"))
+    with_loss = dataclasses.replace(base, train=dataclasses.replace(base.train, compile="auto"))
+    logits = 4 * 2048 * base.model.vocab_size
+    freed = plan_memory(compiled, device="cuda").memory["total"] - plan_memory(with_loss, device="cuda").memory["total"]
+    assert freed == pytest.approx(8 * logits, rel=0.01)
     eager_plan, compiled_plan = plan_memory(base, device="cuda"), plan_memory(compiled, device="cuda")
     per_token = {}
     for name, cfg in (("eager", base), ("compiled", compiled)):
@@ -121,3 +153,49 @@ def test_other_compiled_runs_replay_the_eager_blocks(change):
         cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **fields)})
     assert not compiled_blocks_modelled(cfg, "cuda")
     assert any("replay the eager model" in n for n in plan_memory(cfg, device="cuda").notes)
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("precision,dtype", [("bf16-mixed", torch.bfloat16), ("fp32", torch.float32)])
+def test_compiled_head_saves_what_the_partitioner_keeps(norm, precision, dtype):
+    """train.compile=true compiles the final norm and the loss (Config.compiled_loss), the LM head's
+    product eager between them: the plan's head keeps what the two graphs' partitioner keeps (the norm's
+    input and rsqrt or statistics; the logits as they are and two fp32 figures a row) plus the product's
+    input. Eager keeps fp32 log-probabilities (4 bytes a logit) and the norm's fp32 input and output."""
+    from fivefold.train.loss import cross_entropy_sum
+
+    model = dataclasses.replace(model_config("gqa"), norm=norm, vocab_size=1000)
+    b, s = 2, 32
+    torch.manual_seed(0)
+    net = Transformer(model).to(dtype)
+    x = torch.randn(b, s, model.hidden_size, dtype=dtype, requires_grad=True)
+    norm_saved = graph_saved_bytes(type(net.norm).forward, net.norm, x,
+                                   keep=lambda v: tuple(v.shape) == (b, s, model.hidden_size))
+    logits = torch.randn(b, s, model.vocab_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, model.vocab_size, (b, s))
+    labels[0, :5] = -100
+    loss_saved = graph_saved_bytes(cross_entropy_sum, logits, labels, keep=lambda v: v.is_floating_point())
+    head_input = b * s * model.hidden_size * dtype.itemsize  # the eager product saves its input
+    planned = {}
+    for compile in ("true", "blocks"):
+        cfg = Config(model=model, train=TrainConfig(precision=precision, compile=compile, micro_batch_size=b,
+                                                    seq_len=s))
+        d = activation_shapes(cfg, "cpu")  # a LayerNorm's statistics in the input dtype, as traced here
+        assert d.compiled_loss is (compile == "true")
+        planned[compile] = replay_forward(d, 1).saved_bytes - replay_forward(d, 1, head=False).saved_bytes
+    assert planned["true"] == norm_saved + loss_saved + head_input
+    if dtype == torch.bfloat16:  # in fp32 both keep 4 bytes a logit (the compiled loss 8 more a row)
+        assert planned["true"] < planned["blocks"]
+
+
+@pytest.mark.parametrize("change", [dict(train=dict(compile="blocks")), dict(train=dict(loss_chunk=64)),
+                                    dict(parallel=dict(tp=2)), dict(train=dict(compile="false"))])
+def test_the_loss_compiles_only_where_config_says(change):
+    """Config.compiled_loss, which the trainer and the plan both read: train.compile=true (auto on CUDA),
+    the plain loss, no vocabulary-parallel loss."""
+    cfg = Config(model=get_preset("llama3.2-1b"), train=TrainConfig(precision="bf16-mixed", compile="auto"),
+                 parallel=ParallelConfig())
+    assert cfg.compiled_loss("cuda") and not cfg.compiled_loss("cpu")
+    for part, fields in change.items():
+        cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **fields)})
+    assert not cfg.compiled_loss("cuda")

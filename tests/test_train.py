@@ -156,11 +156,22 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tiny_config):
         by_id[id(p)] for p in rest["params"]}
 
 
-def test_compiled_blocks_give_the_same_losses(tiny_config):
-    """train.compile=true (torch.compile per block) trains to the same losses as eager PyTorch."""
-    eager = Trainer(tiny_config(**{"train.steps": 2}), quiet=True).fit()
-    compiled = Trainer(tiny_config(**{"train.steps": 2, "train.compile": True}), quiet=True).fit()
-    torch.testing.assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager], rtol=1e-5, atol=0)
+def test_compiled_blocks_and_loss_give_the_same_steps(tiny_config):
+    """train.compile=true (torch.compile per block, the final norm and the loss) and =blocks (the blocks
+    only) train to the same losses and gradient norms as eager PyTorch; dynamo's count of graphs says the
+    norm and the loss were compiled (one graph each) under true and not under blocks."""
+    from torch._dynamo.utils import counters
+
+    eager = Trainer(tiny_config(**{"train.steps": 3}), quiet=True).fit()
+    graphs = {}
+    for compile in ("blocks", "true"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = Trainer(tiny_config(**{"train.steps": 3, "train.compile": compile}), quiet=True).fit()
+        graphs[compile] = counters["stats"]["unique_graphs"]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close([r[key] for r in compiled], [r[key] for r in eager], rtol=1e-5, atol=0)
+    assert graphs["blocks"] >= 1 and graphs["true"] >= graphs["blocks"] + 2, graphs
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])

@@ -91,6 +91,8 @@ class Shapes:
     # train.compile: each block saves what torch.compile's min-cut partitioning keeps (_compiled_block);
     # set only for the blocks that replay models (fivefold.memory.plan.compiled_blocks_modelled).
     compiled: bool = False
+    # Config.compiled_loss: the final norm and the cross-entropy compiled (_compiled_head).
+    compiled_loss: bool = False
 
     @property
     def chunk(self) -> int:
@@ -799,6 +801,9 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
         n = _norm(r, x, d)
         r.free(x, positions, *rope, *r.shared_mask)
         _chunked_head(r, n, d)
+    elif head and d.compiled_loss:
+        _compiled_head(r, x, d)
+        r.free(positions, *rope, *r.shared_mask)
     elif head:
         n = _norm(r, x, d)
         logits = r.alloc(d.p * d.b * d.s * d.vocab)
@@ -812,6 +817,28 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
     else:
         r.free(positions, *rope, *r.shared_mask)
     return r
+
+
+def _compiled_head(r: Replay, x: _Buf, d: Shapes) -> None:
+    """The final norm and the loss compiled (Config.compiled_loss), the LM head's product between them
+    eager. torch.compile's partitioner keeps an RMSNorm's input and its rsqrt (4 bytes a row; a LayerNorm
+    keeps what eager's does), and the cross-entropy's logits as they came, in the compute dtype, with two
+    fp32 figures a row (the row's max and log-sum-exp) where eager keeps fp32 log-probabilities; no
+    (tokens x vocabulary) temporary is made beside the logits. tests/test_memory_compiled.py checks both
+    against the partitioner."""
+    if d.rms:
+        r.save(x)
+        rsqrt = r.alloc(4 * d.bs)
+        r.save(rsqrt)
+        n = r.alloc(d.p * d.bsh)
+    else:
+        n = _norm(r, x, d)
+    logits = r.alloc(d.p * d.b * d.s * d.vocab)
+    if not d.adapters:  # the LM head's input, for its weight's gradient
+        r.save(n)
+    r.free(n, x)
+    stats = r.alloc(8 * d.b * d.s)
+    r.save(logits, stats)
 
 
 def _chunked_head(r: Replay, n: _Buf, d: Shapes) -> None:
@@ -837,12 +864,16 @@ def _chunked_head(r: Replay, n: _Buf, d: Shapes) -> None:
 
 def loss_backward_bytes(d: Shapes, head_grad: float = 0.0) -> float:
     """Temporaries at the start of backward, beside the saved log-probabilities: the gradient of the
-    log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each.
+    log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each;
+    compiled (Config.compiled_loss), the logits' gradient in the compute dtype, beside the saved logits.
     The fused chunked loss instead makes the input gradient (p b s h, on the gathered sequence under
     SP, which is gathered again too) and the head's weight gradient (`head_grad` bytes) chunk by chunk:
     one chunk's fp32 softmax and its gradient in the compute dtype beside them. The vocabulary-parallel
     loss (fivefold.parallel.tensor_parallel) turns its saved softmax into the logits' gradient in place:
     only the cast back to the compute dtype is new."""
+    if d.compiled_loss:  # one fused kernel turns the saved logits into their gradient; the head's product
+        # then frees them and makes its input's and weight's gradients beside that gradient
+        return max(d.p * d.b * d.s * d.vocab, d.p * d.bsh + head_grad)
     if not d.loss_chunk:
         if d.vocab_parallel:
             return d.p * d.b * d.s * d.vocab if d.p != 4 else 0.0

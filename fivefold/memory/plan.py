@@ -108,7 +108,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   expert_f=math.ceil(m.expert_size / tp) if m.num_experts else 0,
                   shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
                   ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg),
-                  compiled=compiled_blocks_modelled(cfg, device))
+                  compiled=compiled_blocks_modelled(cfg, device), compiled_loss=cfg.compiled_loss(device))
 
 
 def _capacity(cfg: Config) -> int:

@@ -385,15 +385,16 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
                  at_least: float = 0.0) -> SpeedPlan | None:
     """Step time, throughput, MFU and the breakdown of training `cfg` on `profile` devices. `fused`:
     assume fused elementwise kernels everywhere, as published frameworks' fused kernels give (default:
-    fivefold's own, where train.compile compiles the blocks on the profile's device and the final norm, LM
-    head and loss run eagerly: on an H100 their unfused traffic is 7 ms of a 1B step at micro-batch 4, and
-    5.5 of the 8.3 ms by which smollm2-135m's measured 83 ms step exceeded the all-fused prediction)
+    fivefold's own, where train.compile compiles the blocks on the profile's device, and the final norm and
+    the loss where Config.compiled_loss says so; eager, their unfused traffic is 7 ms of a 1B step at
+    micro-batch 4 on an H100, and 5.5 of the 8.3 ms by which smollm2-135m's measured 83 ms step exceeded
+    the all-fused prediction (the stored H100 runs' loss was eager: train.compile=blocks))
     `at_least` (tokens/s per device): None when even a pipeline without bubble would not reach it (the
     search skips the simulation)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     own = fused is None
     fused = t.compiled(profile.device) if own else fused
-    costs = _Costs(cfg, profile, fused, head_fused=False if own else fused)
+    costs = _Costs(cfg, profile, fused, head_fused=cfg.compiled_loss(profile.device) if own else fused)
     v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
     parts = formulas.partition(m.num_layers, p.pp * v, p.pp_layers)
     split_w = p.pp_schedule == "zero-bubble" and p.pp > 1

@@ -93,6 +93,7 @@ class ParallelModel:
         self.placements: Placements = record(model, tp_axes, experts, mesh.tp_rank, mesh.tp_size, ep_rank,
                                              mesh.ep_size)
         self.vocab_start = mesh.tp_rank * (cfg.model.vocab_size // mesh.tp_size)
+        self._cross_entropy_sum = cross_entropy_sum  # compiled in `materialise` where Config.compiled_loss
 
     def _current_reducer(self):
         return self.reducer
@@ -140,6 +141,10 @@ class ParallelModel:
             for block in model.layers:
                 if hasattr(block, "attn"):  # a pipeline stage holds placeholders for other stages' blocks
                     compile_module(block)  # per block: one compiled graph reused by every layer of the same shape
+        if cfg.compiled_loss(self.device.type):
+            if model.norm is not None:  # the last pipeline stage's (the others have no head)
+                compile_module(model.norm)
+            self._cross_entropy_sum = torch.compile(cross_entropy_sum)
         optimizer = MasterWeightAdamW(model, cfg.train, masters, sharding=engine, tp_group=self.tp_group,
                                       pp_group=mesh.pp_group if self.pipeline else None, ep_group=mesh.ep_group,
                                       placements=self.placements)
@@ -238,7 +243,7 @@ class ParallelModel:
         if self.tp_group is not None:
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_start,
                                                 self.tp_group, IGNORE_INDEX).sum()
-        return cross_entropy_sum(logits, labels)
+        return self._cross_entropy_sum(logits, labels)
 
     def token_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
                        doc_ids: torch.Tensor | None = None) -> torch.Tensor:
