@@ -173,7 +173,6 @@ def add_predictions(results: list[dict], configs: dict, profile, device: str) ->
         cfg = configs[r["precision"], r["compiled"]]
         speed = predict_step(cfg, profile)
         predicted = speed.tokens_per_s_per_gpu * speed.world
-        r["loss_compiled"] = cfg.compiled_loss(device)  # the final norm and the loss too (train.compile=true)
         r.update(predicted_tokens_per_s=predicted, predicted_step_s=speed.step_time_s, predicted_mfu=speed.mfu,
                  predicted_error=predicted / r["tokens_per_s"] - 1,
                  predicted_error_best=predicted / r["best_tokens_per_s"] - 1, predicted_notes=speed.notes)
@@ -571,10 +570,13 @@ def main(argv=None) -> dict:
         del makers
         release_memory(args.device)
         rows = summarize(times, utils, peaks_seen, precision, tokens)
-        for r in rows:  # each row's shape (--fit changes ours')
-            t = configs[precision, r["compiled"]].train if r["impl"] == "ours" else None
+        for r in rows:  # each row's shape (--fit changes ours'), and whether our loss was compiled too
+            cfg = configs[precision, r["compiled"]] if r["impl"] == "ours" else None
+            t = cfg.train if cfg else None
             r.update(micro_batch_size=t.micro_batch_size if t else args.batch,
                      grad_accum=t.grad_accum if t else args.grad_accum, recompute=t.recompute if t else "none")
+            if cfg:
+                r["loss_compiled"] = cfg.compiled_loss(args.device)
         # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
         for r in rows:
             impl = r["impl"] + ("+compile" if r["compiled"] else "")

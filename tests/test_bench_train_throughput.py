@@ -85,6 +85,7 @@ def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, mon
     data = json.loads(out.read_text())
     assert [(r["precision"], r["impl"]) for r in data["results"]] == [("fp32", "ours"), ("bf16", "ours")]
     assert all(r["ratio_vs_hf"] is None and len(r["step_times_s"]) == 2 for r in data["results"])
+    assert all(r["loss_compiled"] is False for r in data["results"])  # eager on a CPU (train.compile=auto)
     assert data["first_step_loss_fp32"] is None and data["schedule"] == {"fp32": "--sequential yes",
                                                                          "bf16": "--sequential yes"}
     # The end of a GPU session's log (bench/gpu_train.sh) reads this file.

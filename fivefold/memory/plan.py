@@ -634,10 +634,15 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
                      "not counted here (NCCL makes no such copy)")
     if compiled_blocks_modelled(cfg, device):
         notes.append(f"train.compile={cfg.train.compile}: the blocks save what torch.compile's min-cut partitioning "
-                     "keeps (checked against it on CPU); the embedding, head and loss run eagerly")
+                     "keeps (checked against it on CPU)")
     elif cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; for this model, precision or layout the activations here replay the eager model")
+    if cfg.train.compiled(device):
+        notes.append("the final norm and the loss are compiled too: the logits are kept in the compute dtype with two "
+                     "fp32 figures a row, not as fp32 log-probabilities" if cfg.compiled_loss(device) else
+                     "the final norm and the loss run eagerly (" + ("train.compile=blocks" if cfg.train.compile == "blocks"
+                     else "the chunked loss" if cfg.train.loss_chunk else "tp > 1: the vocabulary-parallel loss") + ")")
     if cfg.train.precision == "fp8" and compiled_blocks_modelled(cfg, device):
         notes.append("fp8: model states as bf16-mixed; the compiled blocks save less than bf16-mixed's (each float8 "
                      "linear's bf16 input is recomputed in backward)")
