@@ -169,8 +169,9 @@ H100_ROWS = ["1b", "1b_fit", "3b_fp8", "135m"]
 def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
     """Issue 32's check of the planner against fivefold's own GPU runs, on the rows one H100 measured
     (bench/results/train_throughput_*_h100.json), each row's Config rebuilt as the bench built it: the
-    step-time model within 10% of the measured median step's tokens/s, the memory plan within 3% of
-    torch.cuda.max_memory_allocated (within 0.5% on the eager 1B row and the fp8 row)."""
+    step-time model within 10% of the measured median step's tokens/s, the memory plan within 0.3% of
+    torch.cuda.max_memory_allocated (measured: -0.24% to -0.00%; the compiled rows were +1.1% to +2.6%
+    while the plan counted o_proj's input apart from the attention output it is a view of)."""
     from fivefold.memory.plan import plan_memory
     from fivefold.planner.hardware import load_profile
     from fivefold.planner.speed import predict_step
@@ -192,8 +193,7 @@ def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
             speed = predict_step(cfg, profile)
             assert speed.tokens_per_s_per_gpu / r["tokens_per_s"] - 1 == pytest.approx(0, abs=0.10), (tag, r["precision"])
             planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
-            exact = not r["compiled"] or r["precision"] == "fp8"
-            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005 if exact else 0.03), \
+            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.003), \
                 (tag, r["precision"], r["compiled"])
             rows += 1
     assert rows == 6

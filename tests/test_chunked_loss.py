@@ -123,18 +123,24 @@ def test_measured_memory_under_sequence_parallelism_matches_the_plan():
 
 
 def test_planner_charges_the_recomputed_head():
-    """fivefold plan: the fused loss plans far less activation memory at vocabulary 128k, and the speed
-    model charges backward the head's matmul once more (about 2% of a llama3-8b step)."""
+    """fivefold plan: the fused loss plans far less activation memory at vocabulary 128k than the eager
+    plain loss, and less than the compiled one, which keeps the bf16 logits; the speed model charges
+    backward the head's matmul once more (about 2% of a llama3-8b step against either)."""
     from fivefold.memory.plan import plan_memory
     from fivefold.planner.hardware import load_profile
     from fivefold.planner.speed import predict_step
 
-    def plan(chunk):
+    def plan(chunk, compile):
         cfg = load_config(preset="llama3-8b", overrides=["train.precision=bf16-mixed", "train.seq_len=8192",
                                                          "train.micro_batch_size=1", "parallel.dp=8",
-                                                         "parallel.zero=1", f"train.loss_chunk={chunk}"])
+                                                         "parallel.zero=1", f"train.loss_chunk={chunk}",
+                                                         f"train.compile={compile}"])
         return plan_memory(cfg, suggest=False).memory["activations"], predict_step(cfg, load_profile("h100-sxm"))
 
-    (plain_memory, plain), (fused_memory, fused) = plan(0), plan(1024)
-    assert plain_memory - fused_memory > 0.9 * 8192 * 128256 * (2 + 4 + 4)  # bf16 + fp32 logits, log-probs
+    logits = 8192 * 128256
+    (plain_memory, plain), (fused_memory, fused) = plan(0, "blocks"), plan(1024, "blocks")
+    assert plain_memory - fused_memory > 0.9 * logits * (2 + 4 + 4)  # bf16 + fp32 logits, log-probs
     assert 1.005 < fused.step_time_s / plain.step_time_s < 1.03
+    (plain_memory, plain), (fused_memory, fused) = plan(0, "auto"), plan(1024, "auto")  # the loss compiled
+    assert plain_memory - fused_memory > logits  # the kept bf16 logits, less the chunks' own peak
+    assert 1.005 < fused.step_time_s / plain.step_time_s < 1.04

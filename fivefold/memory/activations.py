@@ -655,11 +655,13 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes) -> _Buf:
     """A dense block as torch.compile runs it. Its min-cut partitioner keeps the tensors that a matmul or
     the attention kernel made and recomputes the pointwise rest (the norms' products, RoPE, SiLU, the
     residual sums) in backward, from: the block input and each norm's rsqrt; the normed inputs of q/k/v
-    and of gate/up; roped q and k, and v; the attention output twice (SDPA's (b, heads, s, d) result and
-    o_proj's contiguous input) with its logsumexp; o_proj's output (the residual is recomputed from it);
-    gate, up and their product. Per token and block, p bytes an element: 4ph + 3pq + 2p kv + 4 heads + 8 +
-    3pf, where eager bf16 saves 8h + 4ph + 2pq + 2p kv + 4 heads + 8 + 4pf (the norms' fp32 inputs, SiLU's
-    output): 80.0 against 108.7 KB at Llama-3.2-1B's shape.
+    and of gate/up; roped q and k, and v; the attention output with its logsumexp (SDPA lays its output
+    out as (b, s, heads, d), so o_proj's input, which the graph keeps too, is a view of the same memory);
+    o_proj's output (the residual is recomputed from it); gate, up and their product. Per token and block,
+    p bytes an element: 4ph + 2pq + 2p kv + 4 heads + 8 + 3pf, where eager bf16 saves 8h + 4ph + 2pq + 2p kv
+    + 4 heads + 8 + 4pf (the norms' fp32 inputs, SiLU's output): 75.9 against 108.7 KB at Llama-3.2-1B's
+    shape. Measured on an H100 the compiled bf16 rows came 0.92-1.00 of one pq a token and block below a
+    replay that counted o_proj's input apart, which is what the alias explains.
 
     Under fp8 each linear casts its input to float8 inside torchao's autograd function, which saves the bf16
     input; the partitioner recomputes those inputs (the normed x, the attention output, the SwiGLU product)
@@ -672,11 +674,11 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes) -> _Buf:
     r.save(x)
     rsqrt, n = r.alloc(4 * bs), r.alloc(bsh)
     q, k, v = r.alloc(bsq), r.alloc(d.p * bs * d.kv), r.alloc(d.p * bs * d.kv)
-    out, lse = r.alloc(bsq), r.alloc(4 * d.b * d.heads * d.s)
-    o_in, o = r.alloc(bsq), r.alloc(bsh)
-    r.save(rsqrt, q, k, v, out, lse, *([] if d.fp8 else [n, o_in, o]))
+    out, lse = r.alloc(bsq), r.alloc(4 * d.b * d.heads * d.s)  # o_proj's input is a view of out
+    o = r.alloc(bsh)
+    r.save(rsqrt, q, k, v, out, lse, *([] if d.fp8 else [n, o]))
     r.mark("attention")
-    r.free(n, o_in)
+    r.free(n)
     x2 = r.alloc(bsh)
     r.free(o)
     rsqrt2, n2 = r.alloc(4 * bs), r.alloc(bsh)
