@@ -50,7 +50,7 @@ def serve_lines(d: dict) -> list[str]:
 
 def train_lines(d: dict) -> list[str]:
     """bench/train_throughput.py's JSON: each row's shape, tokens/s and MFU, its ratio to HF (or fp8's to our
-    bf16), and the planner's speed and memory errors."""
+    bf16), the planner's speed and memory errors, and each profiled step's wall and kernel time."""
     s = d["settings"]
     out = [f"{s['preset']}, seq {s['seq_len']}, {s['tokens_per_step']:,} tokens a step"]
     bf16 = {r["compiled"]: r for r in d["results"] if r["precision"] == "bf16" and r["impl"] == "ours"}
@@ -67,6 +67,9 @@ def train_lines(d: dict) -> list[str]:
         if "peak_error" in r:
             line += f", memory {100 * r['peak_error']:+.1f}%"
         out.append(line)
+    for name, p in d.get("profiles_bf16", {}).items():  # --profile: where a step's time goes
+        kernels = f", kernels {1e3 * p['kernel_s']:.1f} ms in {p['kernels']} launches" if "kernel_s" in p else ""
+        out.append(f"profiled bf16 step, {name}: wall {1e3 * p['wall_s']:.1f} ms{kernels}")
     return out
 
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One GPU session for issue 32's training figures (bench/README.md, train_throughput.py): run from anywhere in
 # the repo on a machine with torch + CUDA + triton + transformers (torchao for fp8) and no internet. About
-# 9 minutes at most: every step has its own time limit, a failing or timed-out step does not stop the next,
-# and a summary ends the output. Each row is printed as soon as it is timed.
+# 12 minutes at most (ONLY="..." picks steps to fit a call): every step has its own time limit, a failing or
+# timed-out step does not stop the next, and a summary ends the output. Each row is printed once timed.
 #
 #   bash bench/gpu_train.sh               # PYTHON=/path/to/python to choose the interpreter;
 #                                         # COPY_TO=DIR also copies the results and the log there
 #
 # torchao is not in the lent machines' image: carry its wheel (bench/README.md, "GPU sessions") or the fp8
-# step is left out. Writes bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m}_<gpu>.json and gpu_train_<gpu>.log.
+# step is left out. Writes bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m,135m_profile}_<gpu>.json and
+# gpu_train_<gpu>.log.
 #
 # A dry run on a CPU checks the plumbing (tiny shapes; fp8 is left out there):
 #   DEVICE=cpu DEVICE_MEMORY=0.3 SEQ=64 M1B=tiny M135=tiny M3B=tiny GPU_SLUG=dry bash bench/gpu_train.sh
@@ -45,11 +46,15 @@ fi
 #     123 s, 1b-fit 35, fp8-3b 87; 135m overran 80 s with two cold compiles (64 s once inductor's cache was warm).
 #     The compiled loss (train.compile) adds two small graphs to each compiled run of ours: 1b-fit has 90 s.
 bench "135m" 140 135m --preset "$M135" --batch 8 --precision bf16 --compile on
+# (f) one profiled step of each side of (e): kernel time against wall time and the top kernels, to say where
+#     the 135M step differs from HF's (bench/results/train_throughput_135m_profile_<gpu>.json, "profiles_bf16")
+bench "135m-profile" 150 135m_profile --preset "$M135" --batch 8 --precision bf16 --compile on --warmup 1 --steps 2 \
+    --profile
 
 print_steps
-"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m}_"$gpu".json
+"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m,135m_profile}_"$gpu".json
 
 if [ -n "${COPY_TO:-}" ]; then
-    mkdir -p "$COPY_TO" && cp -f bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m}_"$gpu".json "$log" "$COPY_TO"/ 2>/dev/null
+    mkdir -p "$COPY_TO" && cp -f bench/results/train_throughput_{1b,1b_fit,3b_fp8,135m,135m_profile}_"$gpu".json "$log" "$COPY_TO"/ 2>/dev/null
     echo "== copied the results to $COPY_TO"
 fi

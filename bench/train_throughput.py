@@ -8,7 +8,7 @@ datasheet figure, with MFU against the measured achievable peak (8192^3, CUDA ev
 
     python bench/train_throughput.py                       # bench-30m, seq 512, batch 4, fp32 and bf16
     python bench/train_throughput.py --compile both        # eager and torch.compile side by side
-    python bench/train_throughput.py --profile             # + top ops of one bf16 step of ours
+    python bench/train_throughput.py --profile             # + one profiled bf16 step of ours and of HF
     python bench/train_throughput.py --device cuda --precision bf16,fp8   # fp8: GPUs with fp8 tensor cores
     python bench/train_throughput.py --device cuda --json auto            # bench/results/train_throughput_h100.json
     python bench/train_throughput.py --cluster cpu.toml    # a profile from `fivefold calibrate --out cpu.toml`
@@ -79,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="on: ours compiles each block, HF model.compile(); both: time eager and compiled")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--profile", action="store_true", help="profile one bf16 step of ours (top ops)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one bf16 step of ours and of HF (top ops; on CUDA kernel time against wall time)")
     p.add_argument("--cluster", metavar="PROFILE",
                    help="hardware profile the planner predicts each row on (a shipped name or a file from `fivefold "
                         "calibrate --out FILE`); default on cuda: the shipped profile matching the device name")
@@ -427,15 +428,46 @@ def check_same_start(ours: Ours, hf: HF) -> dict:
     return out
 
 
-def profile_ours(cfg, datasets, rows: int = 25) -> str:
+def profile_step(runner: Runner, device: str, rows: int = 25) -> dict:
+    """One step of `runner` under torch.profiler, after two more to warm it: the top ops by self time on the
+    device (on the host for a CPU run), the step's wall time and, on CUDA, its kernels' summed time and
+    count. A step whose kernels sum to well under its wall time waits on the host (launches, syncs)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    ours = Ours(cfg, datasets)
-    ours.step()
-    ours.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        ours.step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    cuda = device == "cuda"
+    runner.step()
+    runner.step()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
+        runner.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=rows)
+    out = {"wall_s": wall, "table": table}
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        out.update(kernel_s=sum(e.self_device_time_total for e in kernels) / 1e6, kernels=len(kernels))
+    return out
+
+
+def profile_runners(makers: dict, device: str) -> dict:
+    """{runner name: profile_step of it}, one runner alive at a time."""
+    profiles = {}
+    for name, make in makers.items():
+        runner = make()
+        profiles[name] = profile_step(runner, device)
+        del runner
+        release_memory(device)
+        p = profiles[name]
+        busy = f", kernels {1e3 * p['kernel_s']:.1f} ms ({p['kernels']} launches)" if "kernel_s" in p else ""
+        print(f"\n{name}, one profiled bf16-mixed step: wall {1e3 * p['wall_s']:.1f} ms{busy}; top ops by self "
+              f"{'device' if 'kernel_s' in p else 'CPU'} time:\n{p['table']}")
+    return profiles
 
 
 def sample_peaks(peaks: dict[str, list[float]], device: str) -> None:
@@ -607,12 +639,16 @@ def main(argv=None) -> dict:
         add_predictions(results, configs, profile, args.device)
         print_predictions(results, planner, args.device)
 
-    top_ops = ""
-    if args.profile:
-        top_ops = profile_ours(make_config(args, "bf16", args.compile == "on", peaks["bf16"], tmp.name), datasets)
-        print("\nours, one bf16-mixed step, top ops by self CPU time:\n" + top_ops)
+    profiles = {}
+    if args.profile:  # our bf16 step and, unless skipped, HF's, compiled as the timed rows were
+        compiled = args.compile == "on"
+        cfg = configs.get(("bf16", compiled)) or make_config(args, "bf16", compiled, peaks["bf16"], tmp.name)
+        makers = {"ours": lambda: Ours(cfg, datasets)}
+        if not args.skip_hf:
+            makers["hf"] = lambda: HF(cfg, datasets, initial, bf16=True, compiled=compiled)
+        profiles = profile_runners(makers, args.device)
     out = {"machine": info, "peak_flops": peaks, "peak_flops_samples": peak_samples, "datasheet_peak_flops": datasheet,
-           "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profile_bf16_ours": top_ops,
+           "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profiles_bf16": profiles,
            "planner": planner,
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,

@@ -81,9 +81,11 @@ def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, mon
     monkeypatch.setenv("FIVEFOLD_CACHE", data_cache)  # the session's tokenizer and shards
     out = tmp_path / "tt.json"
     bench.main(["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "2", "--precision", "fp32,bf16",
-                "--skip-hf", "--sequential", "yes", "--json", str(out)])
+                "--skip-hf", "--sequential", "yes", "--profile", "--json", str(out)])
     data = json.loads(out.read_text())
     assert [(r["precision"], r["impl"]) for r in data["results"]] == [("fp32", "ours"), ("bf16", "ours")]
+    profile = data["profiles_bf16"]["ours"]  # --profile: ours only, HF skipped; a CPU run has no kernel time
+    assert set(profile) == {"wall_s", "table"} and profile["wall_s"] > 0 and "aten::mm" in profile["table"]
     assert all(r["ratio_vs_hf"] is None and len(r["step_times_s"]) == 2 for r in data["results"])
     assert all(r["loss_compiled"] is False for r in data["results"])  # eager on a CPU (train.compile=auto)
     assert data["first_step_loss_fp32"] is None and data["schedule"] == {"fp32": "--sequential yes",
@@ -94,6 +96,7 @@ def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, mon
     lines = gpu_summary.train_lines(data)
     assert lines[0] == "tiny, seq 32, 64 tokens a step"
     assert lines[1].startswith("fp32 ours (micro-batch 2 x 1, recompute none): ") and "HF" not in lines[1]
+    assert lines[-1].startswith("profiled bf16 step, ours: wall ") and lines[-1].endswith(" ms")
 
 
 def test_fit_trains_ours_at_the_planners_micro_batch_keeping_the_step(bench, data_cache, tmp_path, monkeypatch):
