@@ -37,7 +37,7 @@ bench "1b" 160 1b --preset "$M1B" --batch 4 --precision bf16 --compile both
 bench "1b-fit" 90 1b_fit --preset "$M1B" --batch 4 --grad-accum 4 --precision bf16 --compile on --skip-hf --fit
 # (d) fp8 against our bf16 on the Llama-3.2-3B shape (target: >= 1.3x). Ours only: two 3B runners' states
 #     do not fit one 80 GB card together, so the memory plan times them one after the other. Micro-batch 4
-#     (bf16 plans 66.5 GiB with the compiled loss): the weights' casts and the optimizer step are fixed
+#     (bf16 plans 65.2 GiB with the compiled loss): the weights' casts and the optimizer step are fixed
 #     costs a step, so the planner puts fp8 at 1.21x our bf16 there against 1.16x at micro-batch 2 (the
 #     stored H100 run, which measured 1.07x).
 if [ "$DEVICE" = cuda ] && "$PY" -c "import torchao.float8" >/dev/null 2>&1; then
