@@ -13,8 +13,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from fivefold.memory.activations import replay_forward
+from fivefold.config import Config, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from fivefold.finetune.lora import apply_lora
+from fivefold.memory.activations import Replay, _compiled_block, replay_forward
 from fivefold.memory.plan import activation_shapes, compiled_blocks_modelled, plan_memory
 from fivefold.model.context import ForwardContext
 from fivefold.model.transformer import Transformer
@@ -31,13 +32,19 @@ def model_config(shape: str) -> ModelConfig:
     return dataclasses.replace(get_preset("tiny"), num_layers=1, vocab_size=256, **SHAPES[shape])
 
 
-def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int, fp8: bool = False) -> int:
+def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int, fp8: bool = False,
+                            lora: LoraConfig | None = None, grad_in: bool = True) -> int:
     """Bytes the compiled block's forward saves for backward: its graph's outputs after the block's own
     output, less the inputs it saves as they are (weights, the shared RoPE tables) except the block input,
     the one activation among them, and less 0-dim tensors (fp8's amax scalars). `fp8`: the block's linears
-    as torchao's float8 linears, emulated (the CPU's product in place of torch._scaled_mm)."""
+    as torchao's float8 linears, emulated (the CPU's product in place of torch._scaled_mm). `lora`: adapters
+    on a frozen block; `grad_in`: whether the block input needs a gradient (not the first block's under LoRA,
+    whose embedding is frozen)."""
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
+    if lora is not None:
+        apply_lora(model, lora)
+        model.to(dtype)
     block = model.layers[0]
     if fp8:
         from torchao import float8
@@ -46,7 +53,7 @@ def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int
     ids = torch.randint(0, cfg.vocab_size, (b, s))
     ctx = ForwardContext()
     positions = model.positions(ids, ctx)
-    x = model.embed(ids, positions).detach().requires_grad_(True)
+    x = model.embed(ids, positions).detach().requires_grad_(grad_in)
     rope, mask = model.context(ids, positions, ctx, x.dtype)
     return graph_saved_bytes(type(block).forward, block, x, rope, mask,
                              keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size))
@@ -96,6 +103,23 @@ def test_compiled_block_saves_what_the_partitioner_keeps(shape, precision, dtype
         partitioner_saved_bytes(cfg, dtype, b, s, fp8=precision == "fp8")
 
 
+@pytest.mark.parametrize("grad_in", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("targets", ["q,k,v,o,gate,up,down", "q,v", "o", "gate,up,down"])
+def test_compiled_lora_block_saves_what_the_partitioner_keeps(targets, dropout, grad_in):
+    """LoRA on a frozen block, compiled: each adapter's A output; under dropout its dropped input and, where
+    that input needs a gradient, its bool mask; a frozen linear's input only where an adapter reads it; and
+    no gradient path into the first block when the embedding is frozen (`grad_in`)."""
+    cfg, b, s = model_config("gqa"), 2, 32
+    lora = LoraConfig(r=8, targets=targets, dropout=dropout)
+    d = activation_shapes(Config(model=cfg, lora=lora, train=TrainConfig(precision="bf16-mixed", compile="true",
+                                                                         micro_batch_size=b, seq_len=s)), "cpu")
+    assert d.compiled
+    r = Replay()
+    _compiled_block(r, r.alloc(d.p * d.bsh), d, grad_in)
+    assert r.saved_bytes == partitioner_saved_bytes(cfg, torch.bfloat16, b, s, lora=lora, grad_in=grad_in)
+
+
 def test_compiled_plan_is_below_eager_and_says_so():
     """At Llama-3.2-1B's shape the partitioner saves 75,912 bytes a token and block where eager saves
     108,680; compiling the loss too frees 8 bytes a logit at the start of backward (eager: fp32
@@ -122,7 +146,8 @@ def test_compiled_plan_is_below_eager_and_says_so():
 
 @pytest.mark.parametrize("change", [
     dict(train=dict(recompute="full")), dict(train=dict(recompute="selective")), dict(parallel=dict(tp=2)),
-    dict(model=dict(activation="gelu", norm="layernorm", position="learned")), dict(lora=dict(r=8)),
+    dict(model=dict(activation="gelu", norm="layernorm", position="learned")),
+    dict(lora=dict(r=8, quantize_base="int4")),
     dict(train=dict(kernels="triton")),
 ])
 def test_other_compiled_runs_replay_the_eager_blocks(change):

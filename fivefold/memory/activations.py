@@ -651,7 +651,7 @@ def _all_to_all_dispatch(r: Replay, x: _Buf, A: float, d: Shapes) -> _Buf:
     return out
 
 
-def _compiled_block(r: Replay, x: _Buf, d: Shapes) -> _Buf:
+def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf:
     """A dense block as torch.compile runs it. Its min-cut partitioner keeps the tensors that a matmul or
     the attention kernel made and recomputes the pointwise rest (the norms' products, RoPE, SiLU, the
     residual sums) in backward, from: the block input and each norm's rsqrt; the normed inputs of q/k/v
@@ -670,31 +670,73 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes) -> _Buf:
     Llama-3.2-3B's shape. tests/test_memory_compiled.py checks both lists against the partitioner
     (inductor's decompositions; fp8 as torchao's CPU emulation, which differs only in the product)."""
     bs, bsh, bsq, bsf = d.b * d.s, d.p * d.bsh, d.p * d.b * d.s * d.q, d.p * d.b * d.s * d.f
+    lora = bool(d.adapters)
+
+    def adapted(*targets: str) -> bool:
+        return any(t in d.adapters for t in targets)
+
+    def adapters(targets: tuple[str, ...], width: int, input_grad: bool) -> list[_Buf]:
+        """What LoRA keeps for the adapted ones among `targets`, linears reading an input `width` wide: each
+        adapter's A output (r wide); with dropout also its dropped input and, when that input needs a
+        gradient, the bool mask."""
+        bufs = []
+        for t in targets:
+            if t in d.adapters:
+                bufs.append(r.alloc(d.p * bs * d.rank))
+                if d.adapter_dropout:
+                    bufs += [r.alloc(d.p * bs * width)] + ([r.alloc(bs * width)] if input_grad else [])
+        return bufs
+
+    def input_kept(*targets: str) -> bool:
+        """The linears' shared input is kept for a weight's gradient: every linear trains without LoRA; with
+        it only an adapter's A needs the input, and under dropout each adapter keeps its own dropped copy."""
+        return not lora or (not d.adapter_dropout and adapted(*targets))
+
+    # Which activations need a gradient (all of them without LoRA; with it, the frozen embedding's output
+    # does not, and a frozen part only when something trained lies before it).
+    attention_grad = grad_in or not lora or adapted("q", "k", "v")
+    x2_grad = attention_grad or adapted("o")
     r.mark("block")
-    r.save(x)
     rsqrt, n = r.alloc(4 * bs), r.alloc(bsh)
+    if grad_in:
+        r.save(x, rsqrt)
+    qkv_adapters = adapters(("q", "k", "v"), d.h, grad_in)
     q, k, v = r.alloc(bsq), r.alloc(d.p * bs * d.kv), r.alloc(d.p * bs * d.kv)
     out, lse = r.alloc(bsq), r.alloc(4 * d.b * d.heads * d.s)  # o_proj's input is a view of out
+    o_adapter = adapters(("o",), d.q, attention_grad)
     o = r.alloc(bsh)
-    r.save(rsqrt, q, k, v, out, lse, *([] if d.fp8 else [n, o]))
+    r.save(*qkv_adapters, *o_adapter, *([n] if input_kept("q", "k", "v") and not d.fp8 else []))
+    if attention_grad:
+        r.save(q, k, v, out, lse)
+    elif input_kept("o"):  # o_proj's adapter multiplies the attention output
+        r.save(out)
+    if x2_grad and not d.fp8:  # the mid-block residual is recomputed from o_proj's output (fp8: kept itself)
+        r.save(o)
     r.mark("attention")
-    r.free(n)
+    r.free(n, *qkv_adapters, *o_adapter)
     x2 = r.alloc(bsh)
-    r.free(o)
+    r.free(o, rsqrt)
     rsqrt2, n2 = r.alloc(4 * bs), r.alloc(bsh)
+    gate_up_adapters = adapters(("gate", "up"), d.h, x2_grad)
     gate, up, prod = r.alloc(bsf), r.alloc(bsf), r.alloc(bsf)
-    r.save(rsqrt2, gate, up, *([x2] if d.fp8 else [n2, prod]))
+    down_adapter = adapters(("down",), d.f, x2_grad or adapted("gate", "up"))
+    r.save(*gate_up_adapters, *down_adapter, *([n2] if input_kept("gate", "up") and not d.fp8 else []),
+           *([prod] if input_kept("down") and not d.fp8 else []))
+    if x2_grad or adapted("gate", "up"):
+        r.save(gate, up)
+    if x2_grad:
+        r.save(rsqrt2, *([x2] if d.fp8 else []))
     m = r.alloc(bsh)
     r.mark("mlp")
-    r.free(n2, prod)
+    r.free(n2, prod, rsqrt2, *gate_up_adapters, *down_adapter)
     x3 = r.alloc(bsh)
-    r.free(m, x2)  # the rest is saved (freeing a saved tensor is a no-op)
+    r.free(m, x2, gate, up, x)  # the rest is saved (freeing a saved tensor is a no-op)
     return x3
 
 
 def _block(r: Replay, x: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
     if d.compiled:
-        return _compiled_block(r, x, d)
+        return _compiled_block(r, x, d, grad_in)
     r.mark("block")
     n = _norm(r, x, d, grad_in)
     o = _attention(r, n, d, selective, grad_in)

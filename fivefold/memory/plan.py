@@ -75,14 +75,15 @@ def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
     `device` with the blocks that list was checked for against torch.compile's partitioner: dense
     RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, in any
     precision (fp8: torchao's float8 linears), no recomputation, no tensor, sequence or context
-    parallelism, no LoRA, no document mask. Any other compiled run replays the eager model's saved
+    parallelism, no QLoRA (LoRA is: its adapters' A outputs, dropout's masks and dropped inputs, and only the
+    activations something trained needs), no document mask. Any other compiled run replays the eager model's saved
     tensors (an upper bound: the partitioner saves no more than eager does; under full recomputation a
     block saves only its input either way, and what its recomputation holds is eager's in the plan)."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
     return (t.compiled(device) and t.recompute == "none" and t.kernels == "torch"
             and not m.num_experts and m.norm == "rmsnorm" and m.activation == "swiglu" and m.position == "rope"
             and not m.document_mask and not scores_materialised(cfg, device) and par.tp == 1 and par.cp == 1
-            and not cfg.lora.r)
+            and cfg.lora.quantize_base == "none")
 
 
 def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
