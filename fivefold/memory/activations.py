@@ -667,8 +667,14 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf
     input; the partitioner recomputes those inputs (the normed x, the attention output, the SwiGLU product)
     from what it keeps besides them, the block input, the rsqrts and the mid-block residual (plus each
     cast's 0-dim amax): 2ph + 2pq + 2p kv + 4 heads + 8 + 2pf, 61.5 against 96.4 KB (bf16, compiled) at
-    Llama-3.2-3B's shape. tests/test_memory_compiled.py checks both lists against the partitioner
-    (inductor's decompositions; fp8 as torchao's CPU emulation, which differs only in the product)."""
+    Llama-3.2-3B's shape.
+
+    Under LoRA the block is frozen: each adapter keeps its A output (and under dropout its dropped input,
+    plus a bool mask where that input needs a gradient); a linear's input stays only where an adapter reads
+    it; and what only serves a gradient into the block is dropped where none flows (the first block, after
+    the frozen embedding, until a trained part). tests/test_memory_compiled.py checks the three lists
+    against the partitioner (inductor's decompositions; fp8 as torchao's CPU emulation, which differs only
+    in the product)."""
     bs, bsh, bsq, bsf = d.b * d.s, d.p * d.bsh, d.p * d.b * d.s * d.q, d.p * d.b * d.s * d.f
     lora = bool(d.adapters)
 
