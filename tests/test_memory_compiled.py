@@ -19,6 +19,7 @@ from fivefold.memory.activations import Replay, _compiled_block, replay_forward
 from fivefold.memory.plan import activation_shapes, compiled_blocks_modelled, plan_memory
 from fivefold.model.context import ForwardContext
 from fivefold.model.transformer import Transformer
+from fivefold.train.recompute import apply_recompute
 from fivefold.presets import get_preset
 
 SHAPES = {  # GQA 4/2 and 3/1, multi-head 4/4, an FFN width that is no multiple of the hidden size
@@ -59,17 +60,18 @@ def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int
                              keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size))
 
 
-def graph_saved_bytes(fn, *args, keep=lambda value: True) -> int:
+def graph_saved_bytes(fn, *args, keep=lambda value: True, skip=lambda value: False) -> int:
     """Bytes the forward graph of torch.compile(fn) saves for backward under inductor's decompositions and
     min-cut partitioner: its outputs after the first (fn's own), less 0-dim tensors and the inputs `keep`
-    refuses (those it saves as they are, e.g. weights)."""
+    refuses (those it saves as they are, e.g. weights) or `skip` names."""
     saved = {}  # storage -> bytes: views of one tensor (SDPA's output and o_proj's input) hold its memory once
 
     def forward_compiler(gm, _inputs):
         output = next(n for n in gm.graph.nodes if n.op == "output")
         for node in output.args[0][1:]:
             value = node.meta.get("val")
-            if isinstance(value, torch.Tensor) and value.dim() and (node.op != "placeholder" or keep(value)):
+            if isinstance(value, torch.Tensor) and value.dim() and (node.op != "placeholder" or keep(value)) \
+                    and not skip(value):
                 storage = value.untyped_storage()
                 saved[StorageWeakRef(storage)] = storage.nbytes()
         return make_boxed_func(gm)
@@ -120,6 +122,39 @@ def test_compiled_lora_block_saves_what_the_partitioner_keeps(targets, dropout, 
     assert r.saved_bytes == partitioner_saved_bytes(cfg, torch.bfloat16, b, s, lora=lora, grad_in=grad_in)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("precision,dtype", [("bf16-mixed", torch.bfloat16), ("fp32", torch.float32)])
+def test_compiled_ops_recomputation_keeps_eagers_policy_less_the_last_product(shape, precision, dtype):
+    """train.recompute=ops under torch.compile: the policy's kept outputs (q, v, gate; the attention output
+    and its logsumexp) and the block input, but not down_proj's output, which eager's policy cache holds
+    and nothing in backward reads (the partitioner's graph also keeps checkpoint's RNG state: 0-dim here,
+    16 bytes on a GPU)."""
+    cfg, b, s = model_config(shape), 2, 32
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype)
+    apply_recompute(model, "ops")
+    block = model.layers[0]
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    ctx = ForwardContext()
+    positions = model.positions(ids, ctx)
+    x = model.embed(ids, positions).detach().requires_grad_(True)
+    rope, mask = model.context(ids, positions, ctx, x.dtype)
+    # block.forward is the recomputing wrapper the trainer compiles (fivefold.train.recompute.compile_module)
+    saved = graph_saved_bytes(block.forward, x, rope, mask,
+                              keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size),
+                              skip=lambda value: value.dtype == torch.uint8)
+    compiled = Config(model=cfg, train=TrainConfig(precision=precision, compile="true", recompute="ops",
+                                                   micro_batch_size=b, seq_len=s))
+    eager = dataclasses.replace(compiled, train=dataclasses.replace(compiled.train, compile="false"))
+    planned = {}
+    for name, c in (("compiled", compiled), ("eager", eager)):
+        d = activation_shapes(c, "cpu")
+        planned[name] = replay_forward(d, 3, "ops").saved_bytes - replay_forward(d, 2, "ops").saved_bytes
+    assert activation_shapes(compiled, "cpu").compiled_ops and not activation_shapes(eager, "cpu").compiled_ops
+    assert planned["compiled"] == saved
+    assert planned["eager"] - planned["compiled"] == b * s * cfg.hidden_size * dtype.itemsize
+
+
 def test_compiled_plan_is_below_eager_and_says_so():
     """At Llama-3.2-1B's shape the partitioner saves 75,912 bytes a token and block where eager saves
     108,680; compiling the loss too frees 8 bytes a logit at the start of backward (eager: fp32
@@ -147,7 +182,8 @@ def test_compiled_plan_is_below_eager_and_says_so():
 @pytest.mark.parametrize("change", [
     dict(train=dict(recompute="full")), dict(train=dict(recompute="selective")), dict(parallel=dict(tp=2)),
     dict(model=dict(activation="gelu", norm="layernorm", position="learned")),
-    dict(lora=dict(r=8, quantize_base="int4")),
+    dict(lora=dict(r=8, quantize_base="int4")), dict(train=dict(recompute="ops", precision="fp8")),
+    dict(train=dict(recompute="ops"), lora=dict(r=8)),
     dict(train=dict(kernels="triton")),
 ])
 def test_other_compiled_runs_replay_the_eager_blocks(change):

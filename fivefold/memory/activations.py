@@ -93,6 +93,8 @@ class Shapes:
     compiled: bool = False
     # Config.compiled_loss: the final norm and the cross-entropy compiled (_compiled_head).
     compiled_loss: bool = False
+    # train.compile with train.recompute=ops: eager's op-level policy, less the block's last product (Replay.unkeep).
+    compiled_ops: bool = False
 
     @property
     def chunk(self) -> int:
@@ -199,6 +201,17 @@ class Replay:
             else:
                 buf.state = "saved"
                 self.saved_bytes += buf.nbytes
+
+    def unkeep(self, buf: _Buf) -> None:
+        """Undo `kept` for an output no backward reads: torch.compile's partitioner drops it from what the
+        graph saves, where eager's policy cache holds it (a compiled block's last product)."""
+        if buf.state == "saved":
+            self.saved_bytes -= buf.nbytes
+            buf.state = "temp"
+        elif buf.state == "cached":
+            self.live += buf.nbytes
+            self._tick()
+            buf.state = "temp"
 
     def matmul(self, buf: _Buf) -> _Buf:
         """A matmul's output: in a train.recompute=ops region every other one is kept."""
@@ -473,6 +486,8 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         r.save(up, *([prod] if down_input and not d.fp8 else []))
         r.free(up)
     out = _adapt(r, prod, _row_parallel(r, d.f, d, "down"), d, "down")
+    if d.compiled_ops:  # the block's last product: the ops policy keeps it, nothing in backward reads it
+        r.unkeep(out)
     if d.fp8:
         # A float8 linear is an autograd.Function: its saved input is packed once its forward has returned
         # (an aten op saves before it runs), which is where a recomputed block stops.

@@ -74,13 +74,15 @@ def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
     """Whether the activations replay compiled blocks (activations._compiled_block): train.compile on
     `device` with the blocks that list was checked for against torch.compile's partitioner: dense
     RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, in any
-    precision (fp8: torchao's float8 linears), no recomputation, no tensor, sequence or context
+    precision (fp8: torchao's float8 linears), no recomputation (or train.recompute=ops, bf16 or fp32 without
+    LoRA: eager's op-level policy less the block's last product, which no backward reads), no tensor, sequence or context
     parallelism, no QLoRA (LoRA is: its adapters' A outputs, dropout's masks and dropped inputs, and only the
     activations something trained needs), no document mask. Any other compiled run replays the eager model's saved
     tensors (an upper bound: the partitioner saves no more than eager does; under full recomputation a
     block saves only its input either way, and what its recomputation holds is eager's in the plan)."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    return (t.compiled(device) and t.recompute == "none" and t.kernels == "torch"
+    ops = t.recompute == "ops" and t.precision != "fp8" and not cfg.lora.r
+    return (t.compiled(device) and (t.recompute == "none" or ops) and t.kernels == "torch"
             and not m.num_experts and m.norm == "rmsnorm" and m.activation == "swiglu" and m.position == "rope"
             and not m.document_mask and not scores_materialised(cfg, device) and par.tp == 1 and par.cp == 1
             and cfg.lora.quantize_base == "none")
@@ -109,7 +111,9 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   expert_f=math.ceil(m.expert_size / tp) if m.num_experts else 0,
                   shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
                   ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg),
-                  compiled=compiled_blocks_modelled(cfg, device), compiled_loss=cfg.compiled_loss(device))
+                  compiled=compiled_blocks_modelled(cfg, device) and t.recompute == "none",
+                  compiled_ops=compiled_blocks_modelled(cfg, device) and t.recompute == "ops",
+                  compiled_loss=cfg.compiled_loss(device))
 
 
 def _capacity(cfg: Config) -> int:
@@ -635,7 +639,8 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
                      "not counted here (NCCL makes no such copy)")
     if compiled_blocks_modelled(cfg, device):
         notes.append(f"train.compile={cfg.train.compile}: the blocks save what torch.compile's min-cut partitioning "
-                     "keeps (checked against it on CPU)")
+                     "keeps (checked against it on CPU)" + ("; under train.recompute=ops, eager's kept op outputs less "
+                                                            "the block's last product" if cfg.train.recompute == "ops" else ""))
     elif cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; for this model, precision or layout the activations here replay the eager model")

@@ -67,6 +67,8 @@ def run_config(run: dict) -> Config:
         setattr(cfg.model, key, value)
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, run["seq_len"])
     cfg.train.seq_len, cfg.train.precision = run["seq_len"], run.get("precision", "bf16-mixed")
+    # An eager run's memory is eager's too: its blocks and loss keep what eager PyTorch keeps.
+    cfg.train.compile = "auto" if run.get("compiled", True) else "false"
     check_layout(cfg, implemented=False)  # a layout another framework runs
     return cfg
 
