@@ -150,9 +150,34 @@ def test_compiled_ops_recomputation_keeps_eagers_policy_less_the_last_product(sh
     for name, c in (("compiled", compiled), ("eager", eager)):
         d = activation_shapes(c, "cpu")
         planned[name] = replay_forward(d, 3, "ops").saved_bytes - replay_forward(d, 2, "ops").saved_bytes
-    assert activation_shapes(compiled, "cpu").compiled_ops and not activation_shapes(eager, "cpu").compiled_ops
+    assert activation_shapes(compiled, "cpu").compiled and not activation_shapes(eager, "cpu").compiled
     assert planned["compiled"] == saved
     assert planned["eager"] - planned["compiled"] == b * s * cfg.hidden_size * dtype.itemsize
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_compiled_recomputation_saves_what_the_partitioner_keeps(shape, mode):
+    """selective under torch.compile: the dense list less the attention output and its logsumexp (the
+    backward graph runs the core again first); full: the block input (checkpoint's RNG state aside)."""
+    cfg, b, s = model_config(shape), 2, 32
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(torch.bfloat16)
+    apply_recompute(model, mode)
+    block = model.layers[0]
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    ctx = ForwardContext()
+    positions = model.positions(ids, ctx)
+    x = model.embed(ids, positions).detach().requires_grad_(True)
+    rope, mask = model.context(ids, positions, ctx, x.dtype)
+    saved = graph_saved_bytes(block.forward, x, rope, mask,
+                              keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size),
+                              skip=lambda value: value.dtype == torch.uint8)
+    c = Config(model=cfg, train=TrainConfig(precision="bf16-mixed", compile="true", recompute=mode,
+                                            micro_batch_size=b, seq_len=s))
+    d = activation_shapes(c, "cpu")
+    assert d.compiled
+    assert replay_forward(d, 3, mode).saved_bytes - replay_forward(d, 2, mode).saved_bytes == saved
 
 
 def test_compiled_plan_is_below_eager_and_says_so():
@@ -180,7 +205,8 @@ def test_compiled_plan_is_below_eager_and_says_so():
 
 
 @pytest.mark.parametrize("change", [
-    dict(train=dict(recompute="full")), dict(train=dict(recompute="selective")), dict(parallel=dict(tp=2)),
+    dict(train=dict(recompute="full", precision="fp8")), dict(train=dict(recompute="selective"), lora=dict(r=8)),
+    dict(parallel=dict(tp=2)),
     dict(model=dict(activation="gelu", norm="layernorm", position="learned")),
     dict(lora=dict(r=8, quantize_base="int4")), dict(train=dict(recompute="ops", precision="fp8")),
     dict(train=dict(recompute="ops"), lora=dict(r=8)),

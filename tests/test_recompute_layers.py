@@ -78,10 +78,23 @@ def test_sweep_cli(tmp_path, capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]
-    assert "replay eager blocks" in out["note"]  # train.compile=auto compiles on CUDA, the sweep compares eager rows
+    assert "note" not in out  # train.compile=auto compiles on CUDA, and every row replays compiled blocks
     assert png.stat().st_size > 10_000
     line = [r for r in rows if r["recompute"] != "selective"]
     assert [r["recompute"] for r in line][0] == "none" and line[-1]["recompute"] == "full"
     assert all(a["activations"] > b["activations"] and a["extra_compute"] < b["extra_compute"]
                for a, b in zip(line, line[1:]))
     assert line[-1]["extra_compute"] == pytest.approx(0.31, abs=0.02)  # one more forward of every layer
+
+
+def test_sweep_compares_eager_rows_where_the_compiled_replay_stops(capsys):
+    """fp8 (and LoRA) blocks are replayed compiled only without recomputation: a sweep of them compares
+    eager blocks in every row and says so; its rows then equal an eager sweep's."""
+    base = ["plan", "--preset", "llama3.2-1b", "--set", "train.precision=fp8", "--set", "train.micro_batch_size=1",
+            "--set", "train.seq_len=2048", "--sweep", "recompute", "--values", "4,2,1", "--json"]
+    assert main(base) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert "replay eager blocks" in compiled["note"]
+    assert main([*base, "--set", "train.compile=false"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert "note" not in eager and compiled["rows"] == eager["rows"]

@@ -12,7 +12,7 @@ from fivefold.commands import plan_fit, plan_serve, plan_speed
 from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
 from fivefold.commands.plan_fit import run_fit
 from fivefold.config import ConfigError
-from fivefold.memory.plan import (RECOMPUTE_SWEEP_NOTE, model_name, plan_memory, recompute_sweep,
+from fivefold.memory.plan import (RECOMPUTE_SWEEP_NOTE, model_name, plan_memory, recompute_sweep, sweep_replays_eager,
                                   scores_materialised, sweep)
 from fivefold.memory.plots import plot_recompute_sweep, plot_sweep, plot_timeline
 from fivefold.memory.tracker import measure_memory, random_datasets
@@ -126,7 +126,7 @@ def _sweep_values(cfg, key: str) -> list[int]:
 def _run_recompute_sweep(args, cfg) -> int:
     every = [int(v) for v in args.values.split(",")] if args.values else None
     rows = recompute_sweep(cfg, device=args.device, every=every)
-    note = RECOMPUTE_SWEEP_NOTE if cfg.train.compiled(args.device) else ""
+    note = RECOMPUTE_SWEEP_NOTE if sweep_replays_eager(cfg, args.device) else ""
     if args.json:
         print(json.dumps({"key": "recompute", "rows": rows, **({"note": note} if note else {})}, indent=2))
     else:

@@ -93,8 +93,6 @@ class Shapes:
     compiled: bool = False
     # Config.compiled_loss: the final norm and the cross-entropy compiled (_compiled_head).
     compiled_loss: bool = False
-    # train.compile with train.recompute=ops: eager's op-level policy, less the block's last product (Replay.unkeep).
-    compiled_ops: bool = False
 
     @property
     def chunk(self) -> int:
@@ -486,8 +484,8 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         r.save(up, *([prod] if down_input and not d.fp8 else []))
         r.free(up)
     out = _adapt(r, prod, _row_parallel(r, d.f, d, "down"), d, "down")
-    if d.compiled_ops:  # the block's last product: the ops policy keeps it, nothing in backward reads it
-        r.unkeep(out)
+    if d.compiled and r.ops is not None:  # compiled, under the ops policy: the block's last product, which the
+        r.unkeep(out)                     # policy keeps and nothing in backward reads
     if d.fp8:
         # A float8 linear is an autograd.Function: its saved input is packed once its forward has returned
         # (an aten op saves before it runs), which is where a recomputed block stops.
@@ -666,7 +664,7 @@ def _all_to_all_dispatch(r: Replay, x: _Buf, A: float, d: Shapes) -> _Buf:
     return out
 
 
-def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf:
+def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True, selective: bool = False) -> _Buf:
     """A dense block as torch.compile runs it. Its min-cut partitioner keeps the tensors that a matmul or
     the attention kernel made and recomputes the pointwise rest (the norms' products, RoPE, SiLU, the
     residual sums) in backward, from: the block input and each norm's rsqrt; the normed inputs of q/k/v
@@ -683,6 +681,11 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf
     from what it keeps besides them, the block input, the rsqrts and the mid-block residual (plus each
     cast's 0-dim amax): 2ph + 2pq + 2p kv + 4 heads + 8 + 2pf, 61.5 against 96.4 KB (bf16, compiled) at
     Llama-3.2-3B's shape.
+
+    Recomputation: under `selective` the block's backward graph runs the attention core again, so its
+    output and logsumexp are not kept (o_proj's weight gradient waits for that recomputation, which a single
+    backward graph may order first); under `full` only the block input is (the checkpoint's); under `ops`
+    the replay is eager's policy less the block's last product (_mlp, Replay.unkeep).
 
     Under LoRA the block is frozen: each adapter keeps its A output (and under dropout its dropped input,
     plus a bool mask where that input needs a gradient); a linear's input stays only where an adapter reads
@@ -727,8 +730,8 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf
     o_adapter = adapters(("o",), d.q, attention_grad)
     o = r.alloc(bsh)
     r.save(*qkv_adapters, *o_adapter, *([n] if input_kept("q", "k", "v") and not d.fp8 else []))
-    if attention_grad:
-        r.save(q, k, v, out, lse)
+    if attention_grad:  # selective: the attention core is run again in the block's backward graph
+        r.save(q, k, v, *([] if selective else [out, lse]))
     elif input_kept("o"):  # o_proj's adapter multiplies the attention output
         r.save(out)
     if x2_grad and not d.fp8:  # the mid-block residual is recomputed from o_proj's output (fp8: kept itself)
@@ -756,8 +759,8 @@ def _compiled_block(r: Replay, x: _Buf, d: Shapes, grad_in: bool = True) -> _Buf
 
 
 def _block(r: Replay, x: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
-    if d.compiled:
-        return _compiled_block(r, x, d, grad_in)
+    if d.compiled and r.ops is None:  # (a compiled block under the ops policy: eager's replay, less its last product)
+        return _compiled_block(r, x, d, grad_in, selective)
     r.mark("block")
     n = _norm(r, x, d, grad_in)
     o = _attention(r, n, d, selective, grad_in)

@@ -74,15 +74,15 @@ def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
     """Whether the activations replay compiled blocks (activations._compiled_block): train.compile on
     `device` with the blocks that list was checked for against torch.compile's partitioner: dense
     RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, in any
-    precision (fp8: torchao's float8 linears), no recomputation (or train.recompute=ops, bf16 or fp32 without
-    LoRA: eager's op-level policy less the block's last product, which no backward reads), no tensor, sequence or context
+    precision (fp8: torchao's float8 linears) without recomputation, or in bf16 / fp32 without LoRA under any
+    train.recompute (ops: eager's op-level policy less the block's last product, which no backward reads;
+    selective: without the attention core's output; full: the block input), no tensor, sequence or context
     parallelism, no QLoRA (LoRA is: its adapters' A outputs, dropout's masks and dropped inputs, and only the
     activations something trained needs), no document mask. Any other compiled run replays the eager model's saved
-    tensors (an upper bound: the partitioner saves no more than eager does; under full recomputation a
-    block saves only its input either way, and what its recomputation holds is eager's in the plan)."""
+    tensors (an upper bound: the partitioner saves no more than eager does)."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    ops = t.recompute == "ops" and t.precision != "fp8" and not cfg.lora.r
-    return (t.compiled(device) and (t.recompute == "none" or ops) and t.kernels == "torch"
+    return (t.compiled(device) and (t.recompute == "none" or (t.precision != "fp8" and not cfg.lora.r))
+            and t.kernels == "torch"
             and not m.num_experts and m.norm == "rmsnorm" and m.activation == "swiglu" and m.position == "rope"
             and not m.document_mask and not scores_materialised(cfg, device) and par.tp == 1 and par.cp == 1
             and cfg.lora.quantize_base == "none")
@@ -111,9 +111,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   expert_f=math.ceil(m.expert_size / tp) if m.num_experts else 0,
                   shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
                   ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg),
-                  compiled=compiled_blocks_modelled(cfg, device) and t.recompute == "none",
-                  compiled_ops=compiled_blocks_modelled(cfg, device) and t.recompute == "ops",
-                  compiled_loss=cfg.compiled_loss(device))
+                  compiled=compiled_blocks_modelled(cfg, device), compiled_loss=cfg.compiled_loss(device))
 
 
 def _capacity(cfg: Config) -> int:
@@ -575,8 +573,9 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
     those are evaluated."""
     parts = layer_backward_parts(d)
     region = {}  # block -> its recomputed region in replay.regions
+    core_graph = d.compiled  # a compiled block's backward graph runs its selective core again itself: no region
     for i, mode in enumerate(modes):
-        if mode != "none":
+        if mode != "none" and not (mode == "selective" and core_graph):
             region[i] = len(region)
     last = len(modes) - 1
     ends = {i for mode in set(modes) for i in (modes.index(mode), last - modes[::-1].index(mode))}
@@ -587,7 +586,9 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
             attn_end, mlp_end, recomputed = before + alone["attention"], before + alone["mlp"], before + peak
         else:
             attn_end, mlp_end, recomputed = replay.blocks[i]["attention"], replay.blocks[i]["mlp"], 0.0
-            if modes[i] == "selective":  # the attention core's tensors are recomputed before its backward
+            if modes[i] == "selective" and core_graph:  # its output and logsumexp are back for its backward
+                attn_end += d.p * d.b * d.s * d.q + 4 * d.b * d.heads * d.s
+            elif modes[i] == "selective":  # the attention core's tensors are recomputed before its backward
                 before, peak, alone = replay.regions[region[i]]
                 attn_end, recomputed = attn_end + alone["saved"], before + peak
         if not d.sdpa:
@@ -783,8 +784,16 @@ def sweep(cfg: Config, key: str, values: list[int], device: str = "cuda") -> dic
     return out
 
 
-RECOMPUTE_SWEEP_NOTE = ("the rows replay eager blocks; under train.compile the blocks without recomputation save "
-                        "less (the plan without --sweep shows it)")
+RECOMPUTE_SWEEP_NOTE = ("the rows replay eager blocks: the compiled replay covers recomputation for dense bf16 / fp32 "
+                        "blocks without LoRA only; under train.compile the blocks without recomputation save less "
+                        "(the plan without --sweep shows it)")
+
+
+def sweep_replays_eager(cfg: Config, device: str) -> bool:
+    """Whether recompute_sweep compares eager blocks for a compiled run: where the compiled replay does not
+    cover recomputation (compiled_blocks_modelled), so that its rows compare like with like."""
+    return cfg.train.compiled(device) and not compiled_blocks_modelled(_with(cfg, {"train.recompute": "full"}),
+                                                                        device)
 
 
 def recompute_sweep(cfg: Config, device: str = "cuda", every: list[int] | None = None) -> list[dict]:
@@ -792,10 +801,11 @@ def recompute_sweep(cfg: Config, device: str = "cuda", every: list[int] | None =
     every k-th layer (train.recompute_layers="every:k") for k from the layer count down to 1, and selective.
     `extra_compute`: the recomputed forward FLOPs as a fraction of the step's (formulas.flops_per_token).
     Each recomputed layer gives back its saved activations but its input for one more forward, so memory
-    falls and compute grows linearly in the recomputed layers. Every row replays eager blocks: compiled
-    ones are modelled without recomputation only (compiled_blocks_modelled), and a sweep must compare like
-    with like (RECOMPUTE_SWEEP_NOTE)."""
-    cfg = _with(cfg, {"train.compile": "false"})
+    falls and compute grows linearly in the recomputed layers. Compiled runs replay compiled blocks in every
+    row where the compiled replay covers recomputation, and eager blocks in every row elsewhere
+    (sweep_replays_eager, RECOMPUTE_SWEEP_NOTE): a sweep compares like with like."""
+    if sweep_replays_eager(cfg, device):
+        cfg = _with(cfg, {"train.compile": "false"})
     m, seq = cfg.model, cfg.train.seq_len
     n = m.num_layers
     step = formulas.flops_per_token(m, seq)
