@@ -34,18 +34,21 @@ def model_config(shape: str) -> ModelConfig:
 
 
 def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int, fp8: bool = False,
-                            lora: LoraConfig | None = None, grad_in: bool = True) -> int:
+                            lora: LoraConfig | None = None, grad_in: bool = True, recompute: str = "none") -> int:
     """Bytes the compiled block's forward saves for backward: its graph's outputs after the block's own
     output, less the inputs it saves as they are (weights, the shared RoPE tables) except the block input,
     the one activation among them, and less 0-dim tensors (fp8's amax scalars). `fp8`: the block's linears
     as torchao's float8 linears, emulated (the CPU's product in place of torch._scaled_mm). `lora`: adapters
     on a frozen block; `grad_in`: whether the block input needs a gradient (not the first block's under LoRA,
-    whose embedding is frozen)."""
+    whose embedding is frozen); `recompute`: the block checkpointed as train.recompute does it (the graph
+    also keeps checkpoint's RNG state, uint8, left out: 16 bytes on a GPU)."""
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
     if lora is not None:
         apply_lora(model, lora)
         model.to(dtype)
+    if recompute != "none":
+        apply_recompute(model, recompute)
     block = model.layers[0]
     if fp8:
         from torchao import float8
@@ -56,8 +59,10 @@ def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int
     positions = model.positions(ids, ctx)
     x = model.embed(ids, positions).detach().requires_grad_(grad_in)
     rope, mask = model.context(ids, positions, ctx, x.dtype)
-    return graph_saved_bytes(type(block).forward, block, x, rope, mask,
-                             keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size))
+    # A recomputing block's forward is its checkpointing wrapper, which the trainer compiles (compile_module).
+    fn, args = (block.forward, ()) if recompute != "none" else (type(block).forward, (block,))
+    return graph_saved_bytes(fn, *args, x, rope, mask, keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size),
+                             skip=lambda value: value.dtype == torch.uint8)
 
 
 def graph_saved_bytes(fn, *args, keep=lambda value: True, skip=lambda value: False) -> int:
@@ -127,22 +132,9 @@ def test_compiled_lora_block_saves_what_the_partitioner_keeps(targets, dropout, 
 def test_compiled_ops_recomputation_keeps_eagers_policy_less_the_last_product(shape, precision, dtype):
     """train.recompute=ops under torch.compile: the policy's kept outputs (q, v, gate; the attention output
     and its logsumexp) and the block input, but not down_proj's output, which eager's policy cache holds
-    and nothing in backward reads (the partitioner's graph also keeps checkpoint's RNG state: 0-dim here,
-    16 bytes on a GPU)."""
+    and nothing in backward reads."""
     cfg, b, s = model_config(shape), 2, 32
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(dtype)
-    apply_recompute(model, "ops")
-    block = model.layers[0]
-    ids = torch.randint(0, cfg.vocab_size, (b, s))
-    ctx = ForwardContext()
-    positions = model.positions(ids, ctx)
-    x = model.embed(ids, positions).detach().requires_grad_(True)
-    rope, mask = model.context(ids, positions, ctx, x.dtype)
-    # block.forward is the recomputing wrapper the trainer compiles (fivefold.train.recompute.compile_module)
-    saved = graph_saved_bytes(block.forward, x, rope, mask,
-                              keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size),
-                              skip=lambda value: value.dtype == torch.uint8)
+    saved = partitioner_saved_bytes(cfg, dtype, b, s, recompute="ops")
     compiled = Config(model=cfg, train=TrainConfig(precision=precision, compile="true", recompute="ops",
                                                    micro_batch_size=b, seq_len=s))
     eager = dataclasses.replace(compiled, train=dataclasses.replace(compiled.train, compile="false"))
@@ -159,20 +151,9 @@ def test_compiled_ops_recomputation_keeps_eagers_policy_less_the_last_product(sh
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_compiled_recomputation_saves_what_the_partitioner_keeps(shape, mode):
     """selective under torch.compile: the dense list less the attention output and its logsumexp (the
-    backward graph runs the core again first); full: the block input (checkpoint's RNG state aside)."""
+    backward graph runs the core again first); full: the block input."""
     cfg, b, s = model_config(shape), 2, 32
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(torch.bfloat16)
-    apply_recompute(model, mode)
-    block = model.layers[0]
-    ids = torch.randint(0, cfg.vocab_size, (b, s))
-    ctx = ForwardContext()
-    positions = model.positions(ids, ctx)
-    x = model.embed(ids, positions).detach().requires_grad_(True)
-    rope, mask = model.context(ids, positions, ctx, x.dtype)
-    saved = graph_saved_bytes(block.forward, x, rope, mask,
-                              keep=lambda value: tuple(value.shape) == (b, s, cfg.hidden_size),
-                              skip=lambda value: value.dtype == torch.uint8)
+    saved = partitioner_saved_bytes(cfg, torch.bfloat16, b, s, recompute=mode)
     c = Config(model=cfg, train=TrainConfig(precision="bf16-mixed", compile="true", recompute=mode,
                                             micro_batch_size=b, seq_len=s))
     d = activation_shapes(c, "cpu")
