@@ -639,17 +639,19 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
                      "while the collective runs: transient, up to one gradient bucket or gathered unit more, "
                      "not counted here (NCCL makes no such copy)")
     if compiled_blocks_modelled(cfg, device):
+        ops = "; under train.recompute=ops, eager's kept op outputs less the block's last product"
         notes.append(f"train.compile={cfg.train.compile}: the blocks save what torch.compile's min-cut partitioning "
-                     "keeps (checked against it on CPU)" + ("; under train.recompute=ops, eager's kept op outputs less "
-                                                            "the block's last product" if cfg.train.recompute == "ops" else ""))
+                     f"keeps (checked against it on CPU){ops if cfg.train.recompute == 'ops' else ''}")
     elif cfg.train.compiled(device):
         notes.append(f"train.compile={cfg.train.compile}: torch.compile chooses what to save (min-cut partitioning), usually "
                      "less than eager; for this model, precision or layout the activations here replay the eager model")
-    if cfg.train.compiled(device):
+    if cfg.compiled_loss(device):
         notes.append("the final norm and the loss are compiled too: the logits are kept in the compute dtype with two "
-                     "fp32 figures a row, not as fp32 log-probabilities" if cfg.compiled_loss(device) else
-                     "the final norm and the loss run eagerly (" + ("train.compile=blocks" if cfg.train.compile == "blocks"
-                     else "the chunked loss" if cfg.train.loss_chunk else "tp > 1: the vocabulary-parallel loss") + ")")
+                     "fp32 figures a row, not as fp32 log-probabilities")
+    elif cfg.train.compiled(device):
+        why = ("train.compile=blocks" if cfg.train.compile == "blocks" else "the chunked loss" if cfg.train.loss_chunk
+               else "tp > 1: the vocabulary-parallel loss")
+        notes.append(f"the final norm and the loss run eagerly ({why})")
     if cfg.train.precision == "fp8" and compiled_blocks_modelled(cfg, device):
         notes.append("fp8: model states as bf16-mixed; the compiled blocks save less than bf16-mixed's (each float8 "
                      "linear's bf16 input is recomputed in backward)")
