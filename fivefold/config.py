@@ -274,8 +274,7 @@ class Config:
         collectives eagerly). Compiled, the loss keeps the logits in the compute dtype and two fp32 figures
         a row for backward where eager keeps fp32 log-probabilities, and runs as a few fused kernels."""
         t = self.train
-        return (t.compile == "true" or (t.compile == "auto" and device == "cuda")) and not t.loss_chunk \
-            and self.parallel.tp == 1
+        return t.compiled(device) and t.compile != "blocks" and not t.loss_chunk and self.parallel.tp == 1
 
     @property
     def global_batch_sequences(self) -> int:
