@@ -8,8 +8,8 @@
 #                                         # COPY_TO=DIR also copies the results and the log there;
 #                                         # BATCH_SIZES=256 times fewer transformers static batches
 #
-# Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json and gpu_serve_<gpu>.log, where
-# <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
+# Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json, serve_paths_<gpu>.json and
+# gpu_serve_<gpu>.log, where <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
 #
 # A dry run on a CPU checks the plumbing (a tiny model; the CUDA-only profile and tests are skipped there):
 #   DEVICE=cpu MODEL=tiny GPU_SLUG=dry bash bench/gpu_serve.sh
@@ -31,14 +31,20 @@ step "anchors" 255 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --wo
 # (c) the default workload (the CPU results' request set: 32 requests, log-uniform outputs 16..256)
 step "default" 90 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_default_$gpu.json"
+# (d) the engine's other paths on the same weights: eager decode (no CUDA graphs), a LoRA adapter loaded
+#     (projections unfused, decode eager) with base requests and with every request on it
+step "paths" 150 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --requests 64 \
+    --skip-hf --paths --json "bench/results/serve_paths_$gpu.json"
 step "serve-predict" 75 "$PY" bench/serve_predict.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_predict_$gpu.json"
 
 print_steps
-"$PY" bench/gpu_summary.py serve "bench/results/serve_anchors_$gpu.json" "bench/results/serve_default_$gpu.json"
+"$PY" bench/gpu_summary.py serve "bench/results/serve_anchors_$gpu.json" "bench/results/serve_default_$gpu.json" \
+    "bench/results/serve_paths_$gpu.json"
 
 if [ -n "${COPY_TO:-}" ]; then
     mkdir -p "$COPY_TO" && cp -f bench/results/serve_anchors_"$gpu".json bench/results/serve_default_"$gpu".json \
+        bench/results/serve_paths_"$gpu".json \
         "$log" "$COPY_TO"/ 2>/dev/null
     echo "== copied the results to $COPY_TO"
 fi

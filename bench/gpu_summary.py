@@ -41,6 +41,13 @@ def serve_lines(d: dict) -> list[str]:
                        f"{m['copies']:g} copies, {m['syncs']:g} syncs")
         elif profile.get("failed"):
             out.append(f"{key.replace('_', ' ')} failed: {profile['failed']}")
+    decode_best = (decode.get("fivefold") or {}).get("best")
+    for title in ("quantized", "paths"):
+        for name, v in (d.get(title) or {}).items():
+            ratio = f" ({v['output_tokens_per_s'] / ours['output_tokens_per_s']:.2f}x)" if ours else ""
+            batch1 = f" ({v['decode_batch1']['best'] / decode_best:.2f}x)" if decode_best else ""
+            out.append(f"{name}: {v['output_tokens_per_s']:,.0f} output tok/s{ratio}, batch-1 decode "
+                       f"{v['decode_batch1']['best']:.0f} tok/s{batch1}; {v['engine_path']}")
     for key, t in (d.get("targets") or {}).items():
         shown = "not measured" if t["met"] is None else ("met" if t["met"] else "NOT met")
         value = "-" if t["value"] is None else f"{t['value']:,.2f}"

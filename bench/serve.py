@@ -136,6 +136,10 @@ def parse_args(argv=None):
                    help="also serve the model with its block linears quantized (fivefold.quant; comma-separated "
                         "int8,int4; GPTQ stores int4's format and runs at its speed) and compare batch-1 decode "
                         "and the whole request set against the --dtype model")
+    p.add_argument("--paths", action="store_true",
+                   help="also serve the request set through the engine's other paths on the same weights: eager "
+                        "decode (serve.cuda_graphs=false; CUDA), and a LoRA adapter loaded (unfused, eager), with "
+                        "base requests and with every request on it")
     p.add_argument("--skip-roofline", action="store_true",
                    help="do not measure the matmul peak and memory bandwidth (minutes for bf16 on a CPU without "
                         "native bf16 matmuls); the roofline fractions are then not printed")
@@ -323,7 +327,8 @@ def pad_id(cfg) -> int:
     return cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else 0
 
 
-def make_llm(model, args, requests: list[Request], tokenizer=None) -> LLM:
+def make_llm(model, args, requests: list[Request], tokenizer=None, **options) -> LLM:
+    """The engine every run here measures; `options`: LLM's others (adapters, cuda_graphs, ...)."""
     # Room for every request at once, plus a spare block each, so the run never preempts: this measures
     # batching, not a pool sized too small (that is --kv-blocks N).
     block = ServeConfig().block_size
@@ -331,7 +336,7 @@ def make_llm(model, args, requests: list[Request], tokenizer=None) -> LLM:
                                    blocks_for(args.decode_prompt + args.decode_output, block) + 1)  # batch-1 decode too
     return LLM(model, tokenizer=tokenizer, device=args.device, seed=args.seed, num_blocks=blocks,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, linear=args.linear)
+               max_model_len=args.max_model_len, linear=args.linear, **options)
 
 
 def greedy(r: Request) -> SamplingParams:
@@ -371,15 +376,16 @@ def step_summary(times: list[float], skip: float = 0.1) -> dict:
             "steps_over_3x_median": sum(t > 3 * median for t in rest), "times_s": times}
 
 
-def run_fivefold(llm: LLM, requests: list[Request]) -> dict:
-    """All requests at once; the engine's own clock gives each one's TTFT and TPOT."""
+def run_fivefold(llm: LLM, requests: list[Request], adapter: str | None = None) -> dict:
+    """All requests at once (on LoRA adapter `adapter`, None: the base); the engine's own clock gives each
+    one's TTFT and TPOT."""
     preempted = llm.engine.scheduler.preemptions
     steps = llm.engine.stats["steps"]
     device = llm.engine.device
     sync(device)
     start, cpu = time.perf_counter(), time.process_time()
     with timed_steps(llm.engine) as step_times:
-        outs = llm.generate([r.prompt for r in requests], [greedy(r) for r in requests])
+        outs = llm.generate([r.prompt for r in requests], [greedy(r) for r in requests], adapter=adapter)
     sync(device)
     wall = time.perf_counter() - start
     # On a GPU the host mostly waits for it: its CPU time says nothing about contention.
@@ -535,18 +541,32 @@ def check_same_greedy(llm: LLM, hf, vocab: int, dtype: str, seed: int, tokens: i
             "max_logprob_diff": worst, "near_tie_split": split}
 
 
-def decode_batch1(llm: LLM, hf, prompt: list[int], output: int, reps: int, pad: int) -> dict:
-    """Decode tokens/s of one request after its first token: (output - 1) / (time after the first)."""
+def decode_batch1(llm: LLM, hf, prompt: list[int], output: int, reps: int, pad: int, adapter: str | None = None) -> dict:
+    """Decode tokens/s of one request (on LoRA adapter `adapter`) after its first token: (output - 1) / (time
+    after the first)."""
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     out = {"fivefold": [], "transformers": []}
     for _ in range(reps):
-        o = llm.generate([prompt], params)[0]
+        o = llm.generate([prompt], params, adapter=adapter)[0]
         out["fivefold"].append(1 / o.tpot)
         if hf is not None:
             _, times = hf_generate(hf, [prompt], output, pad)
             out["transformers"].append((output - 1) / (times[output - 1] - times[0]))
     return {side: {"tokens_per_s": xs, "best": max(xs), "median": statistics.median(xs)}
             for side, xs in out.items() if xs}
+
+
+def serve_variant(model, args, requests: list[Request], decode_prompt: list[int], adapter: str | None = None,
+                  **options) -> dict:
+    """Another engine over `model` (make_llm's `options`), warmed up, then timed like the main one: the whole
+    request set and batch-1 decode, every request on `adapter` (None: the base)."""
+    llm = make_llm(model, args, requests, **options)
+    warm = make_requests(4, model.cfg.vocab_size, (16, 64), (4, 8), args.seed + 2)
+    llm.generate([r.prompt for r in warm], [greedy(r) for r in warm], adapter=adapter)
+    run = run_fivefold(llm, requests, adapter)
+    decode = decode_batch1(llm, None, decode_prompt, args.decode_output, args.decode_reps, 0, adapter)["fivefold"]
+    return {"engine_path": llm.engine.path, "output_tokens_per_s": run["output_tokens_per_s"],
+            "step_median_s": run["step_times"]["median_s"], "token_ids": run["token_ids"], "decode_batch1": decode}
 
 
 def run_quantized(model, args, requests: list[Request], decode_prompt: list[int]) -> dict:
@@ -568,27 +588,69 @@ def run_quantized(model, args, requests: list[Request], decode_prompt: list[int]
         quantized = quantized.to(DTYPES[args.dtype]).eval()
         weight_bytes = sum(b.numel() * b.element_size() for b in quantized.buffers()) + \
             sum(p.numel() * p.element_size() for p in quantized.parameters())
-        llm = make_llm(quantized, args, requests)
-        warm = make_requests(4, model.cfg.vocab_size, (16, 64), (4, 8), args.seed + 2)
-        llm.generate([r.prompt for r in warm], [greedy(r) for r in warm])
         print(f"fivefold engine, {method} weights ...", flush=True)
-        run = run_fivefold(llm, requests)
-        decode = decode_batch1(llm, None, decode_prompt, args.decode_output, args.decode_reps, 0)["fivefold"]
-        out[method] = {"weight_bytes": weight_bytes, "output_tokens_per_s": run["output_tokens_per_s"],
-                       "decode_batch1": decode, "token_ids": run["token_ids"]}
+        out[method] = {"weight_bytes": weight_bytes, **serve_variant(quantized, args, requests, decode_prompt)}
     return out
+
+
+# The engine's other paths (--paths; docs/serving.md, "Paths"): where a path differs from the main run's.
+PATHS = {
+    "eager decode": "the same engine with serve.cuda_graphs=false: decode steps run the same kernels eagerly",
+    "LoRA loaded, base requests": "a rank-16 adapter on every projection loaded: q/k/v and gate/up unfused, "
+                                  "decode eager (the adapters hook the separate projections); no request uses it",
+    "LoRA on every request": "the same engine, every request on the adapter: two thin products per projection",
+}
+
+
+def random_adapter(cfg, directory: str, rank: int = 16, seed: int = 0) -> str:
+    """A PEFT directory of random rank-`rank` adapters on every projection of `cfg`'s shape."""
+    from fivefold.config import Config, LoraConfig
+    from fivefold.finetune.lora import adapter_shapes
+    from fivefold.finetune.peft import save_adapter
+
+    lora = LoraConfig(r=rank, alpha=rank)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(shape, generator=g) * 0.02 for n, shape in adapter_shapes(cfg, lora).items()}
+    return str(save_adapter(tensors, Config(model=cfg, lora=lora), directory))
+
+
+def run_paths(model, args, requests: list[Request], decode_prompt: list[int]) -> dict:
+    """--paths: the request set and batch-1 decode through each of the engine's other paths (PATHS) on the same
+    weights. Eager decode only where graphs exist (CUDA); the adapter's engine serves a copy of the model,
+    since the main engine fused this one's projections in place."""
+    import copy
+    import tempfile
+
+    out = {}
+    if args.device == "cuda":
+        print("fivefold engine, eager decode ...", flush=True)
+        out["eager decode"] = serve_variant(model, args, requests, decode_prompt, cuda_graphs="false")
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = {"a": random_adapter(model.cfg, tmp, seed=args.seed)}
+        twin = copy.deepcopy(model)
+        for name, adapter in (("LoRA loaded, base requests", None), ("LoRA on every request", "a")):
+            print(f"fivefold engine, {name} ...", flush=True)
+            out[name] = serve_variant(twin, args, requests, decode_prompt, adapter, adapters=adapters)
+            gc.collect()  # the engine's KV pool, before the next one sizes its own
+    return out
+
+
+def print_variants(title: str, variants: dict, ours: dict, decode: dict, first: str) -> None:
+    """The variants' batch-1 decode and request-set speeds beside the main run's (`first` names it)."""
+    print(f"\n{title}:")
+    print(f"  {'':<28}{'batch-1 decode tok/s':>22}{'ratio':>7}{'all requests tok/s':>20}{'ratio':>7}")
+    print(f"  {first:<28}{decode['fivefold']['best']:>22.1f}{1:>7.2f}{ours['output_tokens_per_s']:>20.1f}{1:>7.2f}")
+    for name, v in variants.items():
+        print(f"  {name:<28}{v['decode_batch1']['best']:>22.1f}{v['decode_batch1']['best'] / decode['fivefold']['best']:>7.2f}"
+              f"{v['output_tokens_per_s']:>20.1f}{v['output_tokens_per_s'] / ours['output_tokens_per_s']:>7.2f}")
+    for name, v in variants.items():
+        print(f"  {name}: {v['engine_path']}")
 
 
 def print_quantized(quant: dict, ours: dict, decode: dict, model, dtype: str) -> None:
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"\nquantized weights against {dtype} (same engine, same requests):")
-    print(f"  {'weights':<10}{'bytes':>14}{'batch-1 decode tok/s':>22}{'ratio':>7}{'all requests tok/s':>20}{'ratio':>7}")
-    print(f"  {dtype:<10}{base_bytes:>14,}{decode['fivefold']['best']:>22.1f}{1:>7.2f}"
-          f"{ours['output_tokens_per_s']:>20.1f}{1:>7.2f}")
-    for method, q in quant.items():
-        print(f"  {method:<10}{q['weight_bytes']:>14,}{q['decode_batch1']['best']:>22.1f}"
-              f"{q['decode_batch1']['best'] / decode['fivefold']['best']:>7.2f}{q['output_tokens_per_s']:>20.1f}"
-              f"{q['output_tokens_per_s'] / ours['output_tokens_per_s']:>7.2f}")
+    print_variants(f"quantized weights against {dtype} (same engine, same requests)", quant, ours, decode, dtype)
+    print(f"  weight bytes: {dtype} {base_bytes:,}; " + "; ".join(f"{m} {q['weight_bytes']:,}" for m, q in quant.items()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1068,6 +1130,13 @@ def main(argv=None) -> dict:
     if quant:
         print_quantized(quant, ours, decode, model, args.dtype)
     out["quantized"] = quant
+    paths = run_paths(model, args, requests, decode_prompt) if args.paths else None
+    if paths:
+        for v in paths.values():
+            v["requests_matching_fivefold"] = sum(a == b for a, b in zip(ours["token_ids"], v["token_ids"]))
+        print_variants("the engine's other paths (same weights, same requests)", paths, ours, decode,
+                       "main run (" + ("graphs" if cuda else "eager") + ")")
+    out["paths"] = paths
 
     if cuda and profile and "failed" not in profile:
         m = profile["median"]

@@ -371,3 +371,32 @@ def test_a_quantized_directory_serves_what_its_dequantized_model_computes(method
     from fivefold.serve.loading import load_model_for_serving
     with pytest.raises(ConfigError, match="tp=1"):
         load_model_for_serving(out, tp=2)
+
+
+@pytest.mark.parametrize("linear", ["torch", "auto"])  # F.linear as on a GPU: a miss would be silent there
+def test_quantizing_a_model_an_engine_fused_serves_the_quantized_weights(linear):
+    """An engine fuses q/k/v and gate/up in place (fivefold.serve.fused). Quantizing that model (or a copy of
+    it) afterwards must not leave the fused full-precision products computing the quantized projections:
+    the served log-probabilities are the quantized model's, not the full-precision one's."""
+    import copy
+
+    from fivefold.serve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    ids = [[5, 17, 300, 2, 41, 9], [7, 8]]
+
+    def served(model):
+        outs = LLM(model, num_blocks=32, block_size=8, linear=linear).generate(ids, params)
+        return torch.tensor([[e["logprob"] for e in o.logprobs] for o in outs])
+
+    def quantized(model):
+        swap_linears(model, quantize_model(model, "int4", 32))
+        return model
+
+    _, fresh = tiny_model()
+    full = served(fresh)  # fuses `fresh` in place
+    _, other = tiny_model()
+    want = served(quantized(other))
+    assert (want - full).abs().max() > 1e-3  # int4 codes move these log-probabilities
+    torch.testing.assert_close(served(quantized(copy.deepcopy(fresh))), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(served(quantized(fresh)), want, rtol=0, atol=1e-5)

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from fivefold.cli import main
+from fivefold.config import ConfigError
 from fivefold.config_load import load_config
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.sampling import RequestError
@@ -85,3 +86,72 @@ def test_server_routes_base_colon_adapter(runs):
         assert reply["choices"][0]["text"] == loaded.tokenizer.decode(want)
         missing = httpx.post(f"{url}/v1/completions", json={**body, "model": "base:zz"}, timeout=30)
         assert missing.status_code == 404 and "base:a" in missing.json()["error"]["message"]
+
+
+# -- one model, several engines: each prepares the model in place (fused projections, adapter hooks) --------
+
+@pytest.fixture(scope="module")
+def random_adapter(tmp_path_factory):
+    """A PEFT directory of random rank-4 adapters on every projection of the tiny preset."""
+    import torch
+
+    from fivefold.config import Config, LoraConfig
+    from fivefold.finetune.lora import adapter_shapes
+    from fivefold.finetune.peft import save_adapter
+    from fivefold.presets import get_preset
+
+    cfg, lora = get_preset("tiny"), LoraConfig(r=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(shape, generator=g) * 0.3 for n, shape in adapter_shapes(cfg, lora).items()}
+    return save_adapter(tensors, Config(model=cfg, lora=lora), tmp_path_factory.mktemp("random_adapter"))
+
+
+def fresh_model():
+    from fivefold.model import build_model
+    from fivefold.presets import get_preset
+
+    return build_model(get_preset("tiny"), "cpu", seed=0).eval()
+
+
+IDS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 8, 9]]
+
+
+def served(model, linear, adapter_dir=None):
+    adapters = {"a": adapter_dir} if adapter_dir else None
+    llm = LLM(model, adapters=adapters, linear=linear, **ENGINE)
+    return llm, texts(llm.generate(IDS, GREEDY, adapter="a" if adapter_dir else None))
+
+
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
+def test_adapters_on_a_model_an_earlier_engine_fused(random_adapter, linear):
+    import copy
+
+    from fivefold.serve.cpu_linear import onednn_available
+
+    if linear == "onednn" and not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    want = served(fresh_model(), linear, random_adapter)[1]
+    assert want != served(fresh_model(), linear)[1]  # the adapter changes the outputs
+    model = fresh_model()
+    llm, _ = served(model, linear)  # fuses q/k/v and gate/up in place (on oneDNN, re-laid input-major)
+    twin = copy.deepcopy(model)  # fused too, and no engine's
+    assert served(twin, linear, random_adapter)[1] == want
+    del llm
+    assert served(model, linear, random_adapter)[1] == want  # unfused again: the adapters' hooks see every product
+
+
+def test_two_live_engines_share_a_model_only_without_adapters(random_adapter):
+    want = served(fresh_model(), "torch")[1]
+    model = fresh_model()
+    first, got = served(model, "torch")
+    second, again = served(model, "torch")
+    assert got == again == want and texts(first.generate(IDS, GREEDY)) == want
+    with pytest.raises(ConfigError, match=r"already served by another engine \(without LoRA adapters\)"):
+        served(model, "torch", random_adapter)
+    del first, second
+    adapted, _ = served(model, "torch", random_adapter)
+    with pytest.raises(ConfigError, match=r"already served by another engine \(with LoRA adapters\)"):
+        served(model, "torch")
+    del adapted
+    assert served(model, "torch")[1] == want  # the adapters' hooks are gone with their engine
+    assert not model.layers[0].attn.o_proj._forward_hooks

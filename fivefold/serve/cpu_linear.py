@@ -170,6 +170,8 @@ def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], 
                 if pays(tuple(weight.shape), weight.dtype):
                     _relay(module, *fused)
                 routed += 1
+            elif isinstance(module, OneDNNLinear):  # routed by an earlier engine on this model
+                routed += 1
             elif type(module) is nn.Linear and module.weight.device.type == "cpu":
                 module.__class__ = OneDNNLinear
                 w = module.weight

@@ -24,7 +24,7 @@ from fivefold.kernels.paged_attention import warm_up
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.parallel.mesh import launched_world_size, local_device, resolve_device
-from fivefold.serve.adapters import AdapterSet, load_adapter
+from fivefold.serve.adapters import AdapterSet, load_adapter, take_model
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
@@ -92,6 +92,7 @@ class Engine:
         (fivefold.serve.adapters); a request names one with add_request(..., adapter=name)."""
         self.model, self.tokenizer = model.eval(), tokenizer
         self.adapters = None
+        take_model(model, self, adapters=bool(adapters))
         if adapters:
             if tp:
                 raise ConfigError("LoRA adapters are served with tp=1 (each rank would need its slices of them)")

@@ -5,7 +5,8 @@ At decode batch sizes a GEMM is bound by reading its weight and by its launch, s
 once, and the separate projections' parameters become views into it: parameter names, `state_dict()` and
 `Engine.update_weights` (which copies into those views) are unchanged, and no weight is held twice.
 Applied from outside, like the Triton kernels (fivefold.kernels): the model's classes change to
-subclasses whose `project` / `gate_and_up` run the fused product.
+subclasses whose `project` / `gate_and_up` run the fused product. `unfuse_projections` undoes it for an
+engine whose LoRA adapters hook the separate projections, when an earlier engine fused the same model.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ class FusedMLP(MLP):
 
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every attention's q/k/v and every SwiGLU MLP's gate/up in place (after the model is on its
-    device and dtype: moving it later would copy the parts apart); the number of modules fused."""
+    device and dtype: moving it later would copy the parts apart); the number of fused modules, these and
+    those an earlier engine fused. Such a module whose parts were replaced since is unfused first."""
+    unfuse_projections(model, stale_only=True)
     fused = 0
     for module in model.modules():
-        if type(module) is Attention:
+        if _fused_parts(module) is not None:
+            fused += 1
+        elif type(module) is Attention:
             parts = _fuse(module, ("q_proj", "k_proj", "v_proj"))
             if parts:
                 module.qkv_weight, module.qkv_bias = parts
@@ -77,6 +82,47 @@ def fuse_projections(model: nn.Module) -> int:
                 module.__class__ = _fused_mlp_class(type(module))
                 fused += 1
     return fused
+
+
+def _fused_parts(module: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
+    """(fused weight's name, the parts' names, the attributes fusing added) of a fused module, else None."""
+    if isinstance(module, FusedAttention):
+        return "qkv_weight", ("q_proj", "k_proj", "v_proj"), ("qkv_weight", "qkv_bias", "qkv_sizes")
+    if isinstance(module, MLP) and hasattr(module, "gate_up_weight"):
+        return "gate_up_weight", ("gate_proj", "up_proj"), ("gate_up_weight", "gate_up_bias")
+    return None
+
+
+def _is_view_of(linear: nn.Module, fused: torch.Tensor) -> bool:
+    return isinstance(linear, nn.Linear) and linear.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
+def unfuse_projections(model: nn.Module, stale_only: bool = False) -> int:
+    """Undo `fuse_projections` in place: each part's weight (and bias) its own contiguous tensor again, with
+    the same values, and the modules' own classes back; the number of modules unfused. `stale_only`: only
+    modules whose fused product no longer computes their parts (a part replaced since, e.g. quantized by
+    fivefold.quant on a model an engine had fused)."""
+    unfused = 0
+    for module in model.modules():
+        found = _fused_parts(module)
+        if found is None:
+            continue
+        fused_name, parts, attrs = found
+        fused = getattr(module, fused_name)
+        if stale_only and all(_is_view_of(getattr(module, name), fused) for name in parts):
+            continue
+        with torch.no_grad():
+            for name in parts:  # views into the fused weight (input-major on a CPU, fivefold.serve.cpu_linear)
+                linear = getattr(module, name)
+                if _is_view_of(linear, fused):
+                    linear.weight.data = linear.weight.detach().clone(memory_format=torch.contiguous_format)
+                    if linear.bias is not None:
+                        linear.bias.data = linear.bias.detach().clone()
+        for attr in (*attrs, "linear_fn"):
+            module.__dict__.pop(attr, None)
+        module.__class__ = type(module).__bases__[0]  # FusedAttention -> Attention, Fused<X>MLP -> <X>MLP
+        unfused += 1
+    return unfused
 
 
 _FUSED_MLPS: dict[type, type] = {MLP: FusedMLP}
