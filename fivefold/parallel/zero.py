@@ -15,6 +15,11 @@ Adam moments of its chunks only.
              after use. Embeddings, final norm and head are gathered for the whole forward and backward
              (they are used at both ends of the model, as FSDP does with its root).
 
+Under train.precision=fp8 with train.fp8_all_gather, stage 3 gathers the float8 linears' weights as
+float8: each unit's shard holds them after its other parameters, and after every step each rank casts its
+rows with the whole weight's scale (one all-reduce of the amaxes) into a float8 shard that is gathered in
+place of those rows (fivefold.train.fp8). The bf16 parameters of those weights are never gathered.
+
 Collectives move groups of parameters at once. A group's buffer holds, in rank order, every rank's
 chunks of the group's parameters back to back, zero-padded to full chunks: the layout reduce-scatter
 consumes and all-gather produces. Gradients are reduced in fp32 whatever the compute dtype, and land in
@@ -27,6 +32,7 @@ import math
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fivefold.checkpoint.pieces import Piece
@@ -118,6 +124,13 @@ class Bucket:
         self.folded = False  # this micro-batch's reduce-scatter is done and added to grad_shard
         self.shard: torch.Tensor | None = None  # stage 3: this rank's chunks of the parameters
         self.gathered = False
+        # Stage 3 under fp8 all-gather: the parameters gathered in their dtype (`rest`, the shard's first
+        # rest.shard_numel elements), and the float8 linears' weights (`fp8`, the rest of the shard), gathered
+        # from `fp8_shard` (their rows cast to float8, as bytes) into their modules' `gathered` tensors.
+        self.rest, self.fp8 = group, None
+        self.fp8_shard: torch.Tensor | None = None
+        self.fp8_modules: list[nn.Module] = []
+        self.scales: torch.Tensor | None = None  # fp32, one per float8 weight
 
 
 class ZeroDataParallel(TimedWaits):
@@ -134,7 +147,8 @@ class ZeroDataParallel(TimedWaits):
     def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, device_mesh, dp: int, rank: int,
                  device: torch.device, placements: list, masters: list[torch.Tensor] | None = None,
                  value_of=None, mixed: bool = False, grad_of=None, bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = 2**20):
+                 first_bucket_bytes: int = 2**20, fp8_modules: dict | None = None):
+        """`fp8_modules` (stage 3): {weight: its Float8Linear} for the weights to gather as float8."""
         super().__init__()
         self.model, self.params, self.stage, self.placements = model, list(params), stage, placements
         self.device_mesh, self.group = device_mesh, device_mesh.get_group()
@@ -144,13 +158,21 @@ class ZeroDataParallel(TimedWaits):
         self.sync = True
         self.root_used_after_forward = False  # the loss reads the LM head's weight (train.loss_chunk)
         self._index = {p: i for i, p in enumerate(self.params)}
+        fp8 = fp8_modules if stage == 3 and fp8_modules else {}
         if stage == 3:
-            self.units = _units(model, self.params)
+            # float8-gathered weights last in their unit: the rest of the shard is then one prefix
+            self.units = [[p for p in u if p not in fp8] + [p for p in u if p in fp8] for u in _units(model, self.params)]
             groups = [FlatGroup(u, dp, rank) for u in self.units]
         else:
             buckets = size_buckets([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)
             groups = [FlatGroup([self.params[i] for i in b], dp, rank) for b in buckets]
         self.buckets = [Bucket(g, unit) for unit, g in enumerate(groups)]
+        for b in self.buckets:
+            weights = [p for p in b.group.params if p in fp8]
+            if weights:
+                b.rest = FlatGroup(b.group.params[:len(b.group.params) - len(weights)], dp, rank)
+                b.fp8 = FlatGroup(weights, dp, rank)
+                b.fp8_modules = [fp8[p] for p in weights]
         if self.reduces_every_micro_batch:  # persistent fp32 gradient shards, zeroed after each step
             for b in self.buckets:
                 b.grad_shard = torch.zeros(b.group.shard_numel, dtype=torch.float32, device=device)
@@ -164,6 +186,7 @@ class ZeroDataParallel(TimedWaits):
         if stage == 3:
             self.masters: list[torch.Tensor | None] = [None] * len(self.params)
             self._materialise_shards(value_of, mixed)
+            self._cast_fp8()
         else:
             self.masters = list(masters) if masters is not None else \
                 [own_rows(p.detach(), dp, rank) for p in self.params]
@@ -247,7 +270,8 @@ class ZeroDataParallel(TimedWaits):
         parameters gathered in full around a block's use are temporaries)."""
         roles = {"gradients": [b.grad_shard for b in self.buckets if b.grad_shard is not None]}
         if self.stage == 3:
-            roles["parameters"] = [b.shard for b in self.buckets]
+            roles["parameters"] = [b.shard for b in self.buckets] + \
+                [t for b in self.buckets if b.fp8 is not None for t in (b.fp8_shard, b.scales)]
         return roles
 
     def as_global(self, i: int, local: torch.Tensor):
@@ -284,6 +308,28 @@ class ZeroDataParallel(TimedWaits):
             for i, p in enumerate(group.params):
                 p.copy_(group.full(gathered, i))
         self._publishing = []
+        self._cast_fp8()
+
+    @torch.no_grad()
+    def _cast_fp8(self) -> None:
+        """Stage 3 under fp8 all-gather, after the parameters changed: each float8 weight's scale from the
+        largest magnitude over every rank's rows (one all-reduce for all of them), and this rank's rows
+        cast with it into the float8 shard."""
+        from fivefold.train.fp8 import to_weight_float8, weight_scale
+
+        buckets = [b for b in self.buckets if b.fp8 is not None]
+        if not buckets:
+            return
+        rows = [[b.fp8.local(b.shard[b.rest.shard_numel:], j) for j in range(len(b.fp8.params))] for b in buckets]
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        amax = torch.stack([r.abs().amax().float() if r.numel() else zero for unit in rows for r in unit])
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        scales = weight_scale(amax).split([len(unit) for unit in rows])
+        for b, unit, scale in zip(buckets, rows, scales):
+            b.scales.copy_(scale)
+            data = b.fp8_shard.view(torch.float8_e4m3fn)
+            for j, r in enumerate(unit):
+                b.fp8.local(data, j).copy_(to_weight_float8(r, b.scales[j]))
 
     # -- stage 3: parameters gathered around use --------------------------------------------------
     @torch.no_grad()
@@ -294,6 +340,15 @@ class ZeroDataParallel(TimedWaits):
         for unit, bucket in enumerate(self.buckets):
             params = bucket.group.params
             bucket.shard = torch.zeros(bucket.group.shard_numel, dtype=params[0].dtype, device=self.device)
+            if bucket.fp8 is not None:
+                from fivefold.train.fp8 import gather_as_float8
+
+                bucket.fp8_shard = torch.zeros(bucket.fp8.shard_numel, dtype=torch.uint8, device=self.device)
+                bucket.scales = torch.ones(len(bucket.fp8.params), dtype=torch.float32, device=self.device)
+                for j, (p, module) in enumerate(zip(bucket.fp8.params, bucket.fp8_modules)):
+                    data = torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=self.device)
+                    data.untyped_storage().resize_(0)  # filled around each use, as the parameters are
+                    gather_as_float8(module, data, bucket.scales[j])
             for j, p in enumerate(params):
                 i = self._index[p]
                 rows = value_of(i)[slice(*bucket.group.ranges[j])]
@@ -306,9 +361,12 @@ class ZeroDataParallel(TimedWaits):
             bucket.gathered = False
 
     def _free(self, unit: int) -> None:
-        for p in self.buckets[unit].group.params:
+        bucket = self.buckets[unit]
+        for p in bucket.rest.params:
             p.untyped_storage().resize_(0)
-        self.buckets[unit].gathered = False
+        for module in bucket.fp8_modules:
+            module.gathered.untyped_storage().resize_(0)
+        bucket.gathered = False
 
     def _gather(self, unit: int, wait: bool) -> None:
         """Start gathering `unit` unless it is gathered or on its way; with `wait`, complete it."""
@@ -316,16 +374,30 @@ class ZeroDataParallel(TimedWaits):
             return
         bucket = self.buckets[unit]
         if not bucket.gathered and unit not in self._gathers:
-            gathered = torch.empty(self.dp * bucket.group.shard_numel, dtype=bucket.shard.dtype,
-                                   device=bucket.shard.device)
-            self._gathers[unit] = (gathered, all_gather_into(gathered, bucket.shard, group=self.group, async_op=True))
+            sources = [(bucket.rest, bucket.shard[:bucket.rest.shard_numel])]
+            if bucket.fp8 is not None:
+                sources.append((bucket.fp8, bucket.fp8_shard))
+            started = []
+            for group, shard in sources:
+                if not group.shard_numel:
+                    continue
+                gathered = torch.empty(self.dp * group.shard_numel, dtype=shard.dtype, device=shard.device)
+                started.append((group, gathered, all_gather_into(gathered, shard, group=self.group, async_op=True)))
+            self._gathers[unit] = started
         if wait and unit in self._gathers:
-            gathered, work = self._gathers.pop(unit)
-            self.wait(work)
+            started = self._gathers.pop(unit)
             with torch.no_grad():
-                for j, p in enumerate(bucket.group.params):
-                    p.untyped_storage().resize_(p.numel() * p.element_size())
-                    p.data.copy_(bucket.group.full(gathered, j))  # via .data: autograd's saved views stay valid
+                for group, gathered, work in started:
+                    self.wait(work)
+                    if group is bucket.fp8:
+                        for j, module in enumerate(bucket.fp8_modules):
+                            data = module.gathered
+                            data.untyped_storage().resize_(data.numel())
+                            data.data.view(torch.uint8).copy_(group.full(gathered, j))  # .data: as below
+                        continue
+                    for j, p in enumerate(group.params):
+                        p.untyped_storage().resize_(p.numel() * p.element_size())
+                        p.data.copy_(group.full(gathered, j))  # via .data: autograd's saved views stay valid
             bucket.gathered = True
 
     def _before_block(self, unit: int, module, args) -> None:

@@ -117,3 +117,66 @@ def apply_fp8(model: nn.Module, cfg: Config, device: torch.device) -> list[str]:
                 module.bias = bias
             converted.append(f"layers.{i}.{name}")
     return converted
+
+
+# -- float8 all-gather under ZeRO-3 ------------------------------------------------------------------------
+# ZeRO-3 (fivefold.parallel.zero) gathers a float8 linear's weight as float8 bytes it cast from its own rows
+# with the scale of the whole weight (every rank's amax, reduced), once per optimizer step: half the bytes
+# of a bf16 gather, and no block casts its weight again. The bits are those the linear would have made
+# from the whole bf16 weight (torchao's tensorwise recipe: one amax, fp32 multiply, saturating cast).
+
+WEIGHT_DTYPE = torch.float8_e4m3fn  # torchao's default recipe casts weights (and inputs) to e4m3
+
+
+def weight_scale(amax: torch.Tensor) -> torch.Tensor:
+    """torchao's tensorwise scale of a weight whose largest magnitude is `amax` (any shape, elementwise)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    return amax_to_scale(amax, WEIGHT_DTYPE)
+
+
+def to_weight_float8(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rows of a bf16 weight cast as torchao casts the whole weight under `scale`."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    return to_fp8_saturated(rows.to(torch.float32) * scale, WEIGHT_DTYPE)
+
+
+_GATHERED: dict[type, type] = {}
+
+
+def gather_as_float8(module: nn.Module, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """Make Float8Linear `module` multiply by `data` (its whole weight, float8; its storage filled by the
+    gather around each use) under `scale` instead of casting its weight; the weight parameter still takes
+    the gradient."""
+    cls = type(module)
+    if cls not in _GATHERED:
+        _GATHERED[cls] = type(f"Gathered{cls.__name__}", (cls,), {"forward": _gathered_forward()})
+    module.__class__ = _GATHERED[cls]
+    module.gathered, module.gathered_scale = data, scale
+
+
+def _gathered_forward():
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    class GatheredWeight(torch.autograd.Function):
+        """The gathered float8 weight in forward; its gradient (torchao's, in the weight's dtype) to the
+        parameter. torchao's own linear then takes it as already cast, in forward and in backward."""
+
+        @staticmethod
+        def forward(ctx, weight, data, scale, mm_config):
+            return Float8TrainingTensor(data, scale, weight.dtype, mm_config, GemmInputRole.WEIGHT)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None, None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = GatheredWeight.apply(self.weight, self.gathered, self.gathered_scale, self.linear_mm_config)
+        output = matmul_with_hp_or_float8_args.apply(input, weight.t(), self.linear_mm_config, self.config)
+        if self.bias is not None:
+            output = output + self.bias.to(output.dtype)
+        return output
+
+    return forward

@@ -78,7 +78,8 @@ class ParallelModel:
         if cfg.lora.r:  # the base freezes; adapters follow their layer's tensor-parallel split
             tp_axes.update(apply_lora(model, cfg.lora, self.tp_group, cfg.parallel.sequence_parallel))
         apply_kernels(model, cfg.train.kernels)  # fused norm / SwiGLU / RoPE: same modules, parameters and names
-        apply_fp8(model, cfg, device)  # train.precision=fp8: the blocks' linears as float8 (same parameters)
+        # train.precision=fp8: the blocks' linears as float8 (same parameters)
+        self.fp8_linears = apply_fp8(model, cfg, device)
         self.model = model
         self.pipeline = None
         self.router_loss: Callable | None = None  # set by the trainer for models with experts
@@ -158,9 +159,13 @@ class ParallelModel:
     def _zero(self, stage: int, placements: list[Placement], masters, value_of, mixed: bool) -> ZeroDataParallel:
         mesh = self.mesh
         params = [p for p in self.model.parameters() if p.requires_grad]
+        fp8 = None
+        if stage == 3 and self.cfg.train.fp8_all_gather:  # this rank's stages' float8 linears
+            modules = dict(self.model.named_modules())
+            fp8 = {modules[n].weight: modules[n] for n in self.fp8_linears if n in modules}
         return ZeroDataParallel(self.model, params, stage, mesh.grad_mesh, mesh.grad_size, mesh.grad_rank,
                                 self.device, placements, masters=masters, value_of=value_of, mixed=mixed,
-                                bucket_bytes=int(self.cfg.parallel.bucket_mb * 2**20))
+                                bucket_bytes=int(self.cfg.parallel.bucket_mb * 2**20), fp8_modules=fp8)
 
     def _tie_pipeline_copies(self, optimizer: MasterWeightAdamW) -> None:
         if self.pipeline is None or not self.cfg.model.tie_embeddings:
