@@ -85,6 +85,8 @@ def test_each_rank_writes_only_its_rows(runs):
     ("parallel.zero=3", "train.precision=bf16-mixed"),
     ("parallel.zero=2",),
     ("parallel.zero=3", "train.grad_accum=2", "train.recompute=full"),
+    ("parallel.zero=3", "train.precision=fp8"),  # + the float8 all-gather's shard and scales
+    ("parallel.zero=3", "train.precision=fp8", "train.fp8_all_gather=false"),
 ])
 def test_measured_model_states_per_rank_match_the_plan(overrides):
     """`fivefold memory --nproc 2`: rank 0's measured parameters, gradients and optimizer states within
@@ -97,8 +99,16 @@ def test_measured_model_states_per_rank_match_the_plan(overrides):
     assert abs(rows["total"]["error"]) <= 0.01, rows["total"]
     zero = int(overrides[0].split("=")[1])
     params = 139_584  # the tiny preset
-    bytes_per = 2 if "train.precision=bf16-mixed" in overrides else 4
-    assert rows["parameters"]["measured"] == bytes_per * params // (2 if zero == 3 else 1)
+    bytes_per = 2 if "train.precision=bf16-mixed" in overrides or "train.precision=fp8" in overrides else 4
+    float8 = 0  # the float8 all-gather's: this rank's half of the 14 float8 weights, 1 byte each, and a scale each
+    if "train.precision=fp8" in overrides and "train.fp8_all_gather=false" not in overrides:
+        from fivefold.memory.formulas import is_fp8_weight, parameter_shapes
+        from fivefold.presets import get_preset
+
+        weights = [k for name, k in parameter_shapes(get_preset("tiny"), 1, [0, 1], True, True, 1) if is_fp8_weight(name)]
+        assert len(weights) == 14
+        float8 = sum(weights) // 2 + 4 * len(weights)
+    assert rows["parameters"]["measured"] == bytes_per * params // (2 if zero == 3 else 1) + float8
     if zero >= 1:
         assert rows["optimizer_states"]["measured"] < (12 if bytes_per == 2 else 8) * params * 0.51
 

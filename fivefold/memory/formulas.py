@@ -6,9 +6,10 @@ The same config objects build the model, so tests assert these equal the built m
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
-from fivefold.config import ModelConfig
+from fivefold.config import Config, ModelConfig
 
 
 def norm_params(cfg: ModelConfig) -> int:
@@ -160,6 +161,21 @@ def step_chunk_key(name: str) -> str:
     module (embed_tokens, norm, lm_head). The step's temporaries are sized by the largest unit."""
     parts = name.split(".")
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+_FP8_WEIGHT = re.compile(r"layers\.\d+\.(attn|mlp)\.(\w+\.)?\w+_proj\.weight")
+
+
+def is_fp8_weight(name: str) -> bool:
+    """A weight train.precision=fp8 multiplies in float8 (fivefold.train.fp8): a block linear's, the shared
+    expert's included; not the router's, nor the routed experts' stacked weights."""
+    return _FP8_WEIGHT.fullmatch(name) is not None
+
+
+def fp8_gathered(cfg: Config) -> bool:
+    """Whether ZeRO-3 gathers the float8 linears' weights as float8 (train.fp8_all_gather, fivefold.parallel.zero)."""
+    t, par = cfg.train, cfg.parallel
+    return t.precision == "fp8" and t.fp8_all_gather and par.zero == 3 and par.grad_size > 1
 
 
 def is_no_decay(name: str) -> bool:

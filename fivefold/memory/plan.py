@@ -104,7 +104,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
                   adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
                   loss_chunk=t.loss_chunk, vocab_parallel=tp > 1, tp_reduce=tp > 1 and not par.sequence_parallel,
-                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda",
+                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_gathered=formulas.fp8_gathered(cfg),
                   biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
                   ("q", "k", "v") if m.qkv_bias else (),
                   experts=m.num_experts, topk=m.experts_per_token if m.num_experts else 0,
@@ -286,7 +286,11 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
 
-    memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3),
+    # ZeRO-3's float8 all-gather: this rank's rows of the float8 linears' weights cast once a step, 1 byte
+    # each, and a 4-byte scale per weight
+    fp8_weights = [k for name, k in shapes if formulas.is_fp8_weight(name)] if formulas.fp8_gathered(cfg) else []
+    memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3) + shard(sum(fp8_weights), 3)
+              + 4 * len(fp8_weights),
               "gradients": _gradients(cfg, trained, inv, bpp)}
     memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
     if limit is not None and sum(memory.values()) > limit:
@@ -351,15 +355,20 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         # beside it the current and the prefetched layer, in a layer's backward also one layer's full
         # gradients; the loss's backward starts with the root alone.
         layer = d.p * formulas.layer_params(m) // par.tp
+        gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers)  # float8-gathered weights: 1 byte each
         gather_root = d.p * inv.root
-        gather_forward, gather = gather_root + 2 * layer, gather_root + 3 * layer
+        gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer
+    # After the step, ZeRO-3's float8 all-gather casts each weight's rows: x.float() * scale, clamped, in fp32,
+    # then its float8 copy (fivefold.train.fp8.to_weight_float8)
+    fp8_cast = 9 * shard(max(fp8_weights, default=0), 3)
     if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
         reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
     else:
         reduce_end, reduce_t = _reductions(cfg, inv, trained, bpp.gradients,
                                            bpp.gradients * n if zero <= 1 and t.grad_accum > 1 else 0.0)
     batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
-    memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t) + batch
+    memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t,
+                              fp8_cast) + batch
 
     held_grads = 0.0  # gradients alive while activations are: fp32 buffers, or accumulation
     shards = zero >= 2 and dp > 1  # ZeRO-2/3's fp32 gradient shards: kept from step to step, and each

@@ -267,11 +267,13 @@ class ZeroDataParallel(TimedWaits):
     def memory_roles(self) -> dict[str, list[torch.Tensor]]:
         """Tensors the memory tracker should count by role: the fp32 gradient shards (reduce-scatter
         buffers in flight are temporaries) and, under stage 3, the persistent parameter shards (the
-        parameters gathered in full around a block's use are temporaries)."""
+        parameters gathered in full around a block's use are temporaries, as are the float8 all-gather's
+        weights, "gathered")."""
         roles = {"gradients": [b.grad_shard for b in self.buckets if b.grad_shard is not None]}
         if self.stage == 3:
             roles["parameters"] = [b.shard for b in self.buckets] + \
                 [t for b in self.buckets if b.fp8 is not None for t in (b.fp8_shard, b.scales)]
+            roles["gathered"] = [m.gathered for b in self.buckets for m in b.fp8_modules]  # like the parameters
         return roles
 
     def as_global(self, i: int, local: torch.Tensor):

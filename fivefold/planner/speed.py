@@ -197,8 +197,11 @@ class _Costs:
         if f:
             up = 2 if m.activation == "swiglu" or m.num_experts else 1
             shapes += [(h, f / tp)] * up + [(f / tp, h)]
-        forward = sum(T * k + k * n for k, n in shapes)
-        backward = sum(2 * T * n + k * n + T * k for k, n in shapes)
+        # ZeRO-3's float8 all-gather (train.fp8_all_gather) brings the weights cast: only the activations
+        # and gradients are cast here (the weights' rows once a step: predict_step's optimizer term)
+        w = 0 if formulas.fp8_gathered(self.cfg) else 1
+        forward = sum(T * k + w * k * n for k, n in shapes)
+        backward = sum(2 * T * n + w * k * n + T * k for k, n in shapes)
         per_element = (2 * self.p + 1) / self.bandwidth
         return forward * per_element, backward * per_element
 
@@ -431,10 +434,14 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     breakdown["bubble"] = timeline.makespan - timeline.busy(busiest)
 
     # After the last backward: the gradient reduction beyond what the last backward hides, the optimizer.
-    local = sum(n for _, n in formulas.parameter_shapes(
+    shapes = formulas.parameter_shapes(
         m, p.tp, formulas.rank_layers(m.num_layers, p.pp, busiest, p.pp_virtual_stages, p.pp_layers),
-        busiest == 0, busiest == p.pp - 1, p.ep))
+        busiest == 0, busiest == p.pp - 1, p.ep)
+    local = sum(n for _, n in shapes)
     optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
+    if formulas.fp8_gathered(cfg):  # each rank casts its rows of the float8 weights (amax pass, scaling pass)
+        fp8 = sum(n for name, n in shapes if formulas.is_fp8_weight(name))
+        optimizer += fp8 / p.dp * (2 * costs.p + 1) / costs.bandwidth
     optimizer += 20 * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v
     for c in step_collectives(cfg, busiest):
