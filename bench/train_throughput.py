@@ -609,6 +609,8 @@ def main(argv=None) -> dict:
                      grad_accum=t.grad_accum if t else args.grad_accum, recompute=t.recompute if t else "none")
             if cfg:
                 r["loss_compiled"] = cfg.compiled_loss(args.device)
+                if t.precision == "fp8":
+                    r["fp8_weight_cast"] = t.fp8_weight_cast
         # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
         for r in rows:
             impl = r["impl"] + ("+compile" if r["compiled"] else "")

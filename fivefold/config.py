@@ -91,10 +91,11 @@ class TrainConfig:
     # Hopper and later); on a CPU torchao emulates the float8 matmuls (same rounding, no speed), which is
     # what the tests run. fivefold.train.fp8 says what it applies to and what it refuses.
     precision: Literal["fp32", "bf16-mixed", "fp8"] = "fp32"
-    # fp8 under parallel.zero=3: gather the float8 linears' weights as float8 (1 byte an element, not 2),
-    # cast once per step from this rank's rows with a scale all ranks agree on (fivefold.parallel.zero), so
-    # no block casts its weight again; the same bits as casting the whole weight. Other layouts: no effect.
-    fp8_all_gather: bool = True
+    # fp8: when a float8 linear's weight is cast. "step": once after each update, and every use (forward,
+    # backward, each micro-batch) multiplies by that copy (1 byte an element more per weight); under
+    # parallel.zero=3 each rank casts its rows with the whole weight's scale and the float8 rows are what is
+    # gathered (half the bytes). The same bits as casting at each use. "use": torchao's own, at each use.
+    fp8_weight_cast: Literal["step", "use"] = "step"
     fp32_grad_accum: bool = False  # bf16-mixed / fp8 only: accumulate gradients in fp32 buffers
     # none | selective (the attention core) | ops (every other matmul and the attention kept, the rest
     # recomputed: torchtitan's policy) | full (only block inputs kept): fivefold.train.recompute

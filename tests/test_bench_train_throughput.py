@@ -193,6 +193,7 @@ def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
             cfg.train.grad_accum, cfg.train.recompute = r["grad_accum"], r["recompute"]
             if r["compiled"] and not r.get("loss_compiled", False):  # measured before the loss was compiled
                 cfg.train.compile = "blocks"
+            cfg.train.fp8_weight_cast = r.get("fp8_weight_cast", "use")  # before weights were cast once a step
             speed = predict_step(cfg, profile)
             assert speed.tokens_per_s_per_gpu / r["tokens_per_s"] - 1 == pytest.approx(0, abs=0.10), (tag, r["precision"])
             planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]

@@ -135,6 +135,27 @@ def test_fp8_compiled_trains_as_eager_fp8(tiny_config, tmp_path):
         assert [r[key] for r in histories[True]] == pytest.approx([r[key] for r in histories[False]], rel=rel), key
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_weights_cast_once_a_step_give_the_steps_of_casting_at_each_use(tiny_config, tmp_path, compiled):
+    """train.fp8_weight_cast=step (fivefold.train.fp8.WeightCast) multiplies by a float8 copy of each weight
+    made after every update; torchao's own linear ("use") casts the weight in forward and again in
+    backward, for each of the two micro-batches. The weight does not change in between, so the bits are the
+    same: identical losses, gradient norms and final weights, eager and compiled."""
+    runs = {}
+    for cast in ("step", "use"):
+        cfg = tiny_config(**{"train.precision": "fp8", "train.steps": 3, "train.grad_accum": 2,
+                             "train.compile": compiled, "train.fp8_weight_cast": cast,
+                             "train.out_dir": str(tmp_path / cast)})
+        trainer = Trainer(cfg, quiet=True)
+        runs[cast] = ([(r["loss"], r["grad_norm"]) for r in trainer.fit()],
+                      {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        precast = [m for m in trainer.model.modules() if hasattr(m, "weight_float8")]
+        assert len(precast) == (14 if cast == "step" else 0)  # q, k, v, o, gate, up, down in 2 blocks
+    assert runs["step"][0] == runs["use"][0]
+    for name, value in runs["use"][1].items():
+        assert torch.equal(runs["step"][1][name], value), name
+
+
 def test_moe_shared_expert_is_float8_and_the_router_and_routed_experts_are_not(tiny_config, tmp_path):
     """The shared expert is a plain SwiGLU MLP: converted. The router keeps its logits and routing decisions
     out of float8, as torchtitan does; the routed experts are one bf16 grouped matmul."""
@@ -164,9 +185,9 @@ def dp_runs(tmp_path_factory, data_cache):
     Trainer(config("single", **accumulate), quiet=True).fit()
     layouts = {"dp2": {"parallel.dp": 2}, "dp2_zero1": {"parallel.dp": 2, "parallel.zero": 1},
                "dp2_zero3": {"parallel.dp": 2, "parallel.zero": 3},
-               "dp2_zero3_bf16_gather": {"parallel.dp": 2, "parallel.zero": 3, "train.fp8_all_gather": False},
+               "dp2_zero3_bf16_gather": {"parallel.dp": 2, "parallel.zero": 3, "train.fp8_weight_cast": "use"},
                **{f"dp2_zero3_{kind}_compiled": {"parallel.dp": 2, "parallel.zero": 3, "train.compile": True,
-                                                 "train.fp8_all_gather": kind == "fp8_gather"}
+                                                 "train.fp8_weight_cast": "step" if kind == "fp8_gather" else "use"}
                   for kind in ("fp8_gather", "bf16_gather")},
                "pp2_1f1b": {"parallel.pp": 2, **accumulate}}
     launch_layouts(2, [{"config": config(name, **o).to_dict()} for name, o in layouts.items()], root / "fp8.json")
@@ -192,7 +213,7 @@ def test_layouts_match_one_process(dp_runs, name):
 
 
 def test_zero3_gathers_float8_weights_with_the_bits_of_the_whole_weights_cast(dp_runs):
-    """train.fp8_all_gather under ZeRO-3 (fivefold.parallel.zero): each rank casts its rows with the scale of
+    """train.fp8_weight_cast=step under ZeRO-3 (fivefold.parallel.zero): each rank casts its rows with the scale of
     the whole weight, and the blocks multiply by the gathered float8 bytes without casting again. Eager, it
     matches one process above (dp2_zero3, with the bf16 gather as dp2_zero3_bf16_gather); compiled, where
     inductor fuses the casts, it matches the compiled bf16 gather step for step. Measured: identical losses
@@ -232,7 +253,7 @@ def test_memory_matches_plan(preset, overrides):
 
 @pytest.mark.parametrize("gather", [True, False])
 def test_zero3_float8_gather_model_states_and_activations_match_plan(gather):
-    """ZeRO-3 on 2 ranks, wide linears: with train.fp8_all_gather each rank keeps its rows of the float8
+    """ZeRO-3 on 2 ranks, wide linears: with train.fp8_weight_cast=step each rank keeps its rows of the float8
     weights cast (1 byte each) and a scale per weight beside its bf16 rows, measured to the byte; the blocks
     no longer cast their weights, so the activations (their transients) are the plan's without those
     casts, measured within 8 bytes. The bf16 gather's activations stay the plan's fp8 replay (-1.2%). The
@@ -241,7 +262,7 @@ def test_zero3_float8_gather_model_states_and_activations_match_plan(gather):
     from parity import measured_memory
 
     rows = measured_memory(2, "tiny", "parallel.zero=3", "train.precision=fp8", "train.seq_len=64",
-                           "train.micro_batch_size=2", f"train.fp8_all_gather={str(gather).lower()}", *WIDE)
+                           "train.micro_batch_size=2", f"train.fp8_weight_cast={'step' if gather else 'use'}", *WIDE)
     for category in ("parameters", "gradients", "optimizer_states"):
         assert abs(rows[category]["error"]) <= 0.001, rows[category]
     assert abs(rows["activations"]["error"]) <= (0.001 if gather else 0.015), rows["activations"]
@@ -276,7 +297,8 @@ def test_plan_suggestions_leave_out_what_fp8_refuses():
 
 def test_speed_model_runs_the_block_linears_at_the_fp8_peak():
     cfg = {p: load_config(preset="llama3-8b", overrides=["train.seq_len=4096", "train.micro_batch_size=1",
-                                                         f"train.precision={p}"]) for p in ("bf16-mixed", "fp8")}
+                                                         f"train.precision={p}", "train.fp8_weight_cast=use"])
+           for p in ("bf16-mixed", "fp8")}
     h100, a100 = load_profile("h100-sxm"), load_profile("a100-80gb")
     costs = {p: _Costs(c, h100, fused=False) for p, c in cfg.items()}
     # The linears at the H100's dense fp8 figure (1979 against 989 TFLOP/s): half the time; the rest unchanged.
@@ -293,6 +315,18 @@ def test_speed_model_runs_the_block_linears_at_the_fp8_peak():
         (sum(T * k + k * n for k, n in linears) * 5 / bandwidth,
          sum(2 * T * n + k * n + T * k for k, n in linears) * 5 / bandwidth), rel=1e-12)
     assert costs["bf16-mixed"].fp8_casts() == (0.0, 0.0)
+    # Weights cast once a step (train.fp8_weight_cast=step): the uses cast only activations and gradients,
+    # and the step casts each weight once, a memory pass over the whole weights.
+    step_cfg = load_config(preset="llama3-8b", overrides=["train.seq_len=4096", "train.micro_batch_size=1",
+                                                          "train.precision=fp8", "train.fp8_weight_cast=step"])
+    assert _Costs(step_cfg, h100, fused=False).fp8_casts() == pytest.approx(
+        (sum(T * k for k, n in linears) * 5 / bandwidth, sum(2 * T * n + T * k for k, n in linears) * 5 / bandwidth),
+        rel=1e-12)
+    cast_once = predict_step(step_cfg, h100)
+    weights = 32 * sum(k * n for k, n in linears)
+    assert cast_once.breakdown["optimizer"] - predict_step(cfg["fp8"], h100).breakdown["optimizer"] == \
+        pytest.approx(weights * 5 / bandwidth, rel=1e-9)
+    assert cast_once.step_time_s < predict_step(cfg["fp8"], h100).step_time_s
     fast, slow = predict_step(cfg["fp8"], h100), predict_step(cfg["bf16-mixed"], h100)
     assert fast.step_time_s < slow.step_time_s and fast.peak_flops == slow.peak_flops  # MFU against bf16
     # No fp8 tensor cores: timed as bf16, and said so.

@@ -86,7 +86,7 @@ def test_each_rank_writes_only_its_rows(runs):
     ("parallel.zero=2",),
     ("parallel.zero=3", "train.grad_accum=2", "train.recompute=full"),
     ("parallel.zero=3", "train.precision=fp8"),  # + the float8 all-gather's shard and scales
-    ("parallel.zero=3", "train.precision=fp8", "train.fp8_all_gather=false"),
+    ("parallel.zero=3", "train.precision=fp8", "train.fp8_weight_cast=use"),
 ])
 def test_measured_model_states_per_rank_match_the_plan(overrides):
     """`fivefold memory --nproc 2`: rank 0's measured parameters, gradients and optimizer states within
@@ -101,7 +101,7 @@ def test_measured_model_states_per_rank_match_the_plan(overrides):
     params = 139_584  # the tiny preset
     bytes_per = 2 if "train.precision=bf16-mixed" in overrides or "train.precision=fp8" in overrides else 4
     float8 = 0  # the float8 all-gather's: this rank's half of the 14 float8 weights, 1 byte each, and a scale each
-    if "train.precision=fp8" in overrides and "train.fp8_all_gather=false" not in overrides:
+    if "train.precision=fp8" in overrides and "train.fp8_weight_cast=use" not in overrides:
         from fivefold.memory.formulas import is_fp8_weight, parameter_shapes
         from fivefold.presets import get_preset
 

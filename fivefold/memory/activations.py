@@ -77,9 +77,9 @@ class Shapes:
     # `fp8_emulated`: torchao's CPU emulation (the product in fp32) instead of the GPU's scaled matmul.
     fp8: bool = False
     fp8_emulated: bool = False
-    # fp8 under ZeRO-3's float8 all-gather (train.fp8_all_gather): the weights arrive cast, and no linear
-    # casts its weight, in forward or backward
-    fp8_gathered: bool = False
+    # fp8 with weights cast once a step (train.fp8_weight_cast=step): no linear casts its weight, in forward
+    # or backward
+    fp8_precast: bool = False
     biased: tuple[str, ...] = ()  # linears with a bias (q, k, v, o, gate, up, down): fp8 adds it as its own op
     tp_reduce: bool = False  # row-parallel outputs all-reduced (tensor parallel without SP)
     # A mixture of experts (fivefold.model.moe) in place of the MLP: E experts, k per token, each expert's
@@ -377,7 +377,7 @@ def _linear(r: Replay, out_bytes: float, k: int, n: int, d: Shapes, target: str)
         return r.matmul(r.alloc(out_bytes))
     rows = d.b * d.s
     x8 = _to_fp8(r, rows * k, d)
-    w8 = _to_fp8(r, k * n, d) if not d.fp8_gathered else None
+    w8 = _to_fp8(r, k * n, d) if not d.fp8_precast else None
     out = _fp8_product(r, rows * k, k * n, rows * n, d)  # the cast weight (W^T) is column-major already
     r.free(x8, *([w8] if w8 is not None else []))
     if target in d.biased:
@@ -991,8 +991,8 @@ def fp8_linear_backward(d: Shapes, k: int, n: int) -> float:
     the input are made column-major, the output gradient's transpose row-major)."""
     r = Replay()
     rows = d.b * d.s
-    # the output gradient's and (unless gathered cast) the weight's float8 copies, kept
-    for numel in (rows * n, *([k * n] if not d.fp8_gathered else [])):
+    # the output gradient's and (unless cast once a step) the weight's float8 copies, kept
+    for numel in (rows * n, *([k * n] if not d.fp8_precast else [])):
         _to_fp8(r, numel, d)
     layout = r.alloc(k * n)
     _fp8_product(r, rows * n, n * k, rows * k, d)  # the input gradient, kept

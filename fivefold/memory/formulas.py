@@ -172,10 +172,14 @@ def is_fp8_weight(name: str) -> bool:
     return _FP8_WEIGHT.fullmatch(name) is not None
 
 
+def fp8_precast(cfg: Config) -> bool:
+    """Whether the float8 linears multiply by weights cast once a step (train.fp8_weight_cast=step)."""
+    return cfg.train.precision == "fp8" and cfg.train.fp8_weight_cast == "step"
+
+
 def fp8_gathered(cfg: Config) -> bool:
-    """Whether ZeRO-3 gathers the float8 linears' weights as float8 (train.fp8_all_gather, fivefold.parallel.zero)."""
-    t, par = cfg.train, cfg.parallel
-    return t.precision == "fp8" and t.fp8_all_gather and par.zero == 3 and par.grad_size > 1
+    """Whether ZeRO-3 gathers those weights cast, as float8 (fivefold.parallel.zero)."""
+    return fp8_precast(cfg) and cfg.parallel.zero == 3 and cfg.parallel.grad_size > 1
 
 
 def is_no_decay(name: str) -> bool:

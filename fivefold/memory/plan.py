@@ -104,7 +104,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
                   adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
                   loss_chunk=t.loss_chunk, vocab_parallel=tp > 1, tp_reduce=tp > 1 and not par.sequence_parallel,
-                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_gathered=formulas.fp8_gathered(cfg),
+                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_precast=formulas.fp8_precast(cfg),
                   biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
                   ("q", "k", "v") if m.qkv_bias else (),
                   experts=m.num_experts, topk=m.experts_per_token if m.num_experts else 0,
@@ -286,9 +286,10 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
         return math.ceil(count / dp) if zero >= from_stage else count
 
-    # ZeRO-3's float8 all-gather: this rank's rows of the float8 linears' weights cast once a step, 1 byte
-    # each, and a 4-byte scale per weight
-    fp8_weights = [k for name, k in shapes if formulas.is_fp8_weight(name)] if formulas.fp8_gathered(cfg) else []
+    # train.fp8_weight_cast=step: the float8 linears' weights cast once a step, 1 byte an element (under
+    # ZeRO-3 this rank's rows, the float8 all-gather's source), and a 4-byte scale per weight
+    fp8_weights = [k for name, k in shapes if formulas.is_fp8_weight(name)] if formulas.fp8_precast(cfg) else []
+    fp8_gathered = formulas.fp8_gathered(cfg)
     memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3) + shard(sum(fp8_weights), 3)
               + 4 * len(fp8_weights),
               "gradients": _gradients(cfg, trained, inv, bpp)}
@@ -355,12 +356,11 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         # beside it the current and the prefetched layer, in a layer's backward also one layer's full
         # gradients; the loss's backward starts with the root alone.
         layer = d.p * formulas.layer_params(m) // par.tp
-        gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers)  # float8-gathered weights: 1 byte each
+        # float8-gathered weights: 1 byte each
+        gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers) if fp8_gathered else layer
         gather_root = d.p * inv.root
         gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer
-    # After the step, ZeRO-3's float8 all-gather casts each weight's rows: x.float() * scale, clamped, in fp32,
-    # then its float8 copy (fivefold.train.fp8.to_weight_float8)
-    fp8_cast = 9 * shard(max(fp8_weights, default=0), 3)
+    fp8_cast = _fp8_cast_bytes(cfg, shapes, shard)  # after the step
     if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
         reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
     else:
@@ -494,9 +494,19 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     kept = (2 if t.mixed else 4, 1 / g if par.zero >= 3 and g > 1 else 1.0,  # the parameter: dtype, share
             4 if t.mixed else 0, 1 / g if par.zero >= 1 and g > 1 else 1.0)  # its fp32 master: bytes, share
     made = _being_made(tuple(shapes), cfg.model, par.tp, kept, lora)
+    cast = _fp8_cast_bytes(cfg, shapes, shard)  # the first cast of the float8 weights, after the rest is made
     if par.zero < 3 or g == 1:  # the buffers come after the parameters (the optimizer's, ZeRO's)
-        return parameters + masters + max(made, grad_buffers)
-    return parameters + masters + grad_buffers + made  # ZeRO-3 makes its parameters inside its engine
+        return parameters + masters + max(made, grad_buffers + cast)
+    return parameters + masters + grad_buffers + max(made, cast)  # ZeRO-3 makes its parameters inside its engine
+
+
+def _fp8_cast_bytes(cfg: Config, shapes, shard) -> float:
+    """The float8 weights' cast once a step (train.fp8_weight_cast=step), at its largest: one weight (under
+    ZeRO-3 this rank's rows of it) as x.float() and then x.float() * scale, 8 bytes an element
+    (fivefold.train.fp8.to_weight_float8)."""
+    if not formulas.fp8_precast(cfg):
+        return 0.0
+    return 8 * shard(max((k for name, k in shapes if formulas.is_fp8_weight(name)), default=0), 3)
 
 
 def _being_made(shapes: tuple, model, tp: int, kept: tuple, lora: bool) -> float:

@@ -59,9 +59,12 @@ class MemoryTracker(TorchDispatchMode):
         self.samples: list[tuple[float, ...]] = []  # one row per op: CATEGORIES..., device_allocated
         self.marks: list[tuple[int, str]] = []
         self.phase = "idle"  # "forward" from the model's forward until backward starts
-        # QLoRA's int4 codes (fivefold.finetune.qlora) are buffers, but they are the frozen weights.
+        # QLoRA's int4 codes (fivefold.finetune.qlora) are buffers, but they are the frozen weights; fp8's
+        # weights cast once a step (fivefold.train.fp8.WeightCast) are attributes, kept as they are.
+        cast = [t for m in model.modules() for t in (getattr(m, "weight_float8", None),
+                                                      getattr(m, "weight_float8_scale", None)) if t is not None]
         self.params = [*model.parameters(), *(b for n, b in model.named_buffers()
-                                              if n.rsplit(".", 1)[-1] in ("qweight", "scales", "zeros"))]
+                                              if n.rsplit(".", 1)[-1] in ("qweight", "scales", "zeros")), *cast]
         self.cuda = any(p.is_cuda for p in self.params)
         self._hooks = []
 

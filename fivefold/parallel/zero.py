@@ -15,7 +15,7 @@ Adam moments of its chunks only.
              after use. Embeddings, final norm and head are gathered for the whole forward and backward
              (they are used at both ends of the model, as FSDP does with its root).
 
-Under train.precision=fp8 with train.fp8_all_gather, stage 3 gathers the float8 linears' weights as
+Under train.precision=fp8 with train.fp8_weight_cast=step, stage 3 gathers the float8 linears' weights as
 float8: each unit's shard holds them after its other parameters, and after every step each rank casts its
 rows with the whole weight's scale (one all-reduce of the amaxes) into a float8 shard that is gathered in
 place of those rows (fivefold.train.fp8). The bf16 parameters of those weights are never gathered.
@@ -126,7 +126,7 @@ class Bucket:
         self.gathered = False
         # Stage 3 under fp8 all-gather: the parameters gathered in their dtype (`rest`, the shard's first
         # rest.shard_numel elements), and the float8 linears' weights (`fp8`, the rest of the shard), gathered
-        # from `fp8_shard` (their rows cast to float8, as bytes) into their modules' `gathered` tensors.
+        # from `fp8_shard` (their rows cast to float8, as bytes) into their modules' `weight_float8` tensors.
         self.rest, self.fp8 = group, None
         self.fp8_shard: torch.Tensor | None = None
         self.fp8_modules: list[nn.Module] = []
@@ -273,7 +273,7 @@ class ZeroDataParallel(TimedWaits):
         if self.stage == 3:
             roles["parameters"] = [b.shard for b in self.buckets] + \
                 [t for b in self.buckets if b.fp8 is not None for t in (b.fp8_shard, b.scales)]
-            roles["gathered"] = [m.gathered for b in self.buckets for m in b.fp8_modules]  # like the parameters
+            roles["gathered"] = [m.weight_float8 for b in self.buckets for m in b.fp8_modules]  # like the parameters
         return roles
 
     def as_global(self, i: int, local: torch.Tensor):
@@ -343,14 +343,14 @@ class ZeroDataParallel(TimedWaits):
             params = bucket.group.params
             bucket.shard = torch.zeros(bucket.group.shard_numel, dtype=params[0].dtype, device=self.device)
             if bucket.fp8 is not None:
-                from fivefold.train.fp8 import gather_as_float8
+                from fivefold.train.fp8 import multiply_by_cast
 
                 bucket.fp8_shard = torch.zeros(bucket.fp8.shard_numel, dtype=torch.uint8, device=self.device)
                 bucket.scales = torch.ones(len(bucket.fp8.params), dtype=torch.float32, device=self.device)
                 for j, (p, module) in enumerate(zip(bucket.fp8.params, bucket.fp8_modules)):
                     data = torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=self.device)
                     data.untyped_storage().resize_(0)  # filled around each use, as the parameters are
-                    gather_as_float8(module, data, bucket.scales[j])
+                    multiply_by_cast(module, data, bucket.scales[j])
             for j, p in enumerate(params):
                 i = self._index[p]
                 rows = value_of(i)[slice(*bucket.group.ranges[j])]
@@ -367,7 +367,7 @@ class ZeroDataParallel(TimedWaits):
         for p in bucket.rest.params:
             p.untyped_storage().resize_(0)
         for module in bucket.fp8_modules:
-            module.gathered.untyped_storage().resize_(0)
+            module.weight_float8.untyped_storage().resize_(0)
         bucket.gathered = False
 
     def _gather(self, unit: int, wait: bool) -> None:
@@ -393,7 +393,7 @@ class ZeroDataParallel(TimedWaits):
                     self.wait(work)
                     if group is bucket.fp8:
                         for j, module in enumerate(bucket.fp8_modules):
-                            data = module.gathered
+                            data = module.weight_float8
                             data.untyped_storage().resize_(data.numel())
                             data.data.view(torch.uint8).copy_(group.full(gathered, j))  # .data: as below
                         continue

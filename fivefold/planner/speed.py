@@ -197,9 +197,9 @@ class _Costs:
         if f:
             up = 2 if m.activation == "swiglu" or m.num_experts else 1
             shapes += [(h, f / tp)] * up + [(f / tp, h)]
-        # ZeRO-3's float8 all-gather (train.fp8_all_gather) brings the weights cast: only the activations
-        # and gradients are cast here (the weights' rows once a step: predict_step's optimizer term)
-        w = 0 if formulas.fp8_gathered(self.cfg) else 1
+        # Weights cast once a step (train.fp8_weight_cast=step): only the activations and gradients are cast
+        # here (the weights after the update: predict_step's optimizer term)
+        w = 0 if formulas.fp8_precast(self.cfg) else 1
         forward = sum(T * k + w * k * n for k, n in shapes)
         backward = sum(2 * T * n + w * k * n + T * k for k, n in shapes)
         per_element = (2 * self.p + 1) / self.bandwidth
@@ -439,9 +439,9 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         busiest == 0, busiest == p.pp - 1, p.ep)
     local = sum(n for _, n in shapes)
     optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
-    if formulas.fp8_gathered(cfg):  # each rank casts its rows of the float8 weights (amax pass, scaling pass)
-        fp8 = sum(n for name, n in shapes if formulas.is_fp8_weight(name))
-        optimizer += fp8 / p.dp * (2 * costs.p + 1) / costs.bandwidth
+    if formulas.fp8_precast(cfg):  # the float8 weights cast after the update (amax pass, scaling pass); ZeRO-3:
+        fp8 = sum(n for name, n in shapes if formulas.is_fp8_weight(name))  # each rank its rows
+        optimizer += fp8 / (p.dp if formulas.fp8_gathered(cfg) else 1) * (2 * costs.p + 1) / costs.bandwidth
     optimizer += 20 * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v
     for c in step_collectives(cfg, busiest):

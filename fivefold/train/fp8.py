@@ -119,11 +119,13 @@ def apply_fp8(model: nn.Module, cfg: Config, device: torch.device) -> list[str]:
     return converted
 
 
-# -- float8 all-gather under ZeRO-3 ------------------------------------------------------------------------
-# ZeRO-3 (fivefold.parallel.zero) gathers a float8 linear's weight as float8 bytes it cast from its own rows
-# with the scale of the whole weight (every rank's amax, reduced), once per optimizer step: half the bytes
-# of a bf16 gather, and no block casts its weight again. The bits are those the linear would have made
-# from the whole bf16 weight (torchao's tensorwise recipe: one amax, fp32 multiply, saturating cast).
+# -- weights cast once a step (train.fp8_weight_cast=step) ----------------------------------------------------
+# torchao casts a float8 linear's weight at each use: in forward, again in backward, and for every
+# micro-batch. The weight only changes at the optimizer step, so here it is cast once after each update
+# (WeightCast) and every use multiplies by that copy. Under ZeRO-3 (fivefold.parallel.zero) each rank casts
+# its own rows with the scale of the whole weight (every rank's amax, reduced) and the float8 rows are
+# what is gathered: half the bytes of a bf16 gather. Either way the bits are those torchao makes from the
+# whole bf16 weight (its tensorwise recipe: one amax, fp32 multiply, saturating cast).
 
 WEIGHT_DTYPE = torch.float8_e4m3fn  # torchao's default recipe casts weights (and inputs) to e4m3
 
@@ -142,26 +144,46 @@ def to_weight_float8(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return to_fp8_saturated(rows.to(torch.float32) * scale, WEIGHT_DTYPE)
 
 
-_GATHERED: dict[type, type] = {}
+class WeightCast:
+    """train.fp8_weight_cast=step outside ZeRO-3 (whose engine casts its rows, fivefold.parallel.zero): each
+    float8 linear's whole weight cast once after every update, into a float8 copy beside it that forward and
+    backward multiply by, every micro-batch; torchao would cast it at each of those uses."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device):
+        self.modules = modules
+        for module in modules:
+            data = torch.empty(module.weight.shape, dtype=WEIGHT_DTYPE, device=device)
+            multiply_by_cast(module, data, torch.ones((), dtype=torch.float32, device=device))
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for module in self.modules:
+            weight = module.weight
+            module.weight_float8_scale.copy_(weight_scale(weight.abs().amax().float()))
+            module.weight_float8.copy_(to_weight_float8(weight, module.weight_float8_scale))
 
 
-def gather_as_float8(module: nn.Module, data: torch.Tensor, scale: torch.Tensor) -> None:
-    """Make Float8Linear `module` multiply by `data` (its whole weight, float8; its storage filled by the
-    gather around each use) under `scale` instead of casting its weight; the weight parameter still takes
-    the gradient."""
+_PRECAST: dict[type, type] = {}
+
+
+def multiply_by_cast(module: nn.Module, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """Make Float8Linear `module` multiply by `data` (its whole weight cast to float8: by WeightCast, or
+    under ZeRO-3 gathered around each use) under `scale` instead of casting its weight at each use; the
+    weight parameter still takes the gradient."""
     cls = type(module)
-    if cls not in _GATHERED:
-        _GATHERED[cls] = type(f"Gathered{cls.__name__}", (cls,), {"forward": _gathered_forward()})
-    module.__class__ = _GATHERED[cls]
-    module.gathered, module.gathered_scale = data, scale
+    if cls not in _PRECAST:
+        _PRECAST[cls] = type(f"Precast{cls.__name__}", (cls,), {"forward": _precast_forward()})
+    module.__class__ = _PRECAST[cls]
+    module.weight_float8, module.weight_float8_scale = data, scale
 
 
-def _gathered_forward():
+def _precast_forward():
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-    class GatheredWeight(torch.autograd.Function):
-        """The gathered float8 weight in forward; its gradient (torchao's, in the weight's dtype) to the
+    class CastWeight(torch.autograd.Function):
+        """The weight's float8 copy in forward; its gradient (torchao's, in the weight's dtype) to the
         parameter. torchao's own linear then takes it as already cast, in forward and in backward."""
 
         @staticmethod
@@ -173,7 +195,7 @@ def _gathered_forward():
             return grad, None, None, None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = GatheredWeight.apply(self.weight, self.gathered, self.gathered_scale, self.linear_mm_config)
+        weight = CastWeight.apply(self.weight, self.weight_float8, self.weight_float8_scale, self.linear_mm_config)
         output = matmul_with_hp_or_float8_args.apply(input, weight.t(), self.linear_mm_config, self.config)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)

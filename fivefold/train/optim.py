@@ -54,6 +54,7 @@ class MasterWeightAdamW:
         # A plain function or another object's method, never one of ours: a reference to ourselves
         # would be a cycle that keeps every tensor here alive until gc runs.
         self.gradient_source = gradients
+        self.after_update: list = []  # called once the parameters hold new values (after a step, or a load)
         decay = [m for n, m in zip(self.names, self.masters) if not is_no_decay(n)]
         rest = [m for n, m in zip(self.names, self.masters) if is_no_decay(n)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -103,6 +104,8 @@ class MasterWeightAdamW:
                 m.grad = None
         if self.sharding is not None:
             self.sharding.finish_publish()
+        for hook in self.after_update:
+            hook()
         return norm
 
     def _global_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -224,6 +227,8 @@ class MasterWeightAdamW:
             self.sharding.finish_publish()
         elif self.mixed:
             torch._foreach_copy_(list(self.params), self.masters)
+        for hook in self.after_update:
+            hook()
 
 
 def step_chunks(names: list[str]) -> list[list[int]]:

@@ -45,7 +45,7 @@ from fivefold.parallel.small_batch import SmallBatchGradient
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
-from fivefold.train.fp8 import apply_fp8
+from fivefold.train.fp8 import WeightCast, apply_fp8
 from fivefold.train.loss import cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute, compile_module
@@ -150,6 +150,10 @@ class ParallelModel:
                                       pp_group=mesh.pp_group if self.pipeline else None, ep_group=mesh.ep_group,
                                       placements=self.placements)
         self._tie_pipeline_copies(optimizer)
+        if self.fp8_linears and cfg.train.fp8_weight_cast == "step" and zero != 3:  # (ZeRO-3: its engine's)
+            modules = dict(model.named_modules())
+            cast = WeightCast([modules[n] for n in self.fp8_linears if n in modules], self.device)
+            optimizer.after_update.append(cast.refresh)
         self.reducer = self._reducer(optimizer, engine)
         if self.reducer is not None:
             optimizer.gradient_source = self.reducer.local_grads
@@ -160,7 +164,7 @@ class ParallelModel:
         mesh = self.mesh
         params = [p for p in self.model.parameters() if p.requires_grad]
         fp8 = None
-        if stage == 3 and self.cfg.train.fp8_all_gather:  # this rank's stages' float8 linears
+        if stage == 3 and self.cfg.train.fp8_weight_cast == "step":  # this rank's stages' float8 linears
             modules = dict(self.model.named_modules())
             fp8 = {modules[n].weight: modules[n] for n in self.fp8_linears if n in modules}
         return ZeroDataParallel(self.model, params, stage, mesh.grad_mesh, mesh.grad_size, mesh.grad_rank,
