@@ -19,6 +19,7 @@ from fivefold.memory.activations import Replay, _compiled_block, replay_forward
 from fivefold.memory.plan import activation_shapes, compiled_blocks_modelled, plan_memory
 from fivefold.model.context import ForwardContext
 from fivefold.model.transformer import Transformer
+from fivefold.train.fp8 import WeightCast
 from fivefold.train.recompute import apply_recompute
 from fivefold.presets import get_preset
 
@@ -54,6 +55,11 @@ def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int
         from torchao import float8
 
         float8.convert_to_float8_training(block, config=float8.Float8LinearConfig(emulate=True))
+        # train.fp8_weight_cast=step: each linear multiplies by a float8 copy of its weight, made after the
+        # update (an input of the compiled block, like the weight it stands for, so not counted)
+        linears = [m for m in block.modules() if type(m).__name__ == "Float8Linear"]
+        assert len(linears) == 7
+        WeightCast(linears, torch.device("cpu"))
     ids = torch.randint(0, cfg.vocab_size, (b, s))
     ctx = ForwardContext()
     positions = model.positions(ids, ctx)

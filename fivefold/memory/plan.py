@@ -672,12 +672,16 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
                else "tp > 1: the vocabulary-parallel loss")
         notes.append(f"the final norm and the loss run eagerly ({why})")
     if cfg.train.precision == "fp8" and compiled_blocks_modelled(cfg, device):
-        notes.append("fp8: model states as bf16-mixed; the compiled blocks save less than bf16-mixed's (each float8 "
+        notes.append("fp8: bf16-mixed's model states; the compiled blocks save less than bf16-mixed's (each float8 "
                      "linear's bf16 input is recomputed in backward)")
     elif cfg.train.precision == "fp8":
-        notes.append("fp8: model states and saved activations as bf16-mixed; each linear's float8 casts are "
+        notes.append("fp8: bf16-mixed's model states and saved activations; each linear's float8 casts are "
                      "transient" + ("" if device != "cuda" else " (modelled for eager torch._scaled_mm, measured "
                                     "only in CPU emulation)"))
+    if formulas.fp8_precast(cfg):
+        notes.append("fp8: each float8 weight cast once a step (train.fp8_weight_cast=step): a float8 copy, 1 byte "
+                     "an element, in parameters" + (", this rank's rows; ZeRO-3 gathers them as float8"
+                                                    if formulas.fp8_gathered(cfg) else ""))
     if par.pp > 1 and cfg.train.grad_accum < par.pp:
         notes.append(f"train.grad_accum={cfg.train.grad_accum} micro-batches < pp={par.pp}: the pipeline "
                      f"bubble dominates; use grad_accum >= {par.pp}")
