@@ -40,6 +40,7 @@ from fivefold.model.init import give_memory
 from fivefold.parallel.collectives import all_gather_into, in_backward, reduce_scatter_into
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
 from fivefold.parallel.hooks import weak
+from fivefold.train.fp8 import WEIGHT_DTYPE, multiply_by_cast, to_weight_float8, weight_scale
 
 # Gradient reduce-scatters a rank lets run at once (fivefold.memory.plan counts their buffers).
 MAX_REDUCES_IN_FLIGHT = 2
@@ -317,8 +318,6 @@ class ZeroDataParallel(TimedWaits):
         """Stage 3 under fp8 all-gather, after the parameters changed: each float8 weight's scale from the
         largest magnitude over every rank's rows (one all-reduce for all of them), and this rank's rows
         cast with it into the float8 shard."""
-        from fivefold.train.fp8 import to_weight_float8, weight_scale
-
         buckets = [b for b in self.buckets if b.fp8 is not None]
         if not buckets:
             return
@@ -329,7 +328,7 @@ class ZeroDataParallel(TimedWaits):
         scales = weight_scale(amax).split([len(unit) for unit in rows])
         for b, unit, scale in zip(buckets, rows, scales):
             b.scales.copy_(scale)
-            data = b.fp8_shard.view(torch.float8_e4m3fn)
+            data = b.fp8_shard.view(WEIGHT_DTYPE)
             for j, r in enumerate(unit):
                 b.fp8.local(data, j).copy_(to_weight_float8(r, b.scales[j]))
 
@@ -343,12 +342,10 @@ class ZeroDataParallel(TimedWaits):
             params = bucket.group.params
             bucket.shard = torch.zeros(bucket.group.shard_numel, dtype=params[0].dtype, device=self.device)
             if bucket.fp8 is not None:
-                from fivefold.train.fp8 import multiply_by_cast
-
                 bucket.fp8_shard = torch.zeros(bucket.fp8.shard_numel, dtype=torch.uint8, device=self.device)
                 bucket.scales = torch.ones(len(bucket.fp8.params), dtype=torch.float32, device=self.device)
                 for j, (p, module) in enumerate(zip(bucket.fp8.params, bucket.fp8_modules)):
-                    data = torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=self.device)
+                    data = torch.empty(p.shape, dtype=WEIGHT_DTYPE, device=self.device)
                     data.untyped_storage().resize_(0)  # filled around each use, as the parameters are
                     multiply_by_cast(module, data, bucket.scales[j])
             for j, p in enumerate(params):
