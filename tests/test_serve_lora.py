@@ -155,3 +155,14 @@ def test_two_live_engines_share_a_model_only_without_adapters(random_adapter):
     del adapted
     assert served(model, "torch")[1] == want  # the adapters' hooks are gone with their engine
     assert not model.layers[0].attn.o_proj._forward_hooks
+
+
+def test_an_engine_with_adapters_waits_for_every_engine_sharing_the_model(random_adapter):
+    """Two plain engines share one model; the second going leaves the first, which still runs it."""
+    model = fresh_model()
+    first, want = served(model, "torch")
+    second, _ = served(model, "torch")
+    del second
+    with pytest.raises(ConfigError, match=r"already served by another engine \(without LoRA adapters\)"):
+        served(model, "torch", random_adapter)
+    assert texts(first.generate(IDS, GREEDY)) == want

@@ -105,7 +105,8 @@ def test_measured_model_states_per_rank_match_the_plan(overrides):
         from fivefold.memory.formulas import is_fp8_weight, parameter_shapes
         from fivefold.presets import get_preset
 
-        weights = [k for name, k in parameter_shapes(get_preset("tiny"), 1, [0, 1], True, True, 1) if is_fp8_weight(name)]
+        shapes = parameter_shapes(get_preset("tiny"), 1, [0, 1], True, True, 1)
+        weights = [k for name, k in shapes if is_fp8_weight(name)]
         assert len(weights) == 14
         float8 = sum(weights) // 2 + 4 * len(weights)
     assert rows["parameters"]["measured"] == bytes_per * params // (2 if zero == 3 else 1) + float8

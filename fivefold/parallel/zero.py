@@ -162,7 +162,8 @@ class ZeroDataParallel(TimedWaits):
         fp8 = fp8_modules if stage == 3 and fp8_modules else {}
         if stage == 3:
             # float8-gathered weights last in their unit: the rest of the shard is then one prefix
-            self.units = [[p for p in u if p not in fp8] + [p for p in u if p in fp8] for u in _units(model, self.params)]
+            self.units = [[p for p in u if p not in fp8] + [p for p in u if p in fp8]
+                          for u in _units(model, self.params)]
             groups = [FlatGroup(u, dp, rank) for u in self.units]
         else:
             buckets = size_buckets([p.numel() for p in self.params], bucket_bytes, first_bucket_bytes)

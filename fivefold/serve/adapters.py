@@ -27,32 +27,31 @@ from fivefold.serve.fused import unfuse_projections
 from fivefold.weights import adapter_weights
 
 # An engine prepares its model in place: a plain engine fuses the projections (fivefold.serve.fused), an
-# engine with adapters hooks them. Per model: the engine that last took it, and the adapters' hook handles.
+# engine with adapters hooks them. Per model: the engines that took it, and the adapters' hook handles.
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def take_model(model: nn.Module, engine, adapters: bool) -> None:
-    """Let `engine` (serving LoRA adapters or not) prepare `model`. Two live engines share a model only when
-    neither serves adapters: fused projections would bypass the adapters' hooks, and the hooks would add
-    one engine's adapters to the other's rows. Once the earlier engine is gone, its hooks are removed and,
-    for adapters, the projections unfused."""
-    ref = _ENGINES.get(model)
-    if ref is not None and ref() is not None and (adapters or ref().adapters is not None):
+    """Let `engine` (serving LoRA adapters or not) prepare `model`. Live engines share a model only when none
+    serves adapters: fused projections would bypass the adapters' hooks, and the hooks would add one
+    engine's adapters to another's rows. Once the others are gone, their hooks are removed and, for
+    adapters, the projections unfused."""
+    engines = _ENGINES.setdefault(model, weakref.WeakSet())
+    if engines and (adapters or any(e.adapters is not None for e in engines)):
         gc.collect()  # an engine nobody holds may only wait for the cycle collector
-    earlier = ref() if ref is not None else None
-    if earlier is not None and (adapters or earlier.adapters is not None):
-        has = "with LoRA adapters" if earlier.adapters is not None else "without LoRA adapters"
+    if engines and (adapters or any(e.adapters is not None for e in engines)):
+        has = "with LoRA adapters" if any(e.adapters is not None for e in engines) else "without LoRA adapters"
         raise ConfigError(f"this model is already served by another engine ({has}), which changed it in place "
-                          f"(fused projections, adapter hooks); two engines share a model only when neither "
-                          f"serves adapters. Serve this one from another copy (build or load the model again, "
-                          f"or copy.deepcopy it), or let the other engine go first (del llm)")
-    if earlier is None:
+                          f"(fused projections, adapter hooks); engines share a model only when none serves "
+                          f"adapters. Serve this one from another copy (build or load the model again, or "
+                          f"copy.deepcopy it), or let the other engine go first (del llm)")
+    if not engines:
         for handle in _HOOKS.pop(model, []):
             handle.remove()
         if adapters:
             unfuse_projections(model)
-    _ENGINES[model] = weakref.ref(engine)
+    engines.add(engine)
 
 
 @dataclass

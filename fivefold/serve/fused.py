@@ -94,7 +94,8 @@ def _fused_parts(module: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ..
 
 
 def _is_view_of(linear: nn.Module, fused: torch.Tensor) -> bool:
-    return isinstance(linear, nn.Linear) and linear.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    storage = fused.untyped_storage().data_ptr()
+    return isinstance(linear, nn.Linear) and linear.weight.untyped_storage().data_ptr() == storage
 
 
 def unfuse_projections(model: nn.Module, stale_only: bool = False) -> int:
