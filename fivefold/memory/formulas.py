@@ -173,8 +173,8 @@ def is_fp8_weight(name: str) -> bool:
 
 
 def fp8_precast(cfg: Config) -> bool:
-    """Whether the float8 linears multiply by weights cast once a step (train.fp8_weight_cast=step)."""
-    return cfg.train.precision == "fp8" and cfg.train.fp8_weight_cast == "step"
+    """Whether the float8 linears multiply by weights cast once a step (train.fp8_weight_cast)."""
+    return cfg.fp8_cast_once()
 
 
 def fp8_gathered(cfg: Config) -> bool:

@@ -40,7 +40,7 @@ from fivefold.model.init import give_memory
 from fivefold.parallel.collectives import all_gather_into, in_backward, reduce_scatter_into
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
 from fivefold.parallel.hooks import weak
-from fivefold.train.fp8 import WEIGHT_DTYPE, multiply_by_cast, to_weight_float8, weight_scale
+from fivefold.train.fp8 import WEIGHT_DTYPE, amaxes, multiply_by_cast, to_weight_float8, weight_scale
 
 # Gradient reduce-scatters a rank lets run at once (fivefold.memory.plan counts their buffers).
 MAX_REDUCES_IN_FLIGHT = 2
@@ -323,8 +323,7 @@ class ZeroDataParallel(TimedWaits):
         if not buckets:
             return
         rows = [[b.fp8.local(b.shard[b.rest.shard_numel:], j) for j in range(len(b.fp8.params))] for b in buckets]
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        amax = torch.stack([r.abs().amax().float() if r.numel() else zero for unit in rows for r in unit])
+        amax = amaxes([r for unit in rows for r in unit])
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         scales = weight_scale(amax).split([len(unit) for unit in rows])
         for b, unit, scale in zip(buckets, rows, scales):

@@ -384,6 +384,22 @@ def _last_bucket(cfg: Config, c: Collective) -> float:
 # -- the step ---------------------------------------------------------------------------------------------
 
 
+# train.fp8_weight_cast=step's cast after the update (fivefold.train.fp8: eager, weight by weight): bytes an
+# element beyond 2 p (amax and the fp32 copy read the weight): the fp32 copy written (4), the product (4 + 4),
+# its clamp (4 + 4), the float8 copy (4 + 1), that copied into place (1 + 1); kernels a weight (the fp32
+# copy, product, clamp, float8 copy, copy into place, its scale) and for all of them (the inf-norms, the scales)
+FP8_CAST_BYTES, FP8_CAST_OPS_PER_WEIGHT, FP8_CAST_OPS = 27, 6, 8
+
+
+def fp8_cast_seconds(cfg: Config, shapes, costs: _Costs, profile: HardwareProfile) -> float:
+    """Seconds of casting the float8 weights once a step (under ZeRO-3 each rank its rows): its memory
+    passes, or its kernel launches where those take longer."""
+    weights = [n for name, n in shapes if formulas.is_fp8_weight(name)]
+    elements = sum(weights) / (cfg.parallel.dp if formulas.fp8_gathered(cfg) else 1)
+    memory = elements * (2 * costs.p + FP8_CAST_BYTES) / costs.bandwidth
+    return max(memory, (FP8_CAST_OPS_PER_WEIGHT * len(weights) + FP8_CAST_OPS) * profile.op_overhead)
+
+
 def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = None,
                  at_least: float = 0.0) -> SpeedPlan | None:
     """Step time, throughput, MFU and the breakdown of training `cfg` on `profile` devices. `fused`:
@@ -439,9 +455,8 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         busiest == 0, busiest == p.pp - 1, p.ep)
     local = sum(n for _, n in shapes)
     optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
-    if formulas.fp8_precast(cfg):  # the float8 weights cast after the update (amax pass, scaling pass); ZeRO-3:
-        fp8 = sum(n for name, n in shapes if formulas.is_fp8_weight(name))  # each rank its rows
-        optimizer += fp8 / (p.dp if formulas.fp8_gathered(cfg) else 1) * (2 * costs.p + 1) / costs.bandwidth
+    if formulas.fp8_precast(cfg):
+        optimizer += fp8_cast_seconds(cfg, shapes, costs, profile)
     optimizer += 20 * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v
     for c in step_collectives(cfg, busiest):

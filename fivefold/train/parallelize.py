@@ -150,7 +150,7 @@ class ParallelModel:
                                       pp_group=mesh.pp_group if self.pipeline else None, ep_group=mesh.ep_group,
                                       placements=self.placements)
         self._tie_pipeline_copies(optimizer)
-        if self.fp8_linears and cfg.train.fp8_weight_cast == "step" and zero != 3:  # (ZeRO-3: its engine's)
+        if self.fp8_linears and cfg.fp8_cast_once() and zero != 3:  # (ZeRO-3: its engine's)
             modules = dict(model.named_modules())
             cast = WeightCast([modules[n] for n in self.fp8_linears if n in modules], self.device)
             optimizer.after_update.append(cast.refresh)
@@ -164,7 +164,7 @@ class ParallelModel:
         mesh = self.mesh
         params = [p for p in self.model.parameters() if p.requires_grad]
         fp8 = None
-        if stage == 3 and self.cfg.train.fp8_weight_cast == "step":  # this rank's stages' float8 linears
+        if stage == 3 and self.cfg.fp8_cast_once():  # this rank's stages' float8 linears
             modules = dict(self.model.named_modules())
             fp8 = {modules[n].weight: modules[n] for n in self.fp8_linears if n in modules}
         return ZeroDataParallel(self.model, params, stage, mesh.grad_mesh, mesh.grad_size, mesh.grad_rank,
