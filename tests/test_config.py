@@ -26,7 +26,7 @@ def test_defaults_presets_toml_and_overrides_layer(tmp_path):
     (["train.steps=ten"], "train.steps='ten' is not valid; expected an integer"),
     (["train.tensorboard=maybe"], "expected true or false"),
     (["train.compile=maybe"], "choose one of auto, true, blocks, false"),
-    (["train.fp8_weight_cast=sometimes"], "choose one of step, use"),
+    (["train.fp8_weight_cast=sometimes"], "choose one of auto, step, use"),
     (["model.num_kv_heads=3"], "must divide model.num_heads=8; choose one of [1, 2, 4, 8]"),
     (["model.num_heads=12", "model.num_kv_heads=4"], "model.hidden_size=256 is not divisible by model.num_heads=12"),
     (["parallel.tp=3"], "parallel.tp=3 does not divide model.num_heads=8; choose tp in [1, 2, 4]"),
