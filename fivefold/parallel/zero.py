@@ -105,6 +105,17 @@ class FlatGroup:
             self.local(shard, i).copy_(t)
         return shard
 
+    def copy_full(self, gathered: torch.Tensor, i: int, out: torch.Tensor) -> None:
+        """Parameter i from an all-gathered (dp * shard_numel,) buffer into `out` (its shape), rank chunk by
+        rank chunk as strided copies: `full` would reshape the strided rows into a whole new copy first."""
+        off, n, rows, chunk = self.offsets[i], self.chunk_numel[i], self.shapes[i][0], self.chunk_rows[i]
+        src = gathered.view(self.dp, self.shard_numel)[:, off:off + n]
+        dst = out.view(rows, -1)
+        whole = rows // chunk  # ranks whose chunk is all rows; then at most one partial chunk, the rest padding
+        dst[:whole * chunk].view(whole, n).copy_(src[:whole])
+        if whole * chunk < rows:
+            dst[whole * chunk:].view(-1).copy_(src[whole, :(rows - whole * chunk) * self.row_numel[i]])
+
     def full(self, gathered: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i, reassembled from an all-gathered (dp * shard_numel,) buffer."""
         off, n, shape = self.offsets[i], self.chunk_numel[i], self.shapes[i]
@@ -392,11 +403,11 @@ class ZeroDataParallel(TimedWaits):
                         for j, module in enumerate(bucket.fp8_modules):
                             data = module.weight_float8
                             data.untyped_storage().resize_(data.numel())
-                            data.data.view(torch.uint8).copy_(group.full(gathered, j))  # .data: as below
+                            group.copy_full(gathered, j, data.data.view(torch.uint8))  # .data: as below
                         continue
                     for j, p in enumerate(group.params):
                         p.untyped_storage().resize_(p.numel() * p.element_size())
-                        p.data.copy_(group.full(gathered, j))  # via .data: autograd's saved views stay valid
+                        group.copy_full(gathered, j, p.data)  # via .data: autograd's saved views stay valid
             bucket.gathered = True
 
     def _before_block(self, unit: int, module, args) -> None:
