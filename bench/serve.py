@@ -593,15 +593,6 @@ def run_quantized(model, args, requests: list[Request], decode_prompt: list[int]
     return out
 
 
-# The engine's other paths (--paths; docs/serving.md, "Paths"): where a path differs from the main run's.
-PATHS = {
-    "eager decode": "the same engine with serve.cuda_graphs=false: decode steps run the same kernels eagerly",
-    "LoRA loaded, base requests": "a rank-16 adapter on every projection loaded: q/k/v and gate/up unfused, "
-                                  "decode eager (the adapters hook the separate projections); no request uses it",
-    "LoRA on every request": "the same engine, every request on the adapter: two thin products per projection",
-}
-
-
 def random_adapter(cfg, directory: str, rank: int = 16, seed: int = 0) -> str:
     """A PEFT directory of random rank-`rank` adapters on every projection of `cfg`'s shape."""
     from fivefold.config import Config, LoraConfig
@@ -615,9 +606,11 @@ def random_adapter(cfg, directory: str, rank: int = 16, seed: int = 0) -> str:
 
 
 def run_paths(model, args, requests: list[Request], decode_prompt: list[int]) -> dict:
-    """--paths: the request set and batch-1 decode through each of the engine's other paths (PATHS) on the same
-    weights. Eager decode only where graphs exist (CUDA); the adapter's engine serves a copy of the model,
-    since the main engine fused this one's projections in place."""
+    """--paths: the request set and batch-1 decode through each of the engine's other paths on the same weights
+    (docs/serving.md, "Paths"): eager decode, the same engine with serve.cuda_graphs=false (only where graphs
+    exist: CUDA); a rank-16 adapter on every projection loaded (q/k/v and gate/up unfused, decode eager), with
+    base requests, then with every request on it (two thin products per projection). The adapter's engine
+    serves a copy of the model, since the main engine fused this one's projections in place."""
     import copy
     import tempfile
 

@@ -80,7 +80,7 @@ def step_collectives(cfg: Config, stage: int = 0) -> list[Collective]:
             if p.zero == 3:
                 # train.fp8_weight_cast=step: the float8 linears' weights gathered as float8, 1 byte an
                 # element, after one all-reduce of their amaxes a step
-                fp8 = [n for name, n in shapes if formulas.is_fp8_weight(name)] if formulas.fp8_gathered(cfg) else []
+                fp8 = formulas.fp8_weights(shapes) if formulas.fp8_gathered(cfg) else []
                 out.append(Collective("dp", "all_gather", act * params - (act - 1) * sum(fp8), g, 2 * micro, "gather"))
                 if fp8:
                     out.append(Collective("dp", "all_reduce", 4 * len(fp8), g, 1, "after_step"))

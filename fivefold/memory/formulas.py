@@ -172,14 +172,14 @@ def is_fp8_weight(name: str) -> bool:
     return _FP8_WEIGHT.fullmatch(name) is not None
 
 
-def fp8_precast(cfg: Config) -> bool:
-    """Whether the float8 linears multiply by weights cast once a step (train.fp8_weight_cast)."""
-    return cfg.fp8_cast_once()
+def fp8_weights(shapes) -> list[int]:
+    """The numels of the float8 weights among (name, numel) `shapes`."""
+    return [numel for name, numel in shapes if is_fp8_weight(name)]
 
 
 def fp8_gathered(cfg: Config) -> bool:
-    """Whether ZeRO-3 gathers those weights cast, as float8 (fivefold.parallel.zero)."""
-    return fp8_precast(cfg) and cfg.parallel.zero == 3 and cfg.parallel.grad_size > 1
+    """Whether ZeRO-3 gathers the float8 weights cast once a step, as float8 (fivefold.parallel.zero)."""
+    return cfg.fp8_cast_once() and cfg.parallel.zero == 3 and cfg.parallel.grad_size > 1
 
 
 def is_no_decay(name: str) -> bool:

@@ -104,7 +104,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
                   adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
                   loss_chunk=t.loss_chunk, vocab_parallel=tp > 1, tp_reduce=tp > 1 and not par.sequence_parallel,
-                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_precast=formulas.fp8_precast(cfg),
+                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_precast=cfg.fp8_cast_once(),
                   biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
                   ("q", "k", "v") if m.qkv_bias else (),
                   experts=m.num_experts, topk=m.experts_per_token if m.num_experts else 0,
@@ -288,8 +288,11 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
 
     # train.fp8_weight_cast=step: the float8 linears' weights cast once a step, 1 byte an element (under
     # ZeRO-3 this rank's rows, the float8 all-gather's source), and a 4-byte scale per weight
-    fp8_weights = [k for name, k in shapes if formulas.is_fp8_weight(name)] if formulas.fp8_precast(cfg) else []
+    fp8_weights = formulas.fp8_weights(shapes) if cfg.fp8_cast_once() else []
     fp8_gathered = formulas.fp8_gathered(cfg)
+    # After the step (and at start-up) each float8 weight (under ZeRO-3 this rank's rows) is cast, one at a
+    # time: x.float() and then x.float() * scale, 8 bytes an element (fivefold.train.fp8.to_weight_float8)
+    fp8_cast = 8 * shard(max(fp8_weights, default=0), 3)
     memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3) + shard(sum(fp8_weights), 3)
               + 4 * len(fp8_weights),
               "gradients": _gradients(cfg, trained, inv, bpp)}
@@ -360,7 +363,6 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers) if fp8_gathered else layer
         gather_root = d.p * inv.root
         gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer
-    fp8_cast = _fp8_cast_bytes(cfg, shapes, shard)  # after the step
     if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
         reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
     else:
@@ -417,7 +419,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     optimizer_step = at_step + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
-    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n, bool(adapters))
+    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n, bool(adapters), fp8_cast)
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), frozen + n, memory, in_flight, detail)
@@ -474,7 +476,7 @@ def _reductions(cfg: Config, inv: _Inventory, shapes: tuple, grad_bytes: float,
 
 
 def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int,
-             lora: bool) -> float:
+             lora: bool, cast: float) -> float:
     """Peak while a rank builds its part (fivefold.train.parallelize): the model is split on the meta
     device, then each local parameter is materialised from its full fp32 initial value, one at a time.
     Held at the end: the parameters, the fp32 masters (bf16-mixed; Adam's moments only come with the
@@ -482,7 +484,8 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     gradient shards), which except under ZeRO-3 are made once every parameter is. Beside them, what the
     parameter being made adds beyond what the rank keeps of it (_being_made), as if the largest were made
     last: a bound, reached when it is. `n`: the parameters that train (all, or LoRA's adapters;
-    `lora`: the base is frozen)."""
+    `lora`: the base is frozen); `cast`: the first cast of fp8's weights cast once a step, after the rest
+    is made."""
     t, par = cfg.train, cfg.parallel
     masters = 4 * shard(n, 1) if t.mixed else 0.0
     grad_buffers = 0.0
@@ -494,19 +497,10 @@ def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shar
     kept = (2 if t.mixed else 4, 1 / g if par.zero >= 3 and g > 1 else 1.0,  # the parameter: dtype, share
             4 if t.mixed else 0, 1 / g if par.zero >= 1 and g > 1 else 1.0)  # its fp32 master: bytes, share
     made = _being_made(tuple(shapes), cfg.model, par.tp, kept, lora)
-    cast = _fp8_cast_bytes(cfg, shapes, shard)  # the first cast of the float8 weights, after the rest is made
     if par.zero < 3 or g == 1:  # the buffers come after the parameters (the optimizer's, ZeRO's)
         return parameters + masters + max(made, grad_buffers + cast)
     return parameters + masters + grad_buffers + max(made, cast)  # ZeRO-3 makes its parameters inside its engine
 
-
-def _fp8_cast_bytes(cfg: Config, shapes, shard) -> float:
-    """The float8 weights' cast once a step (train.fp8_weight_cast=step), at its largest: one weight (under
-    ZeRO-3 this rank's rows of it) as x.float() and then x.float() * scale, 8 bytes an element
-    (fivefold.train.fp8.to_weight_float8)."""
-    if not formulas.fp8_precast(cfg):
-        return 0.0
-    return 8 * shard(max((k for name, k in shapes if formulas.is_fp8_weight(name)), default=0), 3)
 
 
 def _being_made(shapes: tuple, model, tp: int, kept: tuple, lora: bool) -> float:
@@ -678,7 +672,7 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
         notes.append("fp8: bf16-mixed's model states and saved activations; each linear's float8 casts are "
                      "transient" + ("" if device != "cuda" else " (modelled for eager torch._scaled_mm, measured "
                                     "only in CPU emulation)"))
-    if formulas.fp8_precast(cfg):
+    if cfg.fp8_cast_once():
         notes.append("fp8: each float8 weight cast once a step (train.fp8_weight_cast=step): a float8 copy, 1 byte "
                      "an element, in parameters" + (", this rank's rows; ZeRO-3 gathers them as float8"
                                                     if formulas.fp8_gathered(cfg) else ""))

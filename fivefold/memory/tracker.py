@@ -75,11 +75,10 @@ class MemoryTracker(TorchDispatchMode):
         self._hooks = [m.register_forward_pre_hook(self._on_forward) for m in modules]
         for b in self.model.buffers():
             self._track(b, "temporary")
-        roles = self._roles()
-        if "parameters" in roles:
+        if "parameters" in self._roles():
             # ZeRO-3: the reducer's shards are the parameters; the model's own parameter storages (and the
             # float8 all-gather's weights) are empty except while gathered, which is transient.
-            for p in [*self.params, *roles.get("gathered", ())]:
+            for p in self.params:
                 self._track(p, "temporary")
         self.sample()  # registers parameters, masters, main gradients and any optimizer state
         return super().__enter__()

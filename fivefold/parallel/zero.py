@@ -15,7 +15,7 @@ Adam moments of its chunks only.
              after use. Embeddings, final norm and head are gathered for the whole forward and backward
              (they are used at both ends of the model, as FSDP does with its root).
 
-Under train.precision=fp8 with train.fp8_weight_cast=step, stage 3 gathers the float8 linears' weights as
+Under train.precision=fp8 with its weights cast once a step (Config.fp8_cast_once), stage 3 gathers the float8 linears' weights as
 float8: each unit's shard holds them after its other parameters, and after every step each rank casts its
 rows with the whole weight's scale (one all-reduce of the amaxes) into a float8 shard that is gathered in
 place of those rows (fivefold.train.fp8). The bf16 parameters of those weights are never gathered.
@@ -40,7 +40,7 @@ from fivefold.model.init import give_memory
 from fivefold.parallel.collectives import all_gather_into, in_backward, reduce_scatter_into
 from fivefold.parallel.data_parallel import TimedWaits, size_buckets
 from fivefold.parallel.hooks import weak
-from fivefold.train.fp8 import WEIGHT_DTYPE, amaxes, multiply_by_cast, to_weight_float8, weight_scale
+from fivefold.train.fp8 import WEIGHT_DTYPE, cast_weights, multiply_by_cast
 
 # Gradient reduce-scatters a rank lets run at once (fivefold.memory.plan counts their buffers).
 MAX_REDUCES_IN_FLIGHT = 2
@@ -142,7 +142,6 @@ class Bucket:
         self.rest, self.fp8 = group, None
         self.fp8_shard: torch.Tensor | None = None
         self.fp8_modules: list[nn.Module] = []
-        self.scales: torch.Tensor | None = None  # fp32, one per float8 weight
 
 
 class ZeroDataParallel(TimedWaits):
@@ -196,6 +195,7 @@ class ZeroDataParallel(TimedWaits):
         self._gathers: dict[int, tuple] = {}
         self._publishing: list = []
         self._in_flight: list[Bucket] = []
+        self.fp8_scales: torch.Tensor | None = None  # stage 3, fp8 all-gather: each float8 weight's scale
         if stage == 3:
             self.masters: list[torch.Tensor | None] = [None] * len(self.params)
             self._materialise_shards(value_of, mixed)
@@ -281,12 +281,13 @@ class ZeroDataParallel(TimedWaits):
         """Tensors the memory tracker should count by role: the fp32 gradient shards (reduce-scatter
         buffers in flight are temporaries) and, under stage 3, the persistent parameter shards (the
         parameters gathered in full around a block's use are temporaries, as are the float8 all-gather's
-        weights, "gathered")."""
+        weights)."""
         roles = {"gradients": [b.grad_shard for b in self.buckets if b.grad_shard is not None]}
         if self.stage == 3:
-            roles["parameters"] = [b.shard for b in self.buckets] + \
-                [t for b in self.buckets if b.fp8 is not None for t in (b.fp8_shard, b.scales)]
-            roles["gathered"] = [m.weight_float8 for b in self.buckets for m in b.fp8_modules]  # like the parameters
+            roles["parameters"] = [b.shard for b in self.buckets] + [b.fp8_shard for b in self.buckets
+                                                                     if b.fp8 is not None]
+            if self.fp8_scales is not None:
+                roles["parameters"].append(self.fp8_scales)
         return roles
 
     def as_global(self, i: int, local: torch.Tensor):
@@ -330,18 +331,13 @@ class ZeroDataParallel(TimedWaits):
         """Stage 3 under fp8 all-gather, after the parameters changed: each float8 weight's scale from the
         largest magnitude over every rank's rows (one all-reduce for all of them), and this rank's rows
         cast with it into the float8 shard."""
-        buckets = [b for b in self.buckets if b.fp8 is not None]
-        if not buckets:
+        if self.fp8_scales is None:
             return
-        rows = [[b.fp8.local(b.shard[b.rest.shard_numel:], j) for j in range(len(b.fp8.params))] for b in buckets]
-        amax = amaxes([r for unit in rows for r in unit])
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        scales = weight_scale(amax).split([len(unit) for unit in rows])
-        for b, unit, scale in zip(buckets, rows, scales):
-            b.scales.copy_(scale)
-            data = b.fp8_shard.view(WEIGHT_DTYPE)
-            for j, r in enumerate(unit):
-                b.fp8.local(data, j).copy_(to_weight_float8(r, b.scales[j]))
+        buckets = [b for b in self.buckets if b.fp8 is not None]
+        rows = [b.fp8.local(b.shard[b.rest.shard_numel:], j) for b in buckets for j in range(len(b.fp8.params))]
+        outs = [b.fp8.local(b.fp8_shard.view(WEIGHT_DTYPE), j) for b in buckets for j in range(len(b.fp8.params))]
+        cast_weights(rows, outs, self.fp8_scales,
+                     lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group))
 
     # -- stage 3: parameters gathered around use --------------------------------------------------
     @torch.no_grad()
@@ -349,16 +345,18 @@ class ZeroDataParallel(TimedWaits):
         """Fill one persistent shard per unit with this rank's rows of each parameter's value, taken one
         parameter at a time; the full parameters get storage of size zero (restored, and refilled, at
         every gather). Under fp32 the masters are the shard's own rows."""
+        modules = [m for b in self.buckets for m in b.fp8_modules]
+        if modules:
+            self.fp8_scales = torch.ones(len(modules), dtype=torch.float32, device=self.device)
+            for module, scale in zip(modules, self.fp8_scales):
+                data = torch.empty(module.weight.shape, dtype=WEIGHT_DTYPE, device=self.device)
+                data.untyped_storage().resize_(0)  # filled around each use, as the parameters are
+                multiply_by_cast(module, data, scale)
         for unit, bucket in enumerate(self.buckets):
             params = bucket.group.params
             bucket.shard = torch.zeros(bucket.group.shard_numel, dtype=params[0].dtype, device=self.device)
             if bucket.fp8 is not None:
                 bucket.fp8_shard = torch.zeros(bucket.fp8.shard_numel, dtype=torch.uint8, device=self.device)
-                bucket.scales = torch.ones(len(bucket.fp8.params), dtype=torch.float32, device=self.device)
-                for j, (p, module) in enumerate(zip(bucket.fp8.params, bucket.fp8_modules)):
-                    data = torch.empty(p.shape, dtype=WEIGHT_DTYPE, device=self.device)
-                    data.untyped_storage().resize_(0)  # filled around each use, as the parameters are
-                    multiply_by_cast(module, data, bucket.scales[j])
             for j, p in enumerate(params):
                 i = self._index[p]
                 rows = value_of(i)[slice(*bucket.group.ranges[j])]

@@ -199,7 +199,7 @@ class _Costs:
             shapes += [(h, f / tp)] * up + [(f / tp, h)]
         # Weights cast once a step (train.fp8_weight_cast=step): only the activations and gradients are cast
         # here (the weights after the update: predict_step's optimizer term)
-        w = 0 if formulas.fp8_precast(self.cfg) else 1
+        w = 0 if self.cfg.fp8_cast_once() else 1
         forward = sum(T * k + w * k * n for k, n in shapes)
         backward = sum(2 * T * n + w * k * n + T * k for k, n in shapes)
         per_element = (2 * self.p + 1) / self.bandwidth
@@ -394,7 +394,7 @@ FP8_CAST_BYTES, FP8_CAST_OPS_PER_WEIGHT, FP8_CAST_OPS = 27, 6, 8
 def fp8_cast_seconds(cfg: Config, shapes, costs: _Costs, profile: HardwareProfile) -> float:
     """Seconds of casting the float8 weights once a step (under ZeRO-3 each rank its rows): its memory
     passes, or its kernel launches where those take longer."""
-    weights = [n for name, n in shapes if formulas.is_fp8_weight(name)]
+    weights = formulas.fp8_weights(shapes)
     elements = sum(weights) / (cfg.parallel.dp if formulas.fp8_gathered(cfg) else 1)
     memory = elements * (2 * costs.p + FP8_CAST_BYTES) / costs.bandwidth
     return max(memory, (FP8_CAST_OPS_PER_WEIGHT * len(weights) + FP8_CAST_OPS) * profile.op_overhead)
@@ -455,7 +455,7 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         busiest == 0, busiest == p.pp - 1, p.ep)
     local = sum(n for _, n in shapes)
     optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
-    if formulas.fp8_precast(cfg):
+    if cfg.fp8_cast_once():
         optimizer += fp8_cast_seconds(cfg, shapes, costs, profile)
     optimizer += 20 * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v

@@ -38,10 +38,14 @@ def take_model(model: nn.Module, engine, adapters: bool) -> None:
     engine's adapters to another's rows. Once the others are gone, their hooks are removed and, for
     adapters, the projections unfused."""
     engines = _ENGINES.setdefault(model, weakref.WeakSet())
-    if engines and (adapters or any(e.adapters is not None for e in engines)):
+
+    def others_adapted() -> bool:
+        return any(e.adapters is not None for e in engines)
+
+    if engines and (adapters or others_adapted()):
         gc.collect()  # an engine nobody holds may only wait for the cycle collector
-    if engines and (adapters or any(e.adapters is not None for e in engines)):
-        has = "with LoRA adapters" if any(e.adapters is not None for e in engines) else "without LoRA adapters"
+    if engines and (adapters or others_adapted()):
+        has = "with LoRA adapters" if others_adapted() else "without LoRA adapters"
         raise ConfigError(f"this model is already served by another engine ({has}), which changed it in place "
                           f"(fused projections, adapter hooks); engines share a model only when none serves "
                           f"adapters. Serve this one from another copy (build or load the model again, or "

@@ -156,6 +156,20 @@ def to_weight_float8(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return to_fp8_saturated(rows.to(torch.float32) * scale, WEIGHT_DTYPE)
 
 
+@torch.no_grad()
+def cast_weights(rows: list[torch.Tensor], outs: list[torch.Tensor], scales: torch.Tensor,
+                 reduce_amax=None) -> None:
+    """Cast each of `rows` (a bf16 weight, or under ZeRO-3 this rank's rows of it) into `outs` (float8) with
+    its weight's scale, written into `scales` (fp32, one each); `reduce_amax(amax)`, in place: the largest
+    magnitudes over every rank's rows (ZeRO-3)."""
+    amax = amaxes(rows)
+    if reduce_amax is not None:
+        reduce_amax(amax)
+    scales.copy_(weight_scale(amax))
+    for r, out, scale in zip(rows, outs, scales):
+        out.copy_(to_weight_float8(r, scale))
+
+
 class WeightCast:
     """train.fp8_weight_cast=step outside ZeRO-3 (whose engine casts its rows, fivefold.parallel.zero): each
     float8 linear's whole weight cast once after every update, into a float8 copy beside it that forward and
@@ -163,18 +177,13 @@ class WeightCast:
 
     def __init__(self, modules: list[nn.Module], device: torch.device):
         self.modules = modules
-        for module in modules:
-            data = torch.empty(module.weight.shape, dtype=WEIGHT_DTYPE, device=device)
-            multiply_by_cast(module, data, torch.ones((), dtype=torch.float32, device=device))
+        self.scales = torch.ones(len(modules), dtype=torch.float32, device=device)
+        for module, scale in zip(modules, self.scales):
+            multiply_by_cast(module, torch.empty(module.weight.shape, dtype=WEIGHT_DTYPE, device=device), scale)
         self.refresh()
 
-    @torch.no_grad()
     def refresh(self) -> None:
-        weights = [module.weight for module in self.modules]
-        scales = weight_scale(amaxes(weights))
-        for module, weight, scale in zip(self.modules, weights, scales):
-            module.weight_float8_scale.copy_(scale)
-            module.weight_float8.copy_(to_weight_float8(weight, module.weight_float8_scale))
+        cast_weights([m.weight for m in self.modules], [m.weight_float8 for m in self.modules], self.scales)
 
 
 _PRECAST: dict[type, type] = {}

@@ -151,9 +151,7 @@ class ParallelModel:
                                       placements=self.placements)
         self._tie_pipeline_copies(optimizer)
         if self.fp8_linears and cfg.fp8_cast_once() and zero != 3:  # (ZeRO-3: its engine's)
-            modules = dict(model.named_modules())
-            cast = WeightCast([modules[n] for n in self.fp8_linears if n in modules], self.device)
-            optimizer.after_update.append(cast.refresh)
+            optimizer.after_update.append(WeightCast(self._fp8_modules(), self.device).refresh)
         self.reducer = self._reducer(optimizer, engine)
         if self.reducer is not None:
             optimizer.gradient_source = self.reducer.local_grads
@@ -163,13 +161,15 @@ class ParallelModel:
     def _zero(self, stage: int, placements: list[Placement], masters, value_of, mixed: bool) -> ZeroDataParallel:
         mesh = self.mesh
         params = [p for p in self.model.parameters() if p.requires_grad]
-        fp8 = None
-        if stage == 3 and self.cfg.fp8_cast_once():  # this rank's stages' float8 linears
-            modules = dict(self.model.named_modules())
-            fp8 = {modules[n].weight: modules[n] for n in self.fp8_linears if n in modules}
+        fp8 = {m.weight: m for m in self._fp8_modules()} if stage == 3 and self.cfg.fp8_cast_once() else None
         return ZeroDataParallel(self.model, params, stage, mesh.grad_mesh, mesh.grad_size, mesh.grad_rank,
                                 self.device, placements, masters=masters, value_of=value_of, mixed=mixed,
                                 bucket_bytes=int(self.cfg.parallel.bucket_mb * 2**20), fp8_modules=fp8)
+
+    def _fp8_modules(self) -> list[torch.nn.Module]:
+        """This rank's float8 linears (a pipeline stage holds only its own blocks' modules)."""
+        modules = dict(self.model.named_modules())
+        return [modules[n] for n in self.fp8_linears if n in modules]
 
     def _tie_pipeline_copies(self, optimizer: MasterWeightAdamW) -> None:
         if self.pipeline is None or not self.cfg.model.tie_embeddings:
