@@ -607,8 +607,8 @@ def random_adapter(cfg, directory: str, rank: int = 16, seed: int = 0) -> str:
 
 def run_paths(model, args, requests: list[Request], decode_prompt: list[int]) -> dict:
     """--paths: the request set and batch-1 decode through each of the engine's other paths on the same weights
-    (docs/serving.md, "Paths"): eager decode, the same engine with serve.cuda_graphs=false (only where graphs
-    exist: CUDA); a rank-16 adapter on every projection loaded (q/k/v and gate/up unfused, decode eager), with
+    (docs/serving.md, "Paths"): eager decode, the same engine with serve.cuda_graphs=false, and the separate
+    RoPE, store, add and norm kernels, serve.fuse_launches=false (both only where they exist: CUDA); a rank-16 adapter on every projection loaded (q/k/v and gate/up unfused, decode eager), with
     base requests, then with every request on it (two thin products per projection). The adapter's engine
     serves a copy of the model, since the main engine fused this one's projections in place."""
     import copy
@@ -618,6 +618,8 @@ def run_paths(model, args, requests: list[Request], decode_prompt: list[int]) ->
     if args.device == "cuda":
         print("fivefold engine, eager decode ...", flush=True)
         out["eager decode"] = serve_variant(model, args, requests, decode_prompt, cuda_graphs="false")
+        print("fivefold engine, separate kernels (serve.fuse_launches=false) ...", flush=True)
+        out["separate kernels"] = serve_variant(model, args, requests, decode_prompt, fuse_launches=False)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = {"a": random_adapter(model.cfg, tmp, seed=args.seed)}
         twin = copy.deepcopy(model)

@@ -234,6 +234,10 @@ class ServeConfig:
     # the threads where MKL's sgemv reads the weights on one (fivefold.serve.cpu_linear); "torch" = F.linear;
     # "auto" = onednn on a CPU whose torch has it. On CUDA the linears are cuBLAS's either way.
     linear: Literal["auto", "onednn", "torch"] = "auto"
+    # On the Triton path, fewer launches a layer: RoPE inside the KV store's kernel, reading q/k/v in place
+    # from the fused product, and each residual add inside the next RMSNorm's kernel (fivefold.serve.residual);
+    # the logits are bit for bit those of the separate kernels, which false runs (to measure the difference).
+    fuse_launches: bool = True
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

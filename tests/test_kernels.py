@@ -104,6 +104,55 @@ def test_swiglu_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_reads_the_halves_of_a_fused_product_in_place(dtype):
+    """gate and up as serving's fused gate/up product gives them (strided halves of one tensor): the same
+    bits as from contiguous copies, and no copy made (the saved inputs are views of the product)."""
+    from fivefold.kernels.swiglu import SwiGLUFunction, swiglu
+
+    torch.manual_seed(1)
+    product = torch.randn(2, 7, 2 * 1100).to(dtype)  # 1100 columns: two blocks a row, the second partial
+    gate, up = product.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    got = swiglu(gate, up)
+    assert torch.equal(got, swiglu(gate.contiguous(), up.contiguous()))
+    assert_close(got, F.silu(gate) * up)
+    with torch.enable_grad():
+        leaf = product.clone().requires_grad_()
+        out = SwiGLUFunction.apply(*leaf.chunk(2, dim=-1))
+        assert all(t.untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()
+                   for t in out.grad_fn.saved_tensors)
+        out.backward(torch.ones_like(out))
+    want = torch.func.grad(lambda x: (F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]).float().sum())(product)
+    assert_close(leaf.grad, want.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [96, 100])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, hidden):
+    """The residual add and the RMSNorm of its result in one kernel: the sum is x + delta, and the
+    normalised sum the bits the Triton RMSNorm gives for that sum; with autograd recording, the separate ops.
+    The sum is exact in fp32; in bf16 Triton's interpreter truncates the rounding that torch (and Triton on
+    a GPU) takes to nearest, so there it is within one bf16 step."""
+    from fivefold.kernels.rmsnorm import add_rms_norm, rms_norm
+
+    torch.manual_seed(hidden)
+    x, delta = (torch.randn(3, 5, hidden).to(dtype) for _ in range(2))
+    weight = (1 + 0.5 * torch.randn(hidden)).to(dtype)
+    total, normed = add_rms_norm(x, delta, weight, 1e-5)
+    if dtype == torch.float32:
+        assert torch.equal(total, x + delta)
+    else:
+        torch.testing.assert_close(total, x + delta, rtol=2**-7, atol=0)
+    assert torch.equal(normed, rms_norm(total, weight, 1e-5))
+    assert_close(normed, torch.func.functional_call(RMSNorm(hidden, 1e-5), {"weight": weight}, (x + delta,)))
+    with torch.enable_grad():
+        leaf = x.clone().requires_grad_()
+        total, normed = add_rms_norm(leaf, delta, weight, 1e-5)
+        normed.sum().backward()
+    assert leaf.grad is not None and torch.equal(total.detach(), x + delta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, batch_positions", [(12, False), (10, True)])
 def test_rope_matches_torch(dtype, head_dim, batch_positions):
     from fivefold.kernels.rope import apply_rope as rope_triton

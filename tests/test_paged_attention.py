@@ -33,6 +33,7 @@ from fivefold.kernels.paged_attention import (  # noqa: E402
     choose_splits,
     paged_attention,
     paged_attention_reference,
+    rope_store_kv,
     split_counts,
     store_kv,
     store_kv_reference,
@@ -306,6 +307,135 @@ def test_opcheck(request, monkeypatch, use_triton):
     k, v = torch.randn(2, 3, 2, 16).unbind(0)
     torch.library.opcheck(torch.ops.fivefold.store_kv.default,
                           (args["k_cache"], args["v_cache"], k, v, torch.tensor([1, -1, 30], dtype=torch.int32)))
+    q, k, v = torch.randn(3, 8, 16).split([4, 2, 2], dim=1)
+    cos, sin = torch.randn(2, 3, 16).unbind(0)
+    torch.library.opcheck(torch.ops.fivefold.rope_store_kv.default,
+                          (q, k, v, cos, sin, args["k_cache"], args["v_cache"], torch.tensor([1, -1, 30], dtype=torch.int32)))
+
+
+def fused_qkv(tokens, heads, kv_heads, head_dim, dtype, seed=0):
+    """q, k, v as serving's fused projection gives them: column slices of one (T, (H + 2 Hkv) d) product,
+    viewed as heads; rows a whole product apart, not contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    product = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = product.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return tuple(x.view(tokens, -1, head_dim) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", [(32, 8, 16, torch.float32), (9, 3, 12, torch.bfloat16),
+                                                              (4, 4, 64, torch.bfloat16)])
+def test_rope_store_kv_is_rope_then_store(interpreter, heads, kv_heads, head_dim, dtype):
+    """The one-launch RoPE + store against what it replaces (the Triton RoPE on q and k, then store_kv):
+    the same bits in the returned q and in every slot of both pools, NaN where nothing was written; and
+    against the PyTorch reference."""
+    from fivefold.kernels.paged_attention import rope_store_kv_reference
+    from fivefold.kernels.rope import apply_rope
+    from fivefold.model.rope import rope_cos_sin
+
+    tokens, block_size, num_blocks = 7, 8, 4
+    q, k, v = fused_qkv(tokens, heads, kv_heads, head_dim, dtype)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = torch.tensor([[5, 0, 17, 3, 30, 1, 9]])
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)  # (1, 1, T, d), as the model makes them
+    slots = torch.tensor([3, -1, 8, 31, -1, 0, 17], dtype=torch.int32)  # two padding tokens
+    pools = [torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(2)]
+    want_pools = [pool.clone() for pool in pools]
+    ref_pools = [pool.clone() for pool in pools]
+
+    got = rope_store_kv(q, k, v, cos[0, 0], sin[0, 0], *pools, slots)
+    as_bhsd = lambda x: x.transpose(0, 1)[None]  # noqa: E731  (T, H, d) -> (1, H, T, d), Attention's layout
+    want = apply_rope(as_bhsd(q), cos, sin)[0].transpose(0, 1)
+    store_kv(*want_pools, apply_rope(as_bhsd(k), cos, sin)[0].transpose(0, 1), v, slots)
+    assert got.is_contiguous() and got.shape == (tokens, heads, head_dim)
+    assert torch.equal(got, want)
+    for pool, want_pool in zip(pools, want_pools):
+        assert torch.equal(pool.nan_to_num(nan=-9.0), want_pool.nan_to_num(nan=-9.0))
+    written = (~pools[0].view(num_blocks * block_size, -1).isnan()).any(-1).nonzero().flatten().tolist()
+    assert written == [0, 3, 8, 17, 31]
+    ref = rope_store_kv_reference(q, k, v, cos[0, 0], sin[0, 0], *ref_pools, slots)
+    # fp32: the same arithmetic, exactly. bf16: one rounding of the same fp32 values, which Triton's
+    # interpreter truncates where torch rounds to nearest: within one bf16 step (2**-7 relative).
+    exact = dtype == torch.float32
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=2**-7, atol=0)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(pools[0], ref_pools[0], equal_nan=True, **tol)
+    assert torch.equal(pools[1].nan_to_num(nan=-9.0), ref_pools[1].nan_to_num(nan=-9.0))  # values are copied
+
+
+def count_launches(fn):
+    """(result, launches): fn() run with every kernel it starts counted: Triton kernels (the interpreter's
+    launches) and aten ops that compute (not views, allocations, dtype queries, or fivefold's custom ops,
+    whose Triton kernels are counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    counts = {"triton": 0, "aten": 0}
+    inside = [False]
+    launch = interpreter.GridExecutor.__call__
+
+    def counted_launch(self, *args, **kwargs):
+        counts["triton"] += 1
+        inside[0] = True  # the interpreter's own copies to and from the host are no launches
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    skip = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "detach", "alias",
+            "lift_fresh", "_local_scalar_dense", "promote_types"}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if not (inside[0] or func.is_view or name in skip or func.namespace == "fivefold"):
+                counts["aten"] += 1
+            return func(*args, **(kwargs or {}))
+
+    interpreter.GridExecutor.__call__ = counted_launch
+    try:
+        with Count():
+            result = fn()
+    finally:
+        interpreter.GridExecutor.__call__ = launch
+    return result, counts["triton"] + counts["aten"]
+
+
+def test_fused_launches_give_the_same_logits_with_fewer_kernels(interpreter):
+    """serve.fuse_launches (RoPE in the store's launch, residual adds in the norms') against the separate
+    kernels on the engine's kernel path: the same logits and pool bit for bit, over a step of prompt chunks
+    and one of decodes, with 2 launches a layer fewer for RoPE + store and 2 a layer less 1 for the
+    residual adds."""
+    import dataclasses
+
+    from fivefold.model import build_model
+    from fivefold.presets import PRESETS
+    from fivefold.serve import LLM, SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=3)
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 8, 4], [11, 12, 13]]
+    seen = {}
+    for fuse in (False, True):
+        llm = LLM(build_model(cfg, seed=1).eval(), kernels="triton", block_size=8, max_num_batched_tokens=64,
+                  fuse_launches=fuse)
+        engine = llm.engine
+        assert engine.residuals_fused == fuse
+        forward, steps = engine._forward, []
+
+        def recorded(step, pending=None, forward=forward, steps=steps):
+            logits, launches = count_launches(lambda: forward(step, pending))
+            steps.append((step.decode_only, logits.clone(), launches))
+            return logits
+
+        engine._forward = recorded
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        seen[fuse] = ([o.token_ids for o in outs], steps, engine.pool.k.clone(), engine.pool.v.clone())
+    (tokens, plain, k, v), (fused_tokens, fused, fused_k, fused_v) = seen[False], seen[True]
+    assert fused_tokens == tokens and len(fused) == len(plain) >= 3 and not plain[0][0] and plain[-1][0]
+    for (_, want, n), (_, got, m) in zip(plain, fused):
+        assert torch.equal(got, want)
+        assert n - m == 2 * cfg.num_layers + (2 * cfg.num_layers - 1)
+    assert torch.equal(fused_k, k) and torch.equal(fused_v, v)
 
 
 def test_bad_inputs_name_the_fix():

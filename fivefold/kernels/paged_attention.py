@@ -227,6 +227,59 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         module.store(k_cache, v_cache, k, v, slot_mapping)
 
 
+def _check_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _check_store(k_cache, v_cache, k, v, slot_mapping)
+    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.dtype != k.dtype:
+        raise ValueError(f"rope_store_kv: q must be (tokens, heads, {k.shape[2]}) in {k.dtype} like k, got "
+                         f"{tuple(q.shape)} {q.dtype}")
+    if q.shape[2] % 2:
+        raise ValueError(f"rope_store_kv: RoPE rotates pairs of the head dimension; {q.shape[2]} is odd")
+    if cos.shape != (q.shape[0], q.shape[2]) or sin.shape != cos.shape:
+        raise ValueError(f"rope_store_kv: cos and sin must be (tokens, head_dim) = {(q.shape[0], q.shape[2])}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin)):
+        raise ValueError("rope_store_kv: q, k, v, cos and sin must each have a contiguous last dimension")
+    if len({t.device for t in (q, k, cos, sin)}) > 1:
+        raise ValueError("rope_store_kv: q, k, cos and sin must be on one device")
+
+
+def rope_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rope_store_kv in plain PyTorch: the rotation in fp32, rounded once (as fivefold.kernels.rope)."""
+    _check_rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # (T, heads, d)
+        x32, half = x.float(), x.shape[-1] // 2
+        turned = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+        return (x32 * cos.float()[:, None] + turned * sin.float()[:, None]).to(x.dtype)
+
+    store_kv_reference(k_cache, v_cache, rotate(k), v, slot_mapping)
+    return rotate(q).contiguous()
+
+
+@torch.library.custom_op("fivefold::rope_store_kv", mutates_args=("k_cache", "v_cache"))
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE and the KV store in one launch: q (T, H, d), k and v (T, Hkv, d), unrotated, any row and head
+    strides (column slices of one fused q/k/v product); cos, sin (T, d), each token's angles. Rotates k
+    into slot slot_mapping[t] of k_cache and copies v into v_cache (slot -1: skipped) as store_kv does,
+    and returns q rotated, (T, H, d) contiguous. What fivefold.kernels.rope.apply_rope on q and k and
+    store_kv compute, in one kernel where those take three, with q written once in attention's layout."""
+    _check_rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    module = _triton(q.device)
+    if module is None:
+        return rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return module.rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+@rope_store_kv.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    _check_rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return q.new_empty(q.shape)
+
+
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> list[tuple[int, int]]:
     """Compile, before serving starts, every variant of the attention kernels a step can meet, so that no step
     waits for Triton's compiler mid-run. A variant is a combination of compile-time constants: the query tile

@@ -171,6 +171,43 @@ def _store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_slots, num_kv_
     tl.store(v_cache_ptr + cache, v, mask=mask)
 
 
+@triton.jit
+def _rope_store(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_slots,
+                num_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_ct, stride_st, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                BLOCK_HALF: tl.constexpr):
+    # One token: its query heads rotated into q_out (T, H, d), its key heads rotated and its value heads
+    # copied into their slot. The rotation is fivefold.kernels.rope's (rotate-half, fp32, rounded once).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    col_ok = cols < HALF
+    cos1 = tl.load(cos_ptr + t * stride_ct + cols, mask=col_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_ct + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_st + cols, mask=col_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_st + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)
+    heads = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    mask = (heads < num_heads) & col_ok
+    x = q_ptr + t * stride_qt + heads * stride_qh + cols
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    out = q_out_ptr + (t * num_heads + heads) * (2 * HALF) + cols
+    tl.store(out, (x1 * cos1 - x2 * sin1).to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(q_out_ptr.dtype.element_ty), mask=mask)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots):  # -1: a padding token; past the pool: dropped, as _store drops it
+        kv_heads = tl.arange(0, BLOCK_KV)[:, None].to(tl.int64)
+        kv_mask = (kv_heads < num_kv_heads) & col_ok
+        k = k_ptr + t * stride_kt + kv_heads * stride_kh + cols
+        k1 = tl.load(k, mask=kv_mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        cache = (slot * num_kv_heads + kv_heads) * (2 * HALF) + cols
+        tl.store(k_cache_ptr + cache, (k1 * cos1 - k2 * sin1).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + cache + HALF, (k2 * cos2 + k1 * sin2).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        v = v_ptr + t * stride_vt + kv_heads * stride_vh + cols
+        tl.store(v_cache_ptr + cache, tl.load(v, mask=kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + cache + HALF, tl.load(v + HALF, mask=kv_mask), mask=kv_mask)
+
+
 # True when the kernels above were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 when this
 # module was imported): only then can they run on CPU tensors.
 INTERPRETED = not isinstance(_attend, JITFunction)
@@ -236,3 +273,21 @@ def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torc
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                  BLOCK_H=block_h, BLOCK_D=block_d,
                  num_warps=4 if kv_heads * head_dim >= 1024 else 1)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The checked inputs of fivefold.kernels.paged_attention.rope_store_kv -> rotated q (T, H, d)."""
+    t, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.empty(t, heads, head_dim, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    half = head_dim // 2
+    _rope_store[(t,)](q, k, v, cos, sin, out, k_cache, v_cache, slot_mapping, num_slots, heads, kv_heads,
+                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                      cos.stride(0), sin.stride(0), HALF=half, BLOCK_H=max(2, triton.next_power_of_2(heads)),
+                      BLOCK_KV=max(2, triton.next_power_of_2(kv_heads)), BLOCK_HALF=triton.next_power_of_2(half),
+                      num_warps=4 if heads * head_dim >= 1024 else 1)
+    return out

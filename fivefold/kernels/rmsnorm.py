@@ -33,6 +33,24 @@ def _forward(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add_forward(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    # x + d rounded to x's dtype (as the eager residual add rounds it), stored, then normalised exactly as
+    # _forward normalises a row it loads.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + d).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * n_cols + cols, total, mask=mask)
+    x = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    normed = (x * rstd).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _backward(x_ptr, w_ptr, grad_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -103,6 +121,28 @@ class RMSNormFunction(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (..., N), weight (N,) -> RMSNorm(x), as fivefold.model.layers.RMSNorm computes it."""
     return RMSNormFunction.apply(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) in one pass, for inference: a residual add and the norm that reads
+    its result, each computed as the separate ops compute them (the sum rounded to x's dtype first), with
+    one launch and one read of the sum instead of two launches and three. With autograd recording, the
+    separate ops (this kernel has no backward)."""
+    if torch.is_grad_enabled() and (x.requires_grad or delta.requires_grad or weight.requires_grad):
+        total = x + delta
+        return total, rms_norm(total, weight, eps)
+    if x.shape != delta.shape or x.dtype != delta.dtype:
+        raise ValueError(f"add_rms_norm needs x and delta of one shape and dtype, got {tuple(x.shape)} {x.dtype} "
+                         f"and {tuple(delta.shape)} {delta.dtype}")
+    n = x.shape[-1]
+    rows_x, rows_d = (t.reshape(-1, n).contiguous() for t in (x, delta))
+    m = rows_x.shape[0]
+    block, warps = _block(n)
+    total = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if m:
+        _add_forward[(m,)](rows_x, rows_d, weight, total, out, n, eps, BLOCK=block, num_warps=warps)
+    return total.view(x.shape), out.view(x.shape)
 
 
 class TritonRMSNorm(RMSNorm):

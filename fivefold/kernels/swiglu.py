@@ -18,12 +18,15 @@ BLOCK = 1024
 
 
 @triton.jit
-def _forward(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+def _forward(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    # One row of columns per program row: gate and up may be strided rows (the two halves of serving's
+    # fused gate/up product, fivefold.serve.fused), read in place rather than copied first.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -45,23 +48,35 @@ class SwiGLUFunction(torch.autograd.Function):
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise ValueError(f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} "
                              f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            _forward[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
+        shape = gate.shape
+        gate, up = _rows(gate), _rows(up)
+        rows, cols = gate.shape
+        out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+        if out.numel():
+            _forward[(rows, triton.cdiv(cols, BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=BLOCK)
         ctx.save_for_backward(gate, up)
-        return out
+        return out.view(shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
+        gate, up = (t.contiguous() for t in ctx.saved_tensors)
         grad = grad.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
             _backward[(triton.cdiv(n, BLOCK),)](gate, up, grad, dgate, dup, n, BLOCK=BLOCK)
-        return dgate, dup
+        return dgate.view(grad.shape), dup.view(grad.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, last dimension) with contiguous rows a fixed stride apart: a view where its leading
+    dimensions flatten into one (the halves of a fused product do), else a copy."""
+    if x.stride(-1) == 1:
+        try:
+            return x.view(-1, x.shape[-1])
+        except RuntimeError:
+            pass
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,9 @@ def batch_ladder(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, pool: KVPool, buffers: StepBuffers, max_num_seqs: int, kernel: bool,
-                 capture: bool = True):
+                 capture: bool = True, fused_launches: bool = False):
         self.model, self.pool, self.buffers, self.kernel = model, pool, buffers, kernel
+        self.fused_launches = fused_launches
         self.sizes = batch_ladder(max_num_seqs)
         self.capture = capture
         self.rows = torch.arange(max_num_seqs, device=buffers.device)
@@ -55,7 +56,7 @@ class DecodeGraphs:
     def _model(self, size: int, host: StepInputs | None = None) -> torch.Tensor:
         """The model over the `size` rows in the step buffers (no copies: capturable); logits (size, V)."""
         dev = self.buffers.views(size, size, 0, 1, self.buffers.max_blocks_per_seq)
-        batch = PagedBatch(self.pool, dev, host, kernel=self.kernel)
+        batch = PagedBatch(self.pool, dev, host, kernel=self.kernel, fused_launches=self.fused_launches)
         ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=self.rows[:size])
         return self.model(dev.input_ids[None], ctx)
 

@@ -30,7 +30,7 @@ from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
-from fivefold.serve.fused import fuse_projections
+from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
@@ -112,6 +112,7 @@ class Engine:
             raise ConfigError(f"serve.max_model_len={self.max_model_len} exceeds the learned positions of "
                               f"model.max_seq_len={mc.max_seq_len}")
         self.tp = tp
+        self.residuals_fused = False
         self.kernel = self._use_kernels()
         # One GEMM for q/k/v and one for gate/up (checkpoint names unchanged); adapters hook the separate
         # projections, so an engine serving LoRA keeps them apart. Before the KV pool is sized: the fused
@@ -167,6 +168,10 @@ class Engine:
             return False
         check_usable("serve.kernels")
         apply_kernels(self.model, "triton")
+        if self.cfg.fuse_launches and not self.tp:  # a tensor-parallel model's blocks carry its collectives' hooks
+            from fivefold.serve.residual import fuse_residuals  # imports triton: only once it is known to work
+
+            self.residuals_fused = fuse_residuals(self.model)
         return True
 
     def _warm_up_kernels(self) -> None:
@@ -202,14 +207,20 @@ class Engine:
         if why_not:
             raise ConfigError(f"serve.cuda_graphs=true cannot be used here: {why_not}; set serve.cuda_graphs=auto "
                               f"(graphs where possible) or false")
-        graphs = DecodeGraphs(self.model, self.pool, self.buffers, self.cfg.max_num_seqs, self.kernel)
+        graphs = DecodeGraphs(self.model, self.pool, self.buffers, self.cfg.max_num_seqs, self.kernel,
+                              fused_launches=self.cfg.fuse_launches)
         print(graphs.describe(), flush=True)
         return graphs
 
     @property
     def path(self) -> str:
         """Which path each kind of step takes, in words (bench/serve.py prints and stores it)."""
-        attention = "Triton paged attention" if self.kernel else "block gather + SDPA"
+        attention = "block gather + SDPA"
+        if self.kernel:
+            rotary = sum(isinstance(m, FusedAttention) and m.use_rope for m in self.model.modules())
+            rotary = rotary if self.cfg.fuse_launches else 0
+            attention = (f"Triton paged attention, RoPE in the KV store's launch in {rotary} layers, residual adds "
+                         f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
         decode = "CUDA graphs" if self.graphs else "eager"
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"
         linears = "torch (F.linear)"
@@ -395,7 +406,7 @@ class Engine:
             logits = self.graphs.run(step, pending)
             return logits if len(step.sampled) == step.num_seqs else logits[torch.from_numpy(step.sampled).to(self.device)]
         dev = self.buffers.upload(step, pending=pending)
-        batch = PagedBatch(self.pool, dev, step, kernel=self.kernel)
+        batch = PagedBatch(self.pool, dev, step, kernel=self.kernel, fused_launches=self.cfg.fuse_launches)
         ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=dev.logits_indices)
         logits = self.model(dev.input_ids[None], ctx)
         return self.tp.gather_logits(logits) if self.tp else logits

@@ -50,6 +50,19 @@ class FusedAttention(Attention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.linear_fn(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
 
+    def forward(self, x: torch.Tensor, rope, mask, kv_cache=None) -> torch.Tensor:
+        """On the engine's kernel path with serve.fuse_launches (a PagedBatch's `fused_launches`), RoPE runs inside the KV store's launch,
+        reading q, k and v in place from the fused product (PagedBatch.attend_rotary); elsewhere
+        Attention.forward."""
+        if not (self.use_rope and getattr(kv_cache, "fused_launches", False)):
+            return super().forward(x, rope, mask, kv_cache)
+        q, k, v = self.project(x)  # (1, T, width) column slices of one product
+        t, d = q.shape[1], self.head_dim
+        cos, sin = rope  # (1, 1, T, d)
+        out = kv_cache.attend_rotary(self.layer_idx, q[0].view(t, -1, d), k[0].view(t, -1, d), v[0].view(t, -1, d),
+                                     cos[0, 0], sin[0, 0])  # (T, H, d)
+        return self.o_proj(out.view(1, t, -1))
+
 
 class FusedMLP(MLP):
     linear_fn = staticmethod(F.linear)

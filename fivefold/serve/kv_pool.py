@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
-from fivefold.kernels.paged_attention import paged_attention, store_kv
+from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
@@ -101,9 +101,12 @@ class PagedBatch:
     SDPA runs over them, the decodes in padded groups of similar length, each chunk on its own; the
     grouping is read from the step's host arrays (`host`)."""
 
-    def __init__(self, pool: KVPool, dev, host=None, kernel: bool = False):
-        """`dev`: fivefold.serve.buffers.DeviceStep; `host`: its fivefold.serve.batch.StepInputs."""
+    def __init__(self, pool: KVPool, dev, host=None, kernel: bool = False, fused_launches: bool = False):
+        """`dev`: fivefold.serve.buffers.DeviceStep; `host`: its fivefold.serve.batch.StepInputs;
+        `fused_launches` (kernel path only): the model runs RoPE in the store's launch (attend_rotary) and
+        its residual adds in the norms' (serve.fuse_launches)."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
+        self.fused_launches = kernel and fused_launches
         self.positions = dev.positions[None]
         if kernel:
             self.block_tables = dev.block_tables
@@ -133,6 +136,16 @@ class PagedBatch:
             mask = None if past == 0 else torch.ones(n, length, dtype=torch.bool, device=device).tril(past)[None, None]
             self.chunks.append((start, n, tables[i, :-(-length // bs)], mask))
 
+    def attend_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+        """The kernel path with RoPE folded into the store: q (T, H, d), k and v (T, Hkv, d) not yet rotated,
+        cos and sin (T, d) -> (T, H, d). Two launches (fivefold::rope_store_kv, fivefold::paged_attention)
+        where rotating first and then `attend` takes four (two RoPEs, the store, attention)."""
+        kb, vb = self.pool.blocks(layer)
+        d = self.dev
+        q = rope_store_kv(q, k, v, cos, sin, kb, vb, d.slot_mapping)
+        return paged_attention(q, kb, vb, self.block_tables, d.seq_lens, d.query_start_loc, d.max_query_len)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, mask) -> torch.Tensor:
         """q (1, H, T, d), k and v (1, Hkv, T, d) -> (1, H, T, d)."""
         bs, heads, dim = self.pool.block_size, k.shape[1], k.shape[3]
@@ -140,8 +153,8 @@ class PagedBatch:
         if self.kernel:
             d = self.dev
             store_kv(kb, vb, k[0].transpose(0, 1), v[0].transpose(0, 1), d.slot_mapping)
-            out = paged_attention(q[0].transpose(0, 1).contiguous(), kb, vb, self.block_tables, d.seq_lens,
-                                  d.query_start_loc, d.max_query_len)  # (T, H, d)
+            out = paged_attention(q[0].transpose(0, 1), kb, vb, self.block_tables, d.seq_lens, d.query_start_loc,
+                                  d.max_query_len)  # (T, H, d); the kernel reads q through its strides
             return out.transpose(0, 1)[None]
         kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (T, Hkv, d)
         if self.store_at is None:
