@@ -1,6 +1,7 @@
 """The Triton kernels of fivefold.kernels (RMSNorm, the SwiGLU product, RoPE), forward + backward, against
 the PyTorch path each replaces, run eagerly and under torch.compile, at the sizes of one Llama-3.2-1B
-layer: 8192 tokens (4 x 2048), hidden 2048, ffn 8192, 32 heads x 64.
+layer: 8192 tokens (4 x 2048), hidden 2048, ffn 8192, 32 heads x 64. On CUDA also the layer's attention
+under each of SDPA's backends (flash, cuDNN, memory-efficient) beside the one it picks by default.
 
     python bench/kernels.py --json bench/results/kernels_h100.json      # CUDA: bf16 by default
     python bench/kernels.py --dtype fp32
@@ -21,6 +22,7 @@ the script checks them on small sizes and reports no time, since interpreter tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -167,10 +169,72 @@ def print_table(cases: list[Case]) -> None:
               f"{c.min_bytes / ms['triton'] / 1e6:>12.0f}")
 
 
+# SDPA's backends at the layer's attention. Which one F.scaled_dot_product_attention picks ("default") is
+# torch's choice; training takes it (fivefold.model.attention), so a faster one here is speed left unused.
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def time_attention(args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Causal GQA attention forward + backward at the layer's shape (kv heads: a quarter of the heads, as
+    Llama-3.2-1B), under SDPA's default choice and under each backend alone: median ms, TFLOP/s (causal:
+    half of 4 b h s^2 d forward, 2.5x that backward) and the largest difference from the default's output
+    and gradients, relative to their largest value. A backend that cannot run the shape says why."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device).manual_seed(1)
+    b, h, s, d = args.batch, args.heads, args.seq, args.head_dim
+    shapes = {"q": (b, h, s, d), "k": (b, max(1, h // 4), s, d), "v": (b, max(1, h // 4), s, d)}
+    leaves = {n: torch.randn(*shape, generator=gen, device=device).to(dtype).requires_grad_() for n, shape in shapes.items()}
+    grad = torch.randn(b, h, s, d, generator=gen, device=device).to(dtype)
+
+    def step(backend: str | None) -> list[torch.Tensor]:
+        for t in leaves.values():
+            t.grad = None
+        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(*leaves.values(), is_causal=True, enable_gqa=True)
+            out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves.values()]
+
+    flops = 3.5 * 2 * b * h * s * s * d  # fwd 4bhs^2d / 2 (causal) + bwd 2.5x
+    want = step(None)
+    results = {}
+    for backend in (None, *SDPA_BACKENDS):
+        name = backend or "default"
+        try:
+            got = step(backend)
+        except RuntimeError as e:  # a backend that does not take this shape, dtype or GPU
+            results[name] = {"error": str(e).splitlines()[0][:200]}
+            continue
+        diff = max(((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30)).item()
+                   for g, w in zip(got, want))
+        for _ in range(args.warmup):
+            step(backend)
+        windows = []
+        for _ in range(args.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(args.iters):
+                step(backend)
+            end.record()
+            torch.cuda.synchronize()
+            windows.append(start.elapsed_time(end) / args.iters)
+        ms = statistics.median(windows)
+        results[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_diff_from_default": diff}
+    print(f"\nattention fwd + bwd, causal, {b} x {s} tokens, {h} heads / {shapes['k'][1]} kv heads x {d}:")
+    for name, r in results.items():
+        print(f"  {name:<20} " + (f"{r['ms']:>8.3f} ms {r['tflops']:>7.1f} TFLOP/s, "
+                                  f"{r['ms'] / results['default']['ms']:.2f}x the default's time, "
+                                  f"differs by {r['rel_diff_from_default']:.1e}" if "ms" in r else f"cannot run: {r['error']}"))
+    return results
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
+    attention = None
     if not on_gpu:
         # Before anything imports triton (fivefold.model does, through torch._dynamo): triton.jit picks
         # the interpreter when a function is decorated.
@@ -201,6 +265,7 @@ def main(argv=None) -> None:
         print(f"\n{torch.cuda.get_device_name(device)}, {args.dtype}, {sizes}: forward + backward, median of "
               f"{args.repeats} windows of {args.iters} steps")
         print_table(cases)
+        attention = time_attention(args, device, dtype)
     else:
         print("no speed figure: interpreter times are meaningless (run with --device cuda on a GPU).")
     out = {"machine": {**base_info(), "device": torch.cuda.get_device_name(device) if on_gpu else device.type,
@@ -210,7 +275,8 @@ def main(argv=None) -> None:
                         "rel_diff_from_eager": c.check,
                         "triton_over_eager": c.ms["triton"] / c.ms["eager"] if c.ms else None,
                         "triton_over_compiled": c.ms["triton"] / c.ms["compiled"] if c.ms else None}
-                       for c in cases]}
+                       for c in cases],
+           "attention_backends": attention}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
