@@ -610,7 +610,7 @@ def main(argv=None) -> dict:
             if cfg:
                 r["loss_compiled"] = cfg.compiled_loss(args.device)
                 if t.precision == "fp8":
-                    r["fp8_weight_cast"] = "step" if cfg.fp8_cast_once() else "use"
+                    r["fp8_weight_cast"] = "step" if cfg.fp8_cast_once(args.device) else "use"
         # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
         for r in rows:
             impl = r["impl"] + ("+compile" if r["compiled"] else "")

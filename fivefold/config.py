@@ -95,7 +95,8 @@ class TrainConfig:
     # backward, each micro-batch) multiplies by that copy (1 byte an element more per weight); under
     # parallel.zero=3 each rank casts its rows with the whole weight's scale and the float8 rows are what is
     # gathered (half the bytes). The same bits as casting at each use. "use": torchao's own, at each use.
-    # "auto": step under ZeRO-3 over several ranks, use elsewhere (Config.fp8_cast_once says why).
+    # "auto": step under ZeRO-3 over several ranks or where the blocks compile (the cast then compiles too),
+    # use elsewhere (Config.fp8_cast_once says why).
     fp8_weight_cast: Literal["auto", "step", "use"] = "auto"
     fp32_grad_accum: bool = False  # bf16-mixed / fp8 only: accumulate gradients in fp32 buffers
     # none | selective (the attention core) | ops (every other matmul and the attention kept, the rest
@@ -286,16 +287,18 @@ class Config:
         t = self.train
         return t.compiled(device) and t.compile != "blocks" and not t.loss_chunk and self.parallel.tp == 1
 
-    def fp8_cast_once(self) -> bool:
-        """Whether fp8's float8 weights are cast once a step (train.fp8_weight_cast, fivefold.train.fp8). "auto"
-        takes it where it halves ZeRO-3's parameter gathers. Elsewhere it only saves the per-use casts,
-        which compiled blocks fuse into their kernels, at the price of a pass over every weight a step
-        launched weight by weight: not measured on a GPU yet, so not the default there."""
+    def fp8_cast_once(self, device: str = "cuda") -> bool:
+        """Whether fp8's float8 weights are cast once a step on `device` (train.fp8_weight_cast,
+        fivefold.train.fp8). "auto" takes it where the step-time model puts it ahead: under ZeRO-3 over
+        several ranks, where it halves the parameter gathers, and wherever the blocks compile, because the
+        cast after the update then compiles too (one fused pass a weight, 5 bytes an element) and saves every
+        use's cast (each micro-batch's forward and backward). Eager, that cast moves 31 bytes an element in 6
+        launches a weight: slower than the per-use casts compiled blocks fuse, at one micro-batch a step."""
         t, par = self.train, self.parallel
         if t.precision != "fp8":
             return False
         if t.fp8_weight_cast == "auto":
-            return par.zero == 3 and par.grad_size > 1
+            return (par.zero == 3 and par.grad_size > 1) or t.compiled(device)
         return t.fp8_weight_cast == "step"
 
     @property

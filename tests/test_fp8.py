@@ -156,6 +156,34 @@ def test_weights_cast_once_a_step_give_the_steps_of_casting_at_each_use(tiny_con
         assert torch.equal(runs["step"][1][name], value), name
 
 
+def test_the_compiled_weight_cast_is_the_eager_cast_with_no_buffers():
+    """cast_weights(compiled=True), what the cast after each update runs where the blocks compile: the same
+    float8 bits and scales as the eager cast, for whole weights and for row slices of one shard (ZeRO-3's),
+    and code that allocates nothing (the memory plan gives it no temporaries, where eager holds two fp32
+    copies of the largest weight)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fivefold.train.fp8 import WEIGHT_DTYPE, _cast_into, cast_weights
+
+    g = torch.Generator().manual_seed(0)
+    shard = (torch.randn(3 * 64 * 48, generator=g) * 5).to(torch.bfloat16)
+    cases = {"weights": [(torch.randn(96, 32, generator=g) * 300).to(torch.bfloat16),
+                         torch.randn(32, 80, generator=g).to(torch.bfloat16)],
+             "shard rows": [shard[:64 * 48].view(64, 48), shard[64 * 48:].view(128, 48)]}
+    for name, rows in cases.items():
+        outs = {c: [torch.empty(r.shape, dtype=WEIGHT_DTYPE) for r in rows] for c in (False, True)}
+        scales = {c: torch.empty(len(rows)) for c in (False, True)}
+        for compiled in (False, True):
+            cast_weights(rows, outs[compiled], scales[compiled], compiled=compiled)
+        assert torch.equal(scales[True], scales[False]), name
+        for got, want in zip(outs[True], outs[False]):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    _, code = run_and_get_code(torch.compile(_cast_into, dynamic=False), cases["weights"],
+                               [torch.empty(r.shape, dtype=WEIGHT_DTYPE) for r in cases["weights"]], torch.ones(2))
+    call = code[0][code[0].index("def call("):]
+    assert "empty_strided" not in call.split("return")[0], call
+
+
 def test_moe_shared_expert_is_float8_and_the_router_and_routed_experts_are_not(tiny_config, tmp_path):
     """The shared expert is a plain SwiGLU MLP: converted. The router keeps its logits and routing decisions
     out of float8, as torchtitan does; the routed experts are one bf16 grouped matmul."""
@@ -323,17 +351,31 @@ def test_speed_model_runs_the_block_linears_at_the_fp8_peak():
     assert _Costs(step_cfg, h100, fused=False).fp8_casts() == pytest.approx(
         (sum(T * k for k, n in linears) * 5 / bandwidth, sum(2 * T * n + T * k for k, n in linears) * 5 / bandwidth),
         rel=1e-12)
-    cast_once = predict_step(step_cfg, h100)
     weights = 32 * sum(k * n for k, n in linears)
-    # The cast after the update, eager weight by weight: 31 bytes an element of bf16 weight (the amax's read,
+    # The cast after the update. Eager, weight by weight: 31 bytes an element of bf16 weight (the amax's read,
     # the fp32 copy, product and clamp, the float8 copy and its copy into place), its launches far shorter.
-    assert cast_once.breakdown["optimizer"] - predict_step(cfg["fp8"], h100).breakdown["optimizer"] == \
-        pytest.approx(weights * 31 / bandwidth, rel=1e-9)
-    # So on one GPU, one micro-batch a step, it costs more than the two casts per use it saves (why
-    # train.fp8_weight_cast=auto keeps "use" there); under ZeRO-3 on 8 GPUs each rank casts an eighth and
-    # the gathers halve: faster.
-    assert cast_once.step_time_s > predict_step(cfg["fp8"], h100).step_time_s
-    zero3 = ["train.seq_len=4096", "train.micro_batch_size=1", "train.precision=fp8", "parallel.dp=8", "parallel.zero=3"]
+    # Compiled with the blocks: 5 (the amax's read, one fused kernel reading the weight, writing float8).
+    steps, uses = {}, {}
+    for compiled, per_element in ((False, 31), (True, 5)):
+        option = [f"train.compile={'true' if compiled else 'false'}"]
+        steps[compiled] = predict_step(load_config(preset="llama3-8b", overrides=[
+            "train.seq_len=4096", "train.micro_batch_size=1", "train.precision=fp8", "train.fp8_weight_cast=step",
+            *option]), h100)
+        uses[compiled] = predict_step(load_config(preset="llama3-8b", overrides=[
+            "train.seq_len=4096", "train.micro_batch_size=1", "train.precision=fp8", "train.fp8_weight_cast=use",
+            *option]), h100)
+        assert steps[compiled].breakdown["optimizer"] - uses[compiled].breakdown["optimizer"] == \
+            pytest.approx(weights * per_element / bandwidth, rel=1e-9)
+    # So on one GPU, one micro-batch a step, the eager cast costs more than the two casts per use it saves,
+    # and the compiled one less (why train.fp8_weight_cast=auto takes "step" where the blocks compile); under
+    # ZeRO-3 on 8 GPUs each rank casts an eighth and the gathers halve: faster either way.
+    assert steps[False].step_time_s > uses[False].step_time_s and steps[True].step_time_s < uses[True].step_time_s
+    auto = {compiled: load_config(preset="llama3-8b", overrides=["train.precision=fp8", f"train.compile={compiled}"])
+            for compiled in ("auto", "false")}
+    assert auto["auto"].fp8_cast_once("cuda") and not auto["auto"].fp8_cast_once("cpu")
+    assert not auto["false"].fp8_cast_once("cuda")
+    zero3 = ["train.seq_len=4096", "train.micro_batch_size=1", "train.precision=fp8", "parallel.dp=8", "parallel.zero=3",
+             "train.compile=false"]
     gathered = {cast: predict_step(load_config(preset="llama3-8b", overrides=[*zero3, f"train.fp8_weight_cast={cast}"]),
                                    h100) for cast in ("auto", "use")}
     assert gathered["auto"].step_time_s < gathered["use"].step_time_s

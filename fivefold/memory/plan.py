@@ -104,7 +104,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   adapters=tuple(cfg.lora.target_list) if cfg.lora.r else (), rank=cfg.lora.r,
                   adapter_dropout=cfg.lora.r > 0 and cfg.lora.dropout > 0,
                   loss_chunk=t.loss_chunk, vocab_parallel=tp > 1, tp_reduce=tp > 1 and not par.sequence_parallel,
-                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_precast=cfg.fp8_cast_once(),
+                  fp8=t.precision == "fp8", fp8_emulated=device != "cuda", fp8_precast=cfg.fp8_cast_once(device),
                   biased=("q", "k", "v", "o", "gate", "up", "down") if m.linear_bias else
                   ("q", "k", "v") if m.qkv_bias else (),
                   experts=m.num_experts, topk=m.experts_per_token if m.num_experts else 0,
@@ -288,11 +288,12 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
 
     # train.fp8_weight_cast=step: the float8 linears' weights cast once a step, 1 byte an element (under
     # ZeRO-3 this rank's rows, the float8 all-gather's source), and a 4-byte scale per weight
-    fp8_weights = formulas.fp8_weights(shapes) if cfg.fp8_cast_once() else []
+    fp8_weights = formulas.fp8_weights(shapes) if cfg.fp8_cast_once(device) else []
     fp8_gathered = formulas.fp8_gathered(cfg)
     # After the step (and at start-up) each float8 weight (under ZeRO-3 this rank's rows) is cast, one at a
-    # time: x.float() and then x.float() * scale, 8 bytes an element (fivefold.train.fp8.to_weight_float8)
-    fp8_cast = 8 * shard(max(fp8_weights, default=0), 3)
+    # time: eager, x.float() and then x.float() * scale, 8 bytes an element (fivefold.train.fp8.to_weight_float8);
+    # compiled (where the blocks compile), one fused kernel from the bf16 rows into the float8 ones: nothing
+    fp8_cast = 0 if t.compiled(device) else 8 * shard(max(fp8_weights, default=0), 3)
     memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3) + shard(sum(fp8_weights), 3)
               + 4 * len(fp8_weights),
               "gradients": _gradients(cfg, trained, inv, bpp)}
@@ -672,7 +673,7 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
         notes.append("fp8: bf16-mixed's model states and saved activations; each linear's float8 casts are "
                      "transient" + ("" if device != "cuda" else " (modelled for eager torch._scaled_mm, measured "
                                     "only in CPU emulation)"))
-    if cfg.fp8_cast_once():
+    if cfg.fp8_cast_once(device):
         notes.append("fp8: each float8 weight cast once a step (train.fp8_weight_cast=step): a float8 copy, 1 byte "
                      "an element, in parameters" + (", this rank's rows; ZeRO-3 gathers them as float8"
                                                     if formulas.fp8_gathered(cfg) else ""))

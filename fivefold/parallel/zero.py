@@ -158,9 +158,11 @@ class ZeroDataParallel(TimedWaits):
     def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, device_mesh, dp: int, rank: int,
                  device: torch.device, placements: list, masters: list[torch.Tensor] | None = None,
                  value_of=None, mixed: bool = False, grad_of=None, bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = 2**20, fp8_modules: dict | None = None):
-        """`fp8_modules` (stage 3): {weight: its Float8Linear} for the weights to gather as float8."""
+                 first_bucket_bytes: int = 2**20, fp8_modules: dict | None = None, fp8_compiled: bool = False):
+        """`fp8_modules` (stage 3): {weight: its Float8Linear} for the weights to gather as float8, cast
+        by compiled kernels where `fp8_compiled` (fivefold.train.fp8.cast_weights)."""
         super().__init__()
+        self.fp8_compiled = fp8_compiled
         self.model, self.params, self.stage, self.placements = model, list(params), stage, placements
         self.device_mesh, self.group = device_mesh, device_mesh.get_group()
         self.dp, self.rank, self.device = dp, rank, device
@@ -337,7 +339,7 @@ class ZeroDataParallel(TimedWaits):
         rows = [b.fp8.local(b.shard[b.rest.shard_numel:], j) for b in buckets for j in range(len(b.fp8.params))]
         outs = [b.fp8.local(b.fp8_shard.view(WEIGHT_DTYPE), j) for b in buckets for j in range(len(b.fp8.params))]
         cast_weights(rows, outs, self.fp8_scales,
-                     lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group))
+                     lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group), self.fp8_compiled)
 
     # -- stage 3: parameters gathered around use --------------------------------------------------
     @torch.no_grad()

@@ -199,7 +199,7 @@ class _Costs:
             shapes += [(h, f / tp)] * up + [(f / tp, h)]
         # Weights cast once a step (train.fp8_weight_cast=step): only the activations and gradients are cast
         # here (the weights after the update: predict_step's optimizer term)
-        w = 0 if self.cfg.fp8_cast_once() else 1
+        w = 0 if self.cfg.fp8_cast_once(self.hw.device) else 1
         forward = sum(T * k + w * k * n for k, n in shapes)
         backward = sum(2 * T * n + w * k * n + T * k for k, n in shapes)
         per_element = (2 * self.p + 1) / self.bandwidth
@@ -384,11 +384,13 @@ def _last_bucket(cfg: Config, c: Collective) -> float:
 # -- the step ---------------------------------------------------------------------------------------------
 
 
-# train.fp8_weight_cast=step's cast after the update (fivefold.train.fp8: eager, weight by weight): bytes an
-# element beyond 2 p (amax and the fp32 copy read the weight): the fp32 copy written (4), the product (4 + 4),
-# its clamp (4 + 4), the float8 copy (4 + 1), that copied into place (1 + 1); kernels a weight (the fp32
-# copy, product, clamp, float8 copy, copy into place, its scale) and for all of them (the inf-norms, the scales)
+# train.fp8_weight_cast=step's cast after the update (fivefold.train.fp8.cast_weights). Eager, weight by weight:
+# bytes an element beyond 2 p (amax and the fp32 copy read the weight): the fp32 copy written (4), the product
+# (4 + 4), its clamp (4 + 4), the float8 copy (4 + 1), that copied into place (1 + 1); kernels a weight (the
+# fp32 copy, product, clamp, float8 copy, copy into place, its scale) and for all of them (the inf-norms, the
+# scales). Compiled (where the blocks compile): one kernel a weight, reading it and writing the float8 copy.
 FP8_CAST_BYTES, FP8_CAST_OPS_PER_WEIGHT, FP8_CAST_OPS = 27, 6, 8
+FP8_CAST_BYTES_COMPILED, FP8_CAST_OPS_PER_WEIGHT_COMPILED = 1, 1
 
 
 def fp8_cast_seconds(cfg: Config, shapes, costs: _Costs, profile: HardwareProfile) -> float:
@@ -396,8 +398,11 @@ def fp8_cast_seconds(cfg: Config, shapes, costs: _Costs, profile: HardwareProfil
     passes, or its kernel launches where those take longer."""
     weights = formulas.fp8_weights(shapes)
     elements = sum(weights) / (cfg.parallel.dp if formulas.fp8_gathered(cfg) else 1)
-    memory = elements * (2 * costs.p + FP8_CAST_BYTES) / costs.bandwidth
-    return max(memory, (FP8_CAST_OPS_PER_WEIGHT * len(weights) + FP8_CAST_OPS) * profile.op_overhead)
+    compiled = cfg.train.compiled(profile.device)
+    extra, per_weight = ((FP8_CAST_BYTES_COMPILED, FP8_CAST_OPS_PER_WEIGHT_COMPILED) if compiled
+                         else (FP8_CAST_BYTES, FP8_CAST_OPS_PER_WEIGHT))
+    memory = elements * (2 * costs.p + extra) / costs.bandwidth
+    return max(memory, (per_weight * len(weights) + FP8_CAST_OPS) * profile.op_overhead)
 
 
 def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = None,
@@ -455,7 +460,7 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         busiest == 0, busiest == p.pp - 1, p.ep)
     local = sum(n for _, n in shapes)
     optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
-    if cfg.fp8_cast_once():
+    if cfg.fp8_cast_once(profile.device):
         optimizer += fp8_cast_seconds(cfg, shapes, costs, profile)
     optimizer += 20 * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v

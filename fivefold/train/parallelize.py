@@ -150,8 +150,9 @@ class ParallelModel:
                                       pp_group=mesh.pp_group if self.pipeline else None, ep_group=mesh.ep_group,
                                       placements=self.placements)
         self._tie_pipeline_copies(optimizer)
-        if self.fp8_linears and cfg.fp8_cast_once() and zero != 3:  # (ZeRO-3: its engine's)
-            optimizer.after_update.append(WeightCast(self._fp8_modules(), self.device).refresh)
+        if self.fp8_linears and cfg.fp8_cast_once(self.device.type) and zero != 3:  # (ZeRO-3: its engine's)
+            cast = WeightCast(self._fp8_modules(), self.device, cfg.train.compiled(self.device.type))
+            optimizer.after_update.append(cast.refresh)
         self.reducer = self._reducer(optimizer, engine)
         if self.reducer is not None:
             optimizer.gradient_source = self.reducer.local_grads
@@ -161,10 +162,12 @@ class ParallelModel:
     def _zero(self, stage: int, placements: list[Placement], masters, value_of, mixed: bool) -> ZeroDataParallel:
         mesh = self.mesh
         params = [p for p in self.model.parameters() if p.requires_grad]
-        fp8 = {m.weight: m for m in self._fp8_modules()} if stage == 3 and self.cfg.fp8_cast_once() else None
+        device = self.device.type
+        fp8 = {m.weight: m for m in self._fp8_modules()} if stage == 3 and self.cfg.fp8_cast_once(device) else None
         return ZeroDataParallel(self.model, params, stage, mesh.grad_mesh, mesh.grad_size, mesh.grad_rank,
                                 self.device, placements, masters=masters, value_of=value_of, mixed=mixed,
-                                bucket_bytes=int(self.cfg.parallel.bucket_mb * 2**20), fp8_modules=fp8)
+                                bucket_bytes=int(self.cfg.parallel.bucket_mb * 2**20), fp8_modules=fp8,
+                                fp8_compiled=self.cfg.train.compiled(device))
 
     def _fp8_modules(self) -> list[torch.nn.Module]:
         """This rank's float8 linears (a pipeline stage holds only its own blocks' modules)."""
