@@ -241,6 +241,19 @@ def test_cuda_graph_replay_equals_eager_at_every_ladder_size():
 
 
 @cuda
+@torch.no_grad()
+def test_cuda_fused_launches_give_the_separate_kernels_outputs():
+    """serve.fuse_launches on a GPU (RoPE in the KV store's kernel, residual adds in the norms', through the
+    graphs and the eager prefill steps) against the separate kernels: the same tokens and finish reasons,
+    logprobs to 1e-5 (the GPU's compiler may contract the rotation's products differently in each kernel)."""
+    ps, params = mixed_requests(tiny())
+    fused = LLM(tiny().cuda(), device="cuda", max_num_seqs=8, max_num_batched_tokens=64)
+    plain = LLM(tiny().cuda(), device="cuda", max_num_seqs=8, max_num_batched_tokens=64, fuse_launches=False)
+    assert fused.engine.residuals_fused and not plain.engine.residuals_fused
+    assert_same_outputs(outputs(fused, ps, params), outputs(plain, ps, params))
+
+
+@cuda
 def test_cuda_greedy_equals_transformers():
     from transformers import LlamaConfig, LlamaForCausalLM
 
