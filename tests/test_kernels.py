@@ -126,6 +126,16 @@ def test_swiglu_reads_the_halves_of_a_fused_product_in_place(dtype):
     assert_close(leaf.grad, want.to(dtype))
 
 
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (0, 5), (7,), (2, 3, 5)])
+def test_swiglu_takes_every_shape_eager_does(shape):
+    """Scalars, empty tensors and 1-D or 3-D ones: the values and gradients of the eager product."""
+    from fivefold.kernels.swiglu import swiglu
+
+    torch.manual_seed(0)
+    gate, up, grad = (torch.randn(shape) for _ in range(3))
+    check(swiglu, lambda g, u: F.silu(g) * u, (gate, up), grad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [96, 100])
 def test_add_rms_norm_is_the_add_then_the_norm(dtype, hidden):

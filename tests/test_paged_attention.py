@@ -438,6 +438,29 @@ def test_fused_launches_give_the_same_logits_with_fewer_kernels(interpreter):
     assert torch.equal(fused_k, k) and torch.equal(fused_v, v)
 
 
+def test_a_hook_added_after_the_swap_runs(interpreter):
+    """The fused residual loop calls each block's parts, not the blocks: a forward hook put on a block (or
+    the model, or a norm) once an engine has swapped the class makes the forward the plain one again, so the
+    hook runs; and a later engine does not swap such a model."""
+    from fivefold.model import build_model
+    from fivefold.presets import PRESETS
+    from fivefold.serve import LLM, SamplingParams
+    from fivefold.serve.residual import FusedResidualTransformer, fuse_residuals
+
+    model = build_model(PRESETS["tiny"], seed=1).eval()
+    llm = LLM(model, kernels="triton", block_size=8)
+    assert isinstance(model, FusedResidualTransformer)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    before = llm.generate([[5, 6, 7]], params)[0].token_ids
+    calls = []
+    handle = model.layers[1].register_forward_pre_hook(lambda module, args: calls.append(1))
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == before
+    assert len(calls) == 3  # the prompt's step and two decodes
+    assert not fuse_residuals(model)
+    handle.remove()
+    assert fuse_residuals(model)
+
+
 def test_bad_inputs_name_the_fix():
     args, _ = make_batch([(10, 2)], 4, 2, 16, 8, torch.float32)
 

@@ -18,11 +18,13 @@ BLOCK = 1024
 
 
 @triton.jit
-def _forward(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
-    # One row of columns per program row: gate and up may be strided rows (the two halves of serving's
-    # fused gate/up product, fivefold.serve.fused), read in place rather than copied first.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _forward(gate_ptr, up_ptr, out_ptr, n_cols, col_blocks, stride_g, stride_u, BLOCK: tl.constexpr):
+    # BLOCK columns of one row per program, on a 1-D grid (a second grid axis would cap a row's blocks at
+    # 65535): gate and up may be strided rows (the two halves of serving's fused gate/up product,
+    # fivefold.serve.fused), read in place rather than copied first.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
@@ -48,12 +50,15 @@ class SwiGLUFunction(torch.autograd.Function):
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise ValueError(f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} "
                              f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+        if not gate.numel():  # nothing to compute (and no rows to lay out)
+            ctx.save_for_backward(gate, up)
+            return torch.empty_like(gate)
         shape = gate.shape
         gate, up = _rows(gate), _rows(up)
         rows, cols = gate.shape
         out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
-        if out.numel():
-            _forward[(rows, triton.cdiv(cols, BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=BLOCK)
+        blocks = triton.cdiv(cols, BLOCK)
+        _forward[(rows * blocks,)](gate, up, out, cols, blocks, gate.stride(0), up.stride(0), BLOCK=BLOCK)
         ctx.save_for_backward(gate, up)
         return out.view(shape)
 
@@ -69,14 +74,11 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, last dimension) with contiguous rows a fixed stride apart: a view where its leading
-    dimensions flatten into one (the halves of a fused product do), else a copy."""
-    if x.stride(-1) == 1:
-        try:
-            return x.view(-1, x.shape[-1])
-        except RuntimeError:
-            pass
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    """x (non-empty) as (rows, last dimension) with contiguous rows a fixed stride apart: a view where its
+    leading dimensions flatten into one (the halves of a fused product do), else a copy. No try/except
+    around view: torch.compile traces this."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,13 @@ from torch import nn
 
 from fivefold.kernels.rmsnorm import TritonRMSNorm, add_rms_norm
 from fivefold.model import ForwardContext
-from fivefold.model.transformer import Transformer
+from fivefold.model.transformer import Block, Transformer
 
 
 class FusedResidualTransformer(Transformer):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        if ctx is None or not getattr(ctx.kv_cache, "fused_launches", False):
+        # A hook added since the swap (a memory tracker's, a user's) must run: then Transformer.forward.
+        if ctx is None or not getattr(ctx.kv_cache, "fused_launches", False) or _hooked(self):
             return super().forward(input_ids, ctx)
         positions = self.positions(input_ids, ctx)
         x = self.embed(input_ids, positions)
@@ -42,19 +43,21 @@ class FusedResidualTransformer(Transformer):
         return self.head(x)
 
 
+def _hooked(model: Transformer) -> bool:
+    """Whether the model, a block or a block's norm has a forward hook, which the fused loop would skip."""
+    modules = [model, *model.layers, *(n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm))]
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def fuse_residuals(model: nn.Module) -> bool:
     """Make `model` a FusedResidualTransformer in place when its forward is the plain loop over blocks this
-    one reproduces: a Transformer whose block norms run the Triton RMSNorm, with no hooks on the model, its
-    blocks or their norms (tensor parallelism and recomputation place some there). Whether it now is one."""
-    if isinstance(model, FusedResidualTransformer):
-        return True
-    if type(model) is not Transformer or not len(model.layers):
+    one reproduces: a Transformer of Blocks whose norms run the Triton RMSNorm, with no hooks on the model,
+    its blocks or their norms (tensor parallelism and recomputation place some there); checked again on
+    every call, as an earlier engine's swap may have been followed by hooks. Whether it now is one."""
+    if type(model) not in (Transformer, FusedResidualTransformer) or not len(model.layers):
         return False
-    modules = [model, *model.layers]
-    norms = [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
-    if not all(type(n) is TritonRMSNorm for n in norms):
-        return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in modules + norms):
+    if not all(type(layer) is Block and type(layer.attn_norm) is TritonRMSNorm and type(layer.mlp_norm) is TritonRMSNorm
+               for layer in model.layers) or _hooked(model):
         return False
     model.__class__ = FusedResidualTransformer
     return True

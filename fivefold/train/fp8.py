@@ -183,7 +183,13 @@ def cast_weights(rows: list[torch.Tensor], outs: list[torch.Tensor], scales: tor
     if reduce_amax is not None:
         reduce_amax(amax)
     scales.copy_(weight_scale(amax))
-    (_compiled_cast() if compiled else _cast_into)(rows, outs, scales)
+    if not compiled:
+        _cast_into(rows, outs, scales)
+        return
+    # Each new set of weight shapes compiles anew; past dynamo's usual limit of 8 (a process that builds
+    # many models: tests, sweeps) it would run eagerly, with the fp32 temporaries the plan leaves out.
+    with torch._dynamo.config.patch(recompile_limit=256):
+        _compiled_cast()(rows, outs, scales)
 
 
 class WeightCast:
