@@ -141,22 +141,33 @@ def check(case: Case, paths: list[str]) -> None:
         assert case.check[path] < limit, f"{case.name}: {path} differs from eager by {case.check[path]:.1e} > {limit}"
 
 
-def time_paths(case: Case, paths: list[str], args) -> None:
-    for path in paths:
+def window_ms(step: Callable[[], object], iters: int) -> float:
+    """Milliseconds a step over one window of `iters` steps, by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def median_ms(steps: dict[str, Callable[[], object]], args) -> dict[str, float]:
+    """Each step's median window after --warmup steps, the steps taking turns window by window (so a slow
+    moment of the GPU or host hits every one)."""
+    for step in steps.values():
         for _ in range(args.warmup):
-            case.step(path)
-    windows = {path: [] for path in paths}
+            step()
+    windows = {name: [] for name in steps}
     for _ in range(args.repeats):
-        for path in paths:  # in turns, so a slow moment of the GPU or host hits every path
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(args.iters):
-                case.step(path)
-            end.record()
-            torch.cuda.synchronize()
-            windows[path].append(start.elapsed_time(end) / args.iters)
-    case.ms = {path: statistics.median(ms) for path, ms in windows.items()}
+        for name, step in steps.items():
+            windows[name].append(window_ms(step, args.iters))
+    return {name: statistics.median(ms) for name, ms in windows.items()}
+
+
+def time_paths(case: Case, paths: list[str], args) -> None:
+    case.ms = median_ms({path: (lambda path=path: case.step(path)) for path in paths}, args)
 
 
 def print_table(cases: list[Case]) -> None:
@@ -209,19 +220,7 @@ def time_attention(args, device: torch.device, dtype: torch.dtype) -> dict:
             continue
         diff = max(((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30)).item()
                    for g, w in zip(got, want))
-        for _ in range(args.warmup):
-            step(backend)
-        windows = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(args.iters):
-                step(backend)
-            end.record()
-            torch.cuda.synchronize()
-            windows.append(start.elapsed_time(end) / args.iters)
-        ms = statistics.median(windows)
+        ms = median_ms({name: lambda backend=backend: step(backend)}, args)[name]
         results[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_diff_from_default": diff}
     print(f"\nattention fwd + bwd, causal, {b} x {s} tokens, {h} heads / {shapes['k'][1]} kv heads x {d}:")
     for name, r in results.items():

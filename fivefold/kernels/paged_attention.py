@@ -27,6 +27,7 @@ import math
 import torch
 
 import fivefold.kernels as kernels
+from fivefold.model.rope import apply_rope
 
 # Split-K (flash-decoding) for decode batches. One program per (sequence, kv head) leaves most of a
 # large GPU idle when there are few of them (H100: 132 SMs, and a program per SM is not enough to
@@ -250,10 +251,8 @@ def rope_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """rope_store_kv in plain PyTorch: the rotation in fp32, rounded once (as fivefold.kernels.rope)."""
     _check_rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:  # (T, heads, d)
-        x32, half = x.float(), x.shape[-1] // 2
-        turned = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-        return (x32 * cos.float()[:, None] + turned * sin.float()[:, None]).to(x.dtype)
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # (T, heads, d); cos and sin broadcast over the heads
+        return apply_rope(x.float(), cos.float()[:, None], sin.float()[:, None]).to(x.dtype)
 
     store_kv_reference(k_cache, v_cache, rotate(k), v, slot_mapping)
     return rotate(q).contiguous()

@@ -36,6 +36,7 @@ of 16 (rules.check_fp8).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -161,14 +162,11 @@ def _cast_into(rows: list[torch.Tensor], outs: list[torch.Tensor], scales: torch
         out.copy_(to_weight_float8(r, scale))
 
 
-_COMPILED_CAST = []  # torch.compile(_cast_into), made on first use: one fused kernel a weight
-
-
+@functools.cache
 def _compiled_cast():
-    if not _COMPILED_CAST:
-        _import_float8()  # torchao's imports before tracing, with its warnings quieted
-        _COMPILED_CAST.append(torch.compile(_cast_into, dynamic=False))
-    return _COMPILED_CAST[0]
+    """torch.compile(_cast_into), made on first use: one fused kernel a weight."""
+    _import_float8()  # torchao's imports before tracing, with its warnings quieted
+    return torch.compile(_cast_into, dynamic=False)
 
 
 @torch.no_grad()
