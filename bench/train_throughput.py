@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="on: ours compiles each block, HF model.compile(); both: time eager and compiled")
+    p.add_argument("--fused-projections", choices=["auto", "true", "false", "both"], default="auto",
+                   help="our train.fused_projections (q/k/v and gate/up as one GEMM each); both: time ours fused "
+                        "(\"ours\") and separate (\"ours-separate\") side by side")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--profile", action="store_true",
                    help="profile one bf16 step of ours and of HF (top ops; on CUDA kernel time against wall time)")
@@ -105,6 +108,8 @@ def parse_args(argv=None):
     args.rounds = min(args.rounds or args.steps, args.steps)
     if args.warmup < 1 and args.compile != "off":
         p.error("--compile needs --warmup >= 1: the first step compiles")
+    if args.fused_projections == "both" and args.fit:
+        p.error("--fused-projections both times two of our runners at --batch: leave out --fit")
     if args.fit and not args.skip_hf:
         p.error("--fit changes our micro-batch only, so HF would train another shape: add --skip-hf")
     if args.fit and args.device != "cuda" and not args.device_memory:
@@ -169,9 +174,9 @@ def add_predictions(results: list[dict], configs: dict, profile, device: str) ->
     error against the measured median (and best) step; on cuda the memory plan's peak (its total on the
     most loaded rank) against the measured peak. Errors are predicted / measured - 1."""
     for r in results:
-        if r["impl"] != "ours":
+        if not r["impl"].startswith("ours"):
             continue
-        cfg = configs[r["precision"], r["compiled"]]
+        cfg = configs[r["precision"], r["compiled"], r["impl"]]
         speed = predict_step(cfg, profile)
         predicted = speed.tokens_per_s_per_gpu * speed.world
         r.update(predicted_tokens_per_s=predicted, predicted_step_s=speed.step_time_s, predicted_mfu=speed.mfu,
@@ -213,8 +218,13 @@ def print_predictions(results: list[dict], planner: dict, device: str) -> None:
               f"CPU run's by category)")
 
 
-def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str, seq_len: int = 0, batch: int = 0):
+def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str, seq_len: int = 0, batch: int = 0,
+                fused: str = ""):
+    """Our Config for one row; `fused`: train.fused_projections (default: --fused-projections; "true", the "ours"
+    row's, under both)."""
+    fused = fused or (args.fused_projections if args.fused_projections != "both" else "true")
     overrides = {"train.seq_len": seq_len or args.seq_len, "train.micro_batch_size": batch or args.batch,
+                 "train.fused_projections": fused,
                  "train.grad_accum": 1 if batch else args.grad_accum,
                  "train.precision": PRECISIONS[precision][0], "train.compile": compiled, "train.peak_flops": peak,
                  "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
@@ -265,8 +275,8 @@ def check_fits_alone(plans: dict, device_bytes: int | None) -> None:
     if device_bytes is None:
         return
     for (impl, compiled), (resident, transient) in plans.items():
-        if impl == "ours" and resident + transient > device_bytes:
-            raise SystemExit(f"train_throughput.py: ours{'+compile' if compiled else ''} plans "
+        if impl.startswith("ours") and resident + transient > device_bytes:
+            raise SystemExit(f"train_throughput.py: {impl}{'+compile' if compiled else ''} plans "
                              f"{(resident + transient) / 2**30:.1f} GiB, over the device's {device_bytes / 2**30:.1f} "
                              f"GiB: lower --batch or --seq-len (`fivefold plan --preset ... --fit` finds what fits)")
 
@@ -559,23 +569,27 @@ def main(argv=None) -> dict:
         if not timed_fp32:
             checked.clear()
             release_memory(args.device)
-    configs = {("fp32", False): base}  # each row's exact Config, for the planner's predictions
+    configs = {}  # each row's exact Config, for the planner's predictions: (precision, compiled, impl) -> Config
+    # --fused-projections both: ours fused and ours separate, as two runners of the same shapes
+    ours = {"ours": "true", "ours-separate": "false"} if args.fused_projections == "both" else {"ours": ""}
 
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results, schedule = [], {}
     for precision in args.precision:
         makers, plans = {}, {}
         for compiled in variants:
-            cfg = make_config(args, precision, compiled, max(peak_samples[precision]), tmp.name)
-            if args.fit:
-                cfg = fitted(cfg, device_bytes, profile)
-            configs[precision, compiled] = cfg
-            for impl in ("ours",) if args.skip_hf else ("ours", "hf"):
+            for impl, fused in ours.items():
+                cfg = make_config(args, precision, compiled, max(peak_samples[precision]), tmp.name, fused=fused)
+                configs[precision, compiled, impl] = fitted(cfg, device_bytes, profile) if args.fit else cfg
+            cfg = configs[precision, compiled, "ours"]  # HF trains its shapes
+            for impl in (*ours, *(() if args.skip_hf else ("hf",))):
+                if impl in ours:
+                    cfg = configs[precision, compiled, impl]
                 if device_bytes:
                     plans[impl, compiled] = planned_runner(cfg, impl)
                 if (impl, compiled) in checked:  # the checked pair, one warmup step already done
                     makers[impl, compiled] = lambda runner=checked.pop((impl, compiled)): runner
-                elif impl == "ours":
+                elif impl in ours:
                     makers[impl, compiled] = lambda cfg=cfg: Ours(cfg, datasets)
                 else:
                     makers[impl, compiled] = lambda cfg=cfg, compiled=compiled: HF(
@@ -603,12 +617,13 @@ def main(argv=None) -> dict:
         release_memory(args.device)
         rows = summarize(times, utils, peaks_seen, precision, tokens)
         for r in rows:  # each row's shape (--fit changes ours'), and whether our loss was compiled too
-            cfg = configs[precision, r["compiled"]] if r["impl"] == "ours" else None
+            cfg = configs[precision, r["compiled"], r["impl"]] if r["impl"] in ours else None
             t = cfg.train if cfg else None
             r.update(micro_batch_size=t.micro_batch_size if t else args.batch,
                      grad_accum=t.grad_accum if t else args.grad_accum, recompute=t.recompute if t else "none")
             if cfg:
                 r["loss_compiled"] = cfg.compiled_loss(args.device)
+                r["fused_projections"] = dict(zip(("qkv", "gate_up"), cfg.fused_projections(args.device)))
                 if t.precision == "fp8":
                     r["fp8_weight_cast"] = "step" if cfg.fp8_cast_once(args.device) else "use"
         # At once, so a run cut short (a time limit on a lent GPU) still shows what it timed.
@@ -644,7 +659,7 @@ def main(argv=None) -> dict:
     profiles = {}
     if args.profile:  # our bf16 step and, unless skipped, HF's, compiled as the timed rows were
         compiled = args.compile == "on"
-        cfg = configs.get(("bf16", compiled)) or make_config(args, "bf16", compiled, peaks["bf16"], tmp.name)
+        cfg = configs.get(("bf16", compiled, "ours")) or make_config(args, "bf16", compiled, peaks["bf16"], tmp.name)
         makers = {"ours": lambda: Ours(cfg, datasets)}
         if not args.skip_hf:
             makers["hf"] = lambda: HF(cfg, datasets, initial, bf16=True, compiled=compiled)
@@ -655,7 +670,7 @@ def main(argv=None) -> dict:
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
                         "grad_accum": args.grad_accum, "fit": args.fit, "skip_hf": args.skip_hf,
-                        "sequential": args.sequential,
+                        "sequential": args.sequential, "fused_projections": args.fused_projections,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
         write_results(json_path(args.json, device_slug(args.device)), out)

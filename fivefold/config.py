@@ -138,6 +138,14 @@ class TrainConfig:
     # "triton": RMSNorm, the SwiGLU product and RoPE as fused Triton kernels (fivefold.kernels: a CUDA GPU, or
     # TRITON_INTERPRET=1 for tests); "torch": the model's plain PyTorch ops. bench/kernels.py says where it pays.
     kernels: Literal["torch", "triton"] = "torch"
+    # Each block's q/k/v as one GEMM and gate/up as one GEMM, every part still its own parameter
+    # (fivefold.train.fused_projections). "true": both; "auto": q/k/v on CUDA, where a grouped-query model's thin
+    # k and v products run far below the card's peak (the step-time model predicts a gain for every Llama shape;
+    # gate/up pays at a narrow FFN, SmolLM2-135M's, and costs at Llama-3.2-3B's, where concatenating the large
+    # weights each pass outweighs it), nothing on a CPU, where bench/train_throughput.py measured no gain.
+    # Never under train.recompute=ops, whose policy would then keep the whole products instead of every other
+    # part's output. Config.fused_projections says what runs.
+    fused_projections: Literal["auto", "true", "false"] = "auto"
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
@@ -286,6 +294,18 @@ class Config:
         a row for backward where eager keeps fp32 log-probabilities, and runs as a few fused kernels."""
         t = self.train
         return t.compiled(device) and t.compile != "blocks" and not t.loss_chunk and self.parallel.tp == 1
+
+    def fused_projections(self, device: str = "cuda") -> tuple[bool, bool]:
+        """Whether (q/k/v, gate/up) run as one product each on `device` (fivefold.train.fused_projections):
+        under train.fused_projections, where the group's linears are plain ones, not float8 (fp8), quantized
+        (QLoRA) or adapted (a LoRA target); gate/up in a dense SwiGLU MLP only."""
+        t, m = self.train, self.model
+        wanted = t.fused_projections == "true" or (t.fused_projections == "auto" and device == "cuda")
+        if not wanted or t.recompute == "ops" or t.precision == "fp8" or self.lora.quantize_base != "none":
+            return False, False
+        adapted = set(self.lora.target_list) if self.lora.r else set()
+        return (not adapted & {"q", "k", "v"}, t.fused_projections == "true" and m.activation == "swiglu"
+                and not m.num_experts and not adapted & {"gate", "up"})
 
     def fp8_cast_once(self, device: str = "cuda") -> bool:
         """Whether fp8's float8 weights are cast once a step on `device` (train.fp8_weight_cast,
@@ -483,6 +503,10 @@ def validate(cfg: Config) -> None:
     if t.kernels == "triton" and t.device.startswith("cpu") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("train.kernels=triton runs Triton kernels on a CUDA GPU, not train.device=cpu; use "
                           "train.kernels=torch (or set TRITON_INTERPRET=1 to interpret them on the CPU, for tests)")
+    if t.fused_projections == "true" and t.recompute == "ops":
+        raise ConfigError("train.fused_projections=true does not combine with train.recompute=ops: that policy keeps "
+                          "every other matmul's output, which fused would be the whole q/k/v and gate/up products; "
+                          "use train.fused_projections=auto (separate under ops) or another train.recompute")
     if t.loss_chunk < 0:
         raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per chunk; 0 = the plain loss)")
     recompute_layer_set(t.recompute_layers, m.num_layers, t.recompute)

@@ -4,7 +4,8 @@ dp with ZeRO-2 and ZeRO-3 (whose hooks gather and free parameters around every b
 parallelism and full recomputation, pp under each schedule (afab, 1f1b, interleaved, zero-bubble, whose
 deferred weight gradients run outside the compiled graph), cp (ring attention) and ep (a mixture of
 experts, all-to-all dispatch): every step's loss and gradient norm and the final weights equal the
-eager single process's (parity.assert_parity). Each compiled rank records what dynamo made of its blocks
+eager single process's (parity.assert_parity); four of them with fused projections, against the separate
+eager ones. Each compiled rank records what dynamo made of its blocks
 (tests/run_layouts.py): at least one graph, so a silent fallback to eager cannot pass."""
 
 import json
@@ -19,16 +20,18 @@ STEPS, GLOBAL = 4, 8
 MODEL = {"model.num_layers": 4, "model.num_heads": 8, "model.num_kv_heads": 4}
 LAYOUTS = {  # name -> (preset, overrides), all on 2 processes
     "dp2_zero2": ("tiny", {"parallel.dp": 2, "parallel.zero": 2}),
-    "dp2_zero3": ("tiny", {"parallel.dp": 2, "parallel.zero": 3}),
-    "tp2_sp_full_recompute": ("tiny", {"parallel.tp": 2, "parallel.sequence_parallel": True,
-                                       "train.recompute": "full"}),
+    # fused projections (q/k/v and gate/up as one GEMM each), compiled as CUDA compiles them by default
+    "dp2_zero3_fused": ("tiny", {"parallel.dp": 2, "parallel.zero": 3, "train.fused_projections": "true"}),
+    "tp2_sp_full_recompute_fused": ("tiny", {"parallel.tp": 2, "parallel.sequence_parallel": True,
+                                             "train.recompute": "full", "train.fused_projections": "true"}),
     "tp2_ops_recompute": ("tiny", {"parallel.tp": 2, "train.recompute": "ops"}),
     "pp2_afab": ("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "afab", "train.grad_accum": 2}),
-    "pp2_1f1b": ("tiny", {"parallel.pp": 2, "train.grad_accum": 2, "train.recompute": "selective"}),
+    "pp2_1f1b_fused": ("tiny", {"parallel.pp": 2, "train.grad_accum": 2, "train.recompute": "selective",
+                                "train.fused_projections": "true"}),
     "pp2_interleaved": ("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved",
                                  "parallel.pp_virtual_stages": 2, "train.grad_accum": 2}),
     "pp2_zero_bubble": ("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble", "train.grad_accum": 2}),
-    "cp2": ("tiny", {"parallel.cp": 2}),
+    "cp2_fused": ("tiny", {"parallel.cp": 2, "train.fused_projections": "true"}),
     "ep2": ("tiny-moe", {"parallel.dp": 2, "parallel.ep": 2}),
 }
 

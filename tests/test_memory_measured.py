@@ -88,6 +88,22 @@ def test_tiny_model_matches_plan(recompute, attention, precision):
 
 
 @pytest.mark.parametrize("overrides", [
+    (),
+    ("train.precision=bf16-mixed", "model.attention=eager"),
+    ("train.recompute=selective",),
+    ("train.recompute=full", "train.precision=bf16-mixed"),
+    ("lora.r=8", "lora.targets=q,v"),  # q/k/v separate (adapted), gate/up fused and frozen: no input saved
+    # 16 tokens: the concatenated gate/up weight (transient) is the activations' peak
+    ("train.seq_len=16", "model.hidden_size=128", "model.ffn_hidden_size=512"),
+])
+def test_fused_projections_match_plan(overrides):
+    """train.fused_projections=true: one product for q/k/v and one for gate/up, their concatenated weights made
+    and dropped in forward and backward, v copied out of the product (attention keeps it), the SwiGLU
+    factors slices of one product that silu and the mul keep whole."""
+    assert_matches_plan(measure("tiny", "train.fused_projections=true", *overrides))
+
+
+@pytest.mark.parametrize("overrides", [
     # GPT-2 layout: LayerNorm with biases, GELU, learned positions, tied embeddings, multi-head attention
     ("train.precision=bf16-mixed", "model.attention=eager"),
     ("train.recompute=selective", "model.attention=eager"),

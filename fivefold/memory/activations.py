@@ -96,6 +96,10 @@ class Shapes:
     compiled: bool = False
     # Config.compiled_loss: the final norm and the cross-entropy compiled (_compiled_head).
     compiled_loss: bool = False
+    # Config.fused_projections (fivefold.train.fused_projections): q/k/v, and gate/up, as one product each; the
+    # concatenated weight is transient in forward and backward.
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
     @property
     def chunk(self) -> int:
@@ -441,17 +445,36 @@ def _gathered(r: Replay, n: _Buf, d: Shapes) -> _Buf:
     return r.alloc(d.p * d.b * d.s * d.h) if r.recomputing and d.rep != 1 else n
 
 
+def _fused_linear(r: Replay, x: _Buf, k: int, n: int, d: Shapes, *targets: str) -> _Buf:
+    """The linears `targets` of one input as one product (fivefold.train.fused_projections.FusedLinear): the
+    concatenated weight (k x n) made, multiplied and dropped; the input saved once the product is made
+    (an autograd.Function saves after its forward), when a weight trains."""
+    weight = r.alloc(d.p * k * n)
+    out = r.matmul(r.alloc(d.p * d.b * d.s * n))
+    r.free(weight)
+    if _weight_input(d, *targets):
+        r.save(x)
+    return out
+
+
 def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = True) -> _Buf:
     x = _gathered(r, n, d)
-    q = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.q, d.h, d.q, d, "q"), d, "q", grad_in)
-    if _weight_input(d, "q", "k", "v"):
-        r.save(x)  # shared input of q/k/v projections
-    k = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "k"), d, "k", grad_in)
-    v = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "v"), d, "v", grad_in)
-    if d.rope:
-        q_lin, k_lin = q, k
-        q, k = _rope(r, q_lin, d.q, d), _rope(r, k_lin, d.kv, d)
-        r.free(q_lin, k_lin)
+    if d.fused_qkv:
+        qkv = _fused_linear(r, x, d.h, d.q + 2 * d.kv, d, "q", "k", "v")
+        q = k = v = qkv  # column slices of the product
+        if d.rope:  # RoPE copies q and k; v is copied so that attention does not keep the product alive
+            q, k, v = _rope(r, qkv, d.q, d), _rope(r, qkv, d.kv, d), r.alloc(d.p * d.b * d.s * d.kv)
+            r.free(qkv)
+    else:
+        q = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.q, d.h, d.q, d, "q"), d, "q", grad_in)
+        if _weight_input(d, "q", "k", "v"):
+            r.save(x)  # shared input of q/k/v projections
+        k = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "k"), d, "k", grad_in)
+        v = _adapt(r, n, _linear(r, d.p * d.b * d.s * d.kv, d.h, d.kv, d, "v"), d, "v", grad_in)
+        if d.rope:
+            q_lin, k_lin = q, k
+            q, k = _rope(r, q_lin, d.q, d), _rope(r, k_lin, d.kv, d)
+            r.free(q_lin, k_lin)
     out = r.checkpoint(_core, [q, k, v], d) if selective else _core(r, q, k, v, d)
     if d.sdpa and not d.ring:  # flash output is laid out (b, s, heads, d): the o_proj input is a view of it
         o_in = out
@@ -469,10 +492,16 @@ def _attention(r: Replay, n: _Buf, d: Shapes, selective: bool, grad_in: bool = T
 def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
     bsf = d.p * d.b * d.s * d.f
     x = _gathered(r, n, d)
-    if _weight_input(d, "gate", "up"):
-        r.save(x)
     down_input = _weight_input(d, "down")
-    if d.swiglu:
+    if d.swiglu and d.fused_gate_up:
+        gate = up = _fused_linear(r, x, d.h, 2 * d.f, d, "gate", "up")  # halves of one product
+        act = r.alloc(bsf)  # silu saves its input (the product's gate half: the product stays)
+        prod = r.alloc(bsf)  # the mul saves both factors
+        r.save(gate, act, *([prod] if down_input and not d.fp8 else []))
+        r.free(act, gate)
+    elif d.swiglu:
+        if _weight_input(d, "gate", "up"):
+            r.save(x)
         gate = _adapt(r, n, _linear(r, bsf, d.h, d.f, d, "gate"), d, "gate")
         act = r.alloc(bsf)  # silu saves its input
         r.save(gate)
@@ -482,6 +511,8 @@ def _mlp(r: Replay, n: _Buf, d: Shapes) -> _Buf:
         r.save(act, up, *([prod] if down_input and not d.fp8 else []))
         r.free(act, up)
     else:
+        if _weight_input(d, "gate", "up"):
+            r.save(x)
         up = _adapt(r, n, _linear(r, bsf, d.h, d.f, d, "up"), d, "up")
         prod = r.alloc(bsf)  # gelu saves its input
         r.save(up, *([prod] if down_input and not d.fp8 else []))

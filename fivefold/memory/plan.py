@@ -92,6 +92,7 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
     m, t, par = cfg.model, cfg.train, cfg.parallel
     p = 2 if t.mixed else 4
     tp = par.tp
+    fused = cfg.fused_projections(device)
     return Shapes(b=t.micro_batch_size, s=math.ceil(t.seq_len / par.cp), sk=t.seq_len, h=m.hidden_size,
                   q=m.q_size // tp, kv=m.kv_size // tp, heads=m.num_heads // tp,
                   f=math.ceil(_ffn_width(m) / tp), vocab=math.ceil(m.vocab_size / tp), head_size=m.head_size,
@@ -111,7 +112,8 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   expert_f=math.ceil(m.expert_size / tp) if m.num_experts else 0,
                   shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
                   ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg),
-                  compiled=compiled_blocks_modelled(cfg, device), compiled_loss=cfg.compiled_loss(device))
+                  compiled=compiled_blocks_modelled(cfg, device), compiled_loss=cfg.compiled_loss(device),
+                  fused_qkv=fused[0], fused_gate_up=fused[1])
 
 
 def _capacity(cfg: Config) -> int:

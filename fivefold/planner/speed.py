@@ -161,10 +161,16 @@ class _Costs:
         return elements * (act * self.p + fp32) / self.bandwidth
 
     def layer_matmuls(self) -> float:
-        """Forward seconds of one layer's linears."""
+        """Forward seconds of one layer's linears: q/k/v as one product and gate/up as one where they run so
+        (Config.fused_projections), else each its own, a thin one (GQA's k and v) further below the peak."""
         m, tp, T = self.cfg.model, self.cfg.parallel.tp, self.tokens
         h = m.hidden_size
-        out = self.linear(T, h, (m.q_size + 2 * m.kv_size) / tp) + self.linear(T, m.q_size / tp, h)
+        fused_qkv, fused_gate_up = self.cfg.fused_projections(self.hw.device)
+        if fused_qkv:
+            out = self.linear(T, h, (m.q_size + 2 * m.kv_size) / tp)
+        else:
+            out = self.linear(T, h, m.q_size / tp) + 2 * self.linear(T, h, m.kv_size / tp)
+        out += self.linear(T, m.q_size / tp, h)
         if m.num_experts:
             ep = self.cfg.parallel.ep
             per_expert = T * m.experts_per_token * ep / m.num_experts  # tokens each local expert gets
@@ -176,8 +182,12 @@ class _Costs:
             if m.shared_expert_size:
                 out += self.linear(T, h, 2 * m.shared_expert_size / tp) + self.linear(T, m.shared_expert_size / tp, h)
             return out
-        up = 2 if m.activation == "swiglu" else 1
-        return out + self.linear(T, h, up * m.ffn_hidden_size / tp) + self.linear(T, m.ffn_hidden_size / tp, h)
+        f = m.ffn_hidden_size / tp
+        if m.activation != "swiglu":
+            up = self.linear(T, h, f)
+        else:
+            up = self.linear(T, h, 2 * f) if fused_gate_up else 2 * self.linear(T, h, f)
+        return out + up + self.linear(T, f, h)
 
     def fp8_casts(self) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's float8 casts under train.precision=fp8 (torchao's dynamic
@@ -232,6 +242,10 @@ class _Costs:
         width = (m.experts_per_token * m.expert_size + m.shared_expert_size) if m.num_experts else m.ffn_hidden_size
         out = self.bytes("norm", 2 * T * m.hidden_size / sp) + self.bytes("residual", 2 * T * m.hidden_size / sp)
         out += self.bytes("heads", T * (2 * m.q_size + 2 * m.kv_size) / p.tp)
+        fused_qkv, fused_gate_up = self.cfg.fused_projections(self.hw.device)
+        # fused projections concatenate their weights (read and written once a pass) and copy v out of the product
+        weights = fused_qkv * (m.q_size + 2 * m.kv_size) + fused_gate_up * 2 * m.ffn_hidden_size
+        out += (2 * self.p * m.hidden_size * weights / p.tp + 2 * self.p * fused_qkv * T * m.kv_size / p.tp) / self.bandwidth
         if m.position == "rope":
             out += self.bytes("rope", T * (m.q_size + m.kv_size) / p.tp)
         if m.num_experts:

@@ -17,6 +17,7 @@ from torch import nn
 
 from fivefold.model.attention import Attention
 from fivefold.model.layers import MLP
+from fivefold.train.fused_projections import unfuse_projections as unfuse_training
 
 
 def _fuse(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -76,6 +77,7 @@ def fuse_projections(model: nn.Module) -> int:
     device and dtype: moving it later would copy the parts apart); the number of fused modules, these and
     those an earlier engine fused. Such a module whose parts were replaced since is unfused first."""
     unfuse_projections(model, stale_only=True)
+    unfuse_training(model)  # a model that trained with fused projections: its own classes back, then fused here
     fused = 0
     for module in model.modules():
         if _fused_parts(module) is not None:

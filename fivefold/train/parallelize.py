@@ -6,6 +6,7 @@ any parameter has memory.
       -> expert parallel              other ranks' experts dropped, all-to-all dispatch (expert_parallel)
       -> context parallel             ring attention, routing counts summed over the ring (context_parallel)
       -> LoRA, kernels                adapters (fivefold.finetune.lora); fused Triton ops (fivefold.kernels)
+      -> fp8, fused projections       float8 linears (fp8); q/k/v and gate/up as one GEMM each (fused_projections)
       -> pipeline split               other stages' blocks dropped (pipeline)
       -> placement record             global shape and shard axes of every local parameter (placement)
     materialise(values)
@@ -46,6 +47,7 @@ from fivefold.parallel.tensor_parallel import apply_tensor_parallel, vocab_paral
 from fivefold.parallel.zero import ZeroDataParallel, own_rows
 from fivefold.train.chunked_loss import chunked_cross_entropy, use_feature_head
 from fivefold.train.fp8 import WeightCast, apply_fp8
+from fivefold.train.fused_projections import apply_fused_projections
 from fivefold.train.loss import cross_entropy_sum, token_loss_sum
 from fivefold.train.optim import MasterWeightAdamW
 from fivefold.train.recompute import apply_recompute, compile_module
@@ -80,6 +82,8 @@ class ParallelModel:
         apply_kernels(model, cfg.train.kernels)  # fused norm / SwiGLU / RoPE: same modules, parameters and names
         # train.precision=fp8: the blocks' linears as float8 (same parameters)
         self.fp8_linears = apply_fp8(model, cfg, device)
+        # q/k/v, gate/up: one GEMM each, the same parameters (Config.fused_projections: which, where)
+        apply_fused_projections(model, *cfg.fused_projections(torch.device(device).type))
         self.model = model
         self.pipeline = None
         self.router_loss: Callable | None = None  # set by the trainer for models with experts
