@@ -99,6 +99,23 @@ def test_ours_alone_one_runner_at_a_time_on_cpu(bench, data_cache, tmp_path, mon
     assert lines[-1].startswith("profiled bf16 step, ours: wall ") and lines[-1].endswith(" ms")
 
 
+def test_fused_projections_both_times_ours_fused_and_separate_beside_hf(bench, data_cache, tmp_path, monkeypatch):
+    """--fused-projections both: "ours" with q/k/v and gate/up fused, "ours-separate" without, HF beside them;
+    the first-step check against HF ran on the fused runner (its loss and gradient norm equal HF's)."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", data_cache)
+    out = tmp_path / "fused.json"
+    bench.main(["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "1", "--precision", "fp32",
+                "--fused-projections", "both", "--json", str(out)])
+    data = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in data["results"]}
+    assert set(rows) == {"ours", "ours-separate", "hf"}
+    assert rows["ours"]["fused_projections"] == {"qkv": True, "gate_up": True}
+    assert rows["ours-separate"]["fused_projections"] == {"qkv": False, "gate_up": False}
+    assert rows["ours-separate"]["ratio_vs_hf"] > 0 and data["settings"]["fused_projections"] == "both"
+    check = data["first_step_loss_fp32"]
+    assert check["loss_rel_diff"] < 1e-4 and check["grad_norm_rel_diff"] < 1e-5
+
+
 def test_fit_trains_ours_at_the_planners_micro_batch_keeping_the_step(bench, data_cache, tmp_path, monkeypatch):
     """--fit: the micro-batch, accumulation and recomputation fivefold.planner.fit chooses for the given
     memory, the step's sequences (--batch x --grad-accum) kept, recorded on the row."""
@@ -115,6 +132,11 @@ def test_fit_trains_ours_at_the_planners_micro_batch_keeping_the_step(bench, dat
     assert (row["micro_batch_size"], row["grad_accum"], row["recompute"]) == \
         (chosen.micro_batch_size, chosen.grad_accum, chosen.recompute)
     assert row["micro_batch_size"] * row["grad_accum"] == 8 and row["micro_batch_size"] > 2
+
+
+def test_fused_projections_both_is_refused_with_fit(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fused-projections", "both", "--fit", "--skip-hf", "--device-memory", "80"])
 
 
 def test_fit_is_refused_beside_hf_and_without_a_memory(bench):

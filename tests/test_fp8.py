@@ -325,8 +325,10 @@ def test_plan_suggestions_leave_out_what_fp8_refuses():
 
 
 def test_speed_model_runs_the_block_linears_at_the_fp8_peak():
+    # (projections separate in both: fp8's float8 linears are never fused, bf16's q/k/v would be on CUDA)
     cfg = {p: load_config(preset="llama3-8b", overrides=["train.seq_len=4096", "train.micro_batch_size=1",
-                                                         f"train.precision={p}", "train.fp8_weight_cast=use"])
+                                                         f"train.precision={p}", "train.fp8_weight_cast=use",
+                                                         "train.fused_projections=false"])
            for p in ("bf16-mixed", "fp8")}
     h100, a100 = load_profile("h100-sxm"), load_profile("a100-80gb")
     costs = {p: _Costs(c, h100, fused=False) for p, c in cfg.items()}

@@ -29,8 +29,8 @@ from fivefold.parallel.tensor_parallel import ColumnParallelLinear
 
 
 class FusedLinear(torch.autograd.Function):
-    """y = x [W_1; ...; W_n]^T + [b_1; ...; b_n]: one product for n linears of one input. Saves x and the
-    parts; the concatenated weight exists only inside forward and backward."""
+    """y = x [W_1; ...; W_n]^T + [b_1; ...; b_n]: one product for n linears of one input. Saves the parts, and
+    x when a part trains; the concatenated weight exists only inside forward and backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, n: int, *tensors: torch.Tensor) -> torch.Tensor:
