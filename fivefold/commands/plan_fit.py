@@ -87,7 +87,8 @@ def _report(result: FitResult, cfg: Config, device: str, profile: HardwareProfil
     why = (f"the highest predicted tokens/s on {profile.name}" if speed
            else "the fewest recomputed FLOPs, then the largest micro-batch")
     lines += ["", f"chosen ({why}): train.recompute={c.recompute}, micro_batch_size {c.micro_batch_size}, "
-                  f"grad_accum {c.grad_accum}, {human_bytes(c.memory)}"]
+                  f"grad_accum {c.grad_accum}, {human_bytes(c.memory)}"
+                  + (f", train.fused_projections={c.fused_projections}" if c.fused_projections else "")]
     if result.changes:
         lines.append("changes: " + ", ".join(f"{k} {was!r} -> {now!r}" if isinstance(was, str) else
                                             f"{k} {was} -> {now}" for k, (was, now) in result.changes.items()))

@@ -12,12 +12,16 @@ keeps grad_accum instead, and the global batch grows with the micro-batch.
 
 Among those that fit, without a speed model: the fewest recomputed FLOPs, then the largest micro-batch
 (larger matmuls run nearer the peak: the knee of fivefold.planner.speed). With a speed model (--cluster):
-the highest predicted tokens/s (fivefold.planner.speed.predict_step), which weighs the two against each other.
+the highest predicted tokens/s (fivefold.planner.speed.predict_step), which weighs the two against each other;
+then, for the chosen candidate, train.fused_projections too (separate, q/k/v fused, or q/k/v and gate/up fused:
+the thinner separate products sit lower on the matmul knee, the fused ones concatenate their weights each
+pass), where it still fits.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError
@@ -40,10 +44,13 @@ class FitCandidate:
     fits: bool
     recompute_flops: float  # recomputed FLOPs / the step's model FLOPs
     speed: SpeedPlan | None = None
+    fused_projections: str = ""  # train.fused_projections chosen with a speed model; "": as configured
 
     def to_json(self) -> dict:
         out = {"recompute": self.recompute, "micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum,
                "memory": int(self.memory), "fits": self.fits, "recompute_flops_fraction": self.recompute_flops}
+        if self.fused_projections:
+            out["fused_projections"] = self.fused_projections
         if self.speed is not None:
             out.update(tokens_per_s_per_gpu=self.speed.tokens_per_s_per_gpu, mfu=self.speed.mfu,
                        step_time_s=self.speed.step_time_s)
@@ -70,6 +77,7 @@ class FitResult:
         t = self.config.train
         out = [f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}",
                f"train.recompute={t.recompute}"]
+        out += [f"train.fused_projections={t.fused_projections}"] if "train.fused_projections" in self.changes else []
         return out + (["train.recompute_layers="] if "train.recompute_layers" in self.changes else [])
 
 
@@ -125,13 +133,15 @@ def fit_micro_batch(cfg: Config, device_memory: int, device: str = "cuda", headr
         for c in fitting:
             c.speed = predict_step(_with(base, c), profile)
         chosen = max(fitting, key=lambda c: c.speed.tokens_per_s_per_gpu)
+        fastest = _fastest_projections(base, chosen, profile, limit, device)
+        candidates[candidates.index(chosen)] = chosen = fastest  # its row in the table: the setting chosen
     else:
         chosen = min(fitting, key=lambda c: (c.recompute_flops, -c.micro_batch_size))
     new = _with(cfg, chosen)
     if cfg.train.recompute_layers:
         new.train.recompute_layers = ""
     changes = {key: (getattr(cfg.train, key), getattr(new.train, key))
-               for key in ("micro_batch_size", "grad_accum", "recompute", "recompute_layers")
+               for key in ("micro_batch_size", "grad_accum", "recompute", "recompute_layers", "fused_projections")
                if getattr(cfg.train, key) != getattr(new.train, key)}
     # With the batch kept, each mode's last candidate is the largest micro-batch the batch allows.
     largest = [c for c in candidates if c.recompute == chosen.recompute][-1]
@@ -144,7 +154,27 @@ def _with(cfg: Config, c: FitCandidate) -> Config:
     new = copy.deepcopy(cfg)
     t = new.train
     t.recompute, t.micro_batch_size, t.grad_accum = c.recompute, c.micro_batch_size, c.grad_accum
+    t.fused_projections = c.fused_projections or t.fused_projections
     return new
+
+
+def _fastest_projections(base: Config, chosen: FitCandidate, profile: HardwareProfile, limit: float,
+                         device: str) -> FitCandidate:
+    """`chosen` with the train.fused_projections that the speed model puts fastest and that still fits (the
+    fused products' concatenated weights are transient memory); a tie keeps the configured setting."""
+    best = chosen
+    for setting in ("false", "auto", "true"):
+        if setting == base.train.fused_projections or (setting == "true" and chosen.recompute == "ops"):
+            continue  # the configured one is `chosen`; true and ops do not combine (Config validation)
+        c = dataclasses.replace(chosen, fused_projections=setting)
+        cfg = _with(base, c)
+        if cfg.fused_projections(device) == _with(base, chosen).fused_projections(device):
+            continue  # the same products run (e.g. auto on a CPU is false)
+        c.memory = plan_memory(cfg, device=device, suggest=False).memory["total"]
+        c.speed = predict_step(cfg, profile)
+        if c.memory <= limit and c.speed.tokens_per_s_per_gpu > best.speed.tokens_per_s_per_gpu:
+            best = c
+    return best
 
 
 def _mode_candidates(base: Config, mode: str, per_rank: int | None, limit: float, device: str) -> list[FitCandidate]:
