@@ -58,6 +58,9 @@ bench "135m" 190 135m --preset "$M135" --batch 8 --precision bf16 --compile on -
 #     the 135M step differs from HF's (bench/results/train_throughput_135m_profile_<gpu>.json, "profiles_bf16")
 bench "135m-profile" 150 135m_profile --preset "$M135" --batch 8 --precision bf16 --compile on --warmup 1 --steps 2 \
     --profile
+# (f2) fused projections on CUDA (train.fused_projections): compiled bf16 steps equal the separate ones'
+step "cuda-train-tests" 90 "$PY" -m pytest -q -p no:cacheprovider \
+    "tests/test_fused_projections.py::test_cuda_compiled_fused_projections_train_as_separate"
 # (g) the Triton RMSNorm / SwiGLU / RoPE (train.kernels=triton) against eager and compiled PyTorch at the 1B
 #     layer, fwd+bwd: train.kernels stays torch by default until they beat the compiled blocks, the training
 #     default on CUDA (the issue's 0.61-0.72x is against eager). On a CPU a correctness check only.
