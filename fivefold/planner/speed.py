@@ -179,8 +179,8 @@ class _Costs:
             # the routed experts' grouped matmuls stay bf16 under fp8 (fivefold.train.fp8)
             out += experts * (self.matmul(per_expert, h, 2 * m.expert_size / tp)
                               + self.matmul(per_expert, m.expert_size / tp, h))
-            if m.shared_expert_size:
-                out += self.linear(T, h, 2 * m.shared_expert_size / tp) + self.linear(T, m.shared_expert_size / tp, h)
+            if m.shared_expert_size:  # its gate and up run as two products (fused projections leave it alone)
+                out += 2 * self.linear(T, h, m.shared_expert_size / tp) + self.linear(T, m.shared_expert_size / tp, h)
             return out
         f = m.ffn_hidden_size / tp
         if m.activation != "swiglu":
@@ -243,9 +243,11 @@ class _Costs:
         out = self.bytes("norm", 2 * T * m.hidden_size / sp) + self.bytes("residual", 2 * T * m.hidden_size / sp)
         out += self.bytes("heads", T * (2 * m.q_size + 2 * m.kv_size) / p.tp)
         fused_qkv, fused_gate_up = self.cfg.fused_projections(self.hw.device)
-        # fused projections concatenate their weights (read and written once a pass) and copy v out of the product
+        # fused projections concatenate their weights (read and written once a pass); under RoPE v is copied out
+        # of the product (fivefold.train.fused_projections)
         weights = fused_qkv * (m.q_size + 2 * m.kv_size) + fused_gate_up * 2 * m.ffn_hidden_size
-        out += (2 * self.p * m.hidden_size * weights / p.tp + 2 * self.p * fused_qkv * T * m.kv_size / p.tp) / self.bandwidth
+        v_copy = fused_qkv * (m.position == "rope") * T * m.kv_size
+        out += 2 * self.p * (m.hidden_size * weights + v_copy) / p.tp / self.bandwidth
         if m.position == "rope":
             out += self.bytes("rope", T * (m.q_size + m.kv_size) / p.tp)
         if m.num_experts:
