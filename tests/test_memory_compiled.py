@@ -20,6 +20,7 @@ from fivefold.memory.plan import activation_shapes, compiled_blocks_modelled, pl
 from fivefold.model.context import ForwardContext
 from fivefold.model.transformer import Transformer
 from fivefold.train.fp8 import WeightCast
+from fivefold.train.fused_projections import apply_fused_projections
 from fivefold.train.recompute import apply_recompute
 from fivefold.presets import get_preset
 
@@ -35,19 +36,23 @@ def model_config(shape: str) -> ModelConfig:
 
 
 def partitioner_saved_bytes(cfg: ModelConfig, dtype: torch.dtype, b: int, s: int, fp8: bool = False,
-                            lora: LoraConfig | None = None, grad_in: bool = True, recompute: str = "none") -> int:
+                            lora: LoraConfig | None = None, grad_in: bool = True, recompute: str = "none",
+                            fused: bool = False) -> int:
     """Bytes the compiled block's forward saves for backward: its graph's outputs after the block's own
     output, less the inputs it saves as they are (weights, the shared RoPE tables) except the block input,
     the one activation among them, and less 0-dim tensors (fp8's amax scalars). `fp8`: the block's linears
     as torchao's float8 linears, emulated (the CPU's product in place of torch._scaled_mm). `lora`: adapters
     on a frozen block; `grad_in`: whether the block input needs a gradient (not the first block's under LoRA,
     whose embedding is frozen); `recompute`: the block checkpointed as train.recompute does it (the graph
-    also keeps checkpoint's RNG state, uint8, left out: 16 bytes on a GPU)."""
+    also keeps checkpoint's RNG state, uint8, left out: 16 bytes on a GPU); `fused`: q/k/v and gate/up as one
+    product each (train.fused_projections=true)."""
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
     if lora is not None:
         apply_lora(model, lora)
         model.to(dtype)
+    if fused:
+        apply_fused_projections(model)
     if recompute != "none":
         apply_recompute(model, recompute)
     block = model.layers[0]
@@ -99,8 +104,9 @@ def graph_saved_bytes(fn, *args, keep=lambda value: True, skip=lambda value: Fal
     return sum(saved.values())
 
 
-def planned_block_bytes(model: ModelConfig, precision: str, b: int, s: int) -> float:
-    cfg = Config(model=model, train=TrainConfig(precision=precision, compile="true", micro_batch_size=b, seq_len=s))
+def planned_block_bytes(model: ModelConfig, precision: str, b: int, s: int, fused: bool = False) -> float:
+    cfg = Config(model=model, train=TrainConfig(precision=precision, compile="true", micro_batch_size=b, seq_len=s,
+                                                fused_projections="true" if fused else "false"))
     d = activation_shapes(cfg, "cpu")
     assert d.compiled
     return replay_forward(d, 3).saved_bytes - replay_forward(d, 2).saved_bytes
@@ -153,15 +159,29 @@ def test_compiled_ops_recomputation_keeps_eagers_policy_less_the_last_product(sh
     assert planned["eager"] - planned["compiled"] == b * s * cfg.hidden_size * dtype.itemsize
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("precision,dtype", [("bf16-mixed", torch.bfloat16), ("fp32", torch.float32)])
+def test_compiled_fused_projections_save_what_separate_ones_do(shape, precision, dtype):
+    """q/k/v and gate/up as one product each (fivefold.train.fused_projections): the partitioner keeps what it
+    keeps for separate products, and no concatenated weight (backward makes its own, from the weights)."""
+    cfg = model_config(shape)
+    b, s = 2, 32
+    planned = planned_block_bytes(cfg, precision, b, s, fused=True)
+    assert planned == planned_block_bytes(cfg, precision, b, s)
+    assert planned == partitioner_saved_bytes(cfg, dtype, b, s, fused=True)
+
+
 @pytest.mark.parametrize("mode", ["selective", "full"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_compiled_recomputation_saves_what_the_partitioner_keeps(shape, mode):
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_recomputation_saves_what_the_partitioner_keeps(shape, mode, fused):
     """selective under torch.compile: the dense list less the attention output and its logsumexp (the
-    backward graph runs the core again first); full: the block input."""
+    backward graph runs the core again first); full: the block input. The same with fused projections."""
     cfg, b, s = model_config(shape), 2, 32
-    saved = partitioner_saved_bytes(cfg, torch.bfloat16, b, s, recompute=mode)
+    saved = partitioner_saved_bytes(cfg, torch.bfloat16, b, s, recompute=mode, fused=fused)
     c = Config(model=cfg, train=TrainConfig(precision="bf16-mixed", compile="true", recompute=mode,
-                                            micro_batch_size=b, seq_len=s))
+                                            micro_batch_size=b, seq_len=s,
+                                            fused_projections="true" if fused else "false"))
     d = activation_shapes(c, "cpu")
     assert d.compiled
     assert replay_forward(d, 3, mode).saved_bytes - replay_forward(d, 2, mode).saved_bytes == saved
