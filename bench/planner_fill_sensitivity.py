@@ -12,7 +12,6 @@ import statistics
 from fivefold.planner.published import load_runs, run_config, check_run
 from fivefold.planner.hardware import load_profile
 from fivefold.planner.search import search_layouts
-from fivefold.memory import formulas
 
 for run in load_runs():
     if not run["verified"]: continue

@@ -33,7 +33,7 @@ def train(cache, out, steps, **overrides):
 def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("serve_lora")
     base = train(data_cache, root / "base", 6)
-    a = train(data_cache, root / "a", 4, **{"lora.r": 4, "train.init_from": str(base), "train.lr": 5e-2})
+    train(data_cache, root / "a", 4, **{"lora.r": 4, "train.init_from": str(base), "train.lr": 5e-2})
     b = train(data_cache, root / "b", 4, **{"lora.r": 2, "lora.targets": "q,v,down", "train.init_from": str(base),
                                             "train.lr": 5e-2})
     assert main(["export-hf", "--checkpoint", str(b), "--out", str(root / "b_peft")]) == 0
