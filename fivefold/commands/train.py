@@ -93,10 +93,12 @@ def _train(cfg, args, out: Path) -> int:
         return 2
     trainer = Trainer(cfg, resume=has_run)
     say = print if trainer.mesh.is_main else (lambda *a, **k: None)
+    fused = [name for name, on in zip(("q/k/v", "gate/up"), cfg.fused_projections(trainer.device.type)) if on]
     say(f"model: {trainer.num_params:,} parameters | global batch {cfg.global_batch_tokens:,} tokens "
         f"({cfg.train.micro_batch_size} x {cfg.train.grad_accum} x dp {cfg.parallel.dp} x {cfg.train.seq_len}) | "
         f"{cfg.train.precision} | recompute={cfg.train.recompute} | zero={cfg.parallel.zero} | tp={cfg.parallel.tp}"
         f"{'+sp' if cfg.parallel.sequence_parallel else ''} | "
+        + (f"fused {', '.join(fused)} | " if fused else "") +
         f"device {trainer.device} | {trainer.peaks.describe()}")
     if trainer.step >= cfg.train.steps:
         say(f"already at step {trainer.step} of train.steps={cfg.train.steps}; nothing to train "
