@@ -581,10 +581,9 @@ def main(argv=None) -> dict:
             for impl, fused in ours.items():
                 cfg = make_config(args, precision, compiled, max(peak_samples[precision]), tmp.name, fused=fused)
                 configs[precision, compiled, impl] = fitted(cfg, device_bytes, profile) if args.fit else cfg
-            cfg = configs[precision, compiled, "ours"]  # HF trains its shapes
             for impl in (*ours, *(() if args.skip_hf else ("hf",))):
-                if impl in ours:
-                    cfg = configs[precision, compiled, impl]
+                # HF trains the shapes of our (first) row; its memory is planned from that row's Config too
+                cfg = configs[precision, compiled, impl if impl in ours else "ours"]
                 if device_bytes:
                     plans[impl, compiled] = planned_runner(cfg, impl)
                 if (impl, compiled) in checked:  # the checked pair, one warmup step already done
