@@ -214,18 +214,24 @@ def test_model_with_kernels_matches_plain_model(name):
 
 
 def test_training_with_train_kernels_triton_matches_torch(tiny_config, tmp_path):
-    """The config key end to end: parallelize applies the kernels; two steps give the plain run's losses."""
+    """The config key end to end: parallelize applies the kernels; two steps give the plain run's losses. Also
+    with fused projections (train.fused_projections=true), whose SwiGLU reads gate and up in place from one
+    product."""
     from fivefold.kernels.rmsnorm import TritonRMSNorm
     from fivefold.train.trainer import Trainer
 
     runs = {}
-    for name in ("torch", "triton"):
-        trainer = Trainer(tiny_config(**{"train.kernels": name, "train.micro_batch_size": 2, "train.seq_len": 16,
-                                         "train.out_dir": str(tmp_path / name)}), quiet=True)
-        assert isinstance(trainer.model.norm, TritonRMSNorm) == (name == "triton")
+    for name in ("torch", "triton", "triton-fused"):
+        trainer = Trainer(tiny_config(**{"train.kernels": name.split("-")[0], "train.micro_batch_size": 2,
+                                         "train.seq_len": 16, "train.out_dir": str(tmp_path / name),
+                                         "train.fused_projections": str(name.endswith("fused")).lower()}),
+                          quiet=True)
+        assert isinstance(trainer.model.norm, TritonRMSNorm) == (name != "torch")
+        assert (type(trainer.model.layers[0].mlp).__name__ == "FusedProjectionTritonMLP") == (name == "triton-fused")
         runs[name] = trainer.fit(until=2)
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in runs["triton"]] == pytest.approx([r[key] for r in runs["torch"]], rel=1e-5)
+    for name in ("triton", "triton-fused"):
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in runs[name]] == pytest.approx([r[key] for r in runs["torch"]], rel=1e-5), name
 
 
 def test_apply_kernels_torch_is_a_no_op_and_other_models_are_untouched():
