@@ -162,13 +162,13 @@ def _fastest_projections(base: Config, chosen: FitCandidate, profile: HardwarePr
                          device: str) -> FitCandidate:
     """`chosen` with the train.fused_projections that the speed model puts fastest and that still fits (the
     fused products' concatenated weights are transient memory); a tie keeps the configured setting."""
-    best = chosen
+    best, configured = chosen, _with(base, chosen).fused_projections(device)
     for setting in ("false", "auto", "true"):
         if setting == base.train.fused_projections or (setting == "true" and chosen.recompute == "ops"):
             continue  # the configured one is `chosen`; true and ops do not combine (Config validation)
         c = dataclasses.replace(chosen, fused_projections=setting)
         cfg = _with(base, c)
-        if cfg.fused_projections(device) == _with(base, chosen).fused_projections(device):
+        if cfg.fused_projections(device) == configured:
             continue  # the same products run (e.g. auto on a CPU is false)
         c.memory = plan_memory(cfg, device=device, suggest=False).memory["total"]
         c.speed = predict_step(cfg, profile)

@@ -145,6 +145,7 @@ class _Costs:
         # bf16; attention, the router and the LM head stay bf16, and MFU stays against the bf16 peak.
         self.linear_peak = (hw.flops.get("fp8") or self.peak) if t.precision == "fp8" else self.peak
         self.tokens = t.micro_batch_size * t.seq_len // p.cp  # per rank and micro-batch
+        self.fused_qkv, self.fused_gate_up = cfg.fused_projections(hw.device)  # one product each, or separate
         self.bandwidth = hw.memory_bandwidth * hw.memory_efficiency
 
     def matmul(self, m: float, k: float, n: float, peak: float | None = None) -> float:
@@ -165,8 +166,7 @@ class _Costs:
         (Config.fused_projections), else each its own, a thin one (GQA's k and v) further below the peak."""
         m, tp, T = self.cfg.model, self.cfg.parallel.tp, self.tokens
         h = m.hidden_size
-        fused_qkv, fused_gate_up = self.cfg.fused_projections(self.hw.device)
-        if fused_qkv:
+        if self.fused_qkv:
             out = self.linear(T, h, (m.q_size + 2 * m.kv_size) / tp)
         else:
             out = self.linear(T, h, m.q_size / tp) + 2 * self.linear(T, h, m.kv_size / tp)
@@ -186,7 +186,7 @@ class _Costs:
         if m.activation != "swiglu":
             up = self.linear(T, h, f)
         else:
-            up = self.linear(T, h, 2 * f) if fused_gate_up else 2 * self.linear(T, h, f)
+            up = self.linear(T, h, 2 * f) if self.fused_gate_up else 2 * self.linear(T, h, f)
         return out + up + self.linear(T, f, h)
 
     def fp8_casts(self) -> tuple[float, float]:
@@ -242,11 +242,10 @@ class _Costs:
         width = (m.experts_per_token * m.expert_size + m.shared_expert_size) if m.num_experts else m.ffn_hidden_size
         out = self.bytes("norm", 2 * T * m.hidden_size / sp) + self.bytes("residual", 2 * T * m.hidden_size / sp)
         out += self.bytes("heads", T * (2 * m.q_size + 2 * m.kv_size) / p.tp)
-        fused_qkv, fused_gate_up = self.cfg.fused_projections(self.hw.device)
         # fused projections concatenate their weights (read and written once a pass); under RoPE v is copied out
         # of the product (fivefold.train.fused_projections)
-        weights = fused_qkv * (m.q_size + 2 * m.kv_size) + fused_gate_up * 2 * m.ffn_hidden_size
-        v_copy = fused_qkv * (m.position == "rope") * T * m.kv_size
+        weights = self.fused_qkv * (m.q_size + 2 * m.kv_size) + self.fused_gate_up * 2 * m.ffn_hidden_size
+        v_copy = self.fused_qkv * (m.position == "rope") * T * m.kv_size
         out += 2 * self.p * (m.hidden_size * weights + v_copy) / p.tp / self.bandwidth
         if m.position == "rope":
             out += self.bytes("rope", T * (m.q_size + m.kv_size) / p.tp)

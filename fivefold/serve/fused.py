@@ -17,6 +17,7 @@ from torch import nn
 
 from fivefold.model.attention import Attention
 from fivefold.model.layers import MLP
+from fivefold.model.swap import derived_class
 from fivefold.train.fused_projections import unfuse_projections as unfuse_training
 
 
@@ -141,12 +142,9 @@ def unfuse_projections(model: nn.Module, stale_only: bool = False) -> int:
     return unfused
 
 
-_FUSED_MLPS: dict[type, type] = {MLP: FusedMLP}
-
-
 def _fused_mlp_class(cls: type) -> type:
     """FusedMLP, or a fused subclass of the Triton MLP (whose forward calls gate_and_up too)."""
-    if cls not in _FUSED_MLPS:
-        _FUSED_MLPS[cls] = type(f"Fused{cls.__name__}", (cls,), {"gate_and_up": FusedMLP.gate_and_up,
-                                                                "linear_fn": FusedMLP.__dict__["linear_fn"]})
-    return _FUSED_MLPS[cls]
+    if cls is MLP:
+        return FusedMLP
+    return derived_class(cls, "Fused", lambda: {"gate_and_up": FusedMLP.gate_and_up,
+                                                "linear_fn": FusedMLP.__dict__["linear_fn"]})

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from fivefold.config import Config, ConfigError
+from fivefold.model.swap import derived_class
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores; Ampere (8.0, 8.6) has none
 
@@ -208,17 +209,11 @@ class WeightCast:
                      compiled=self.compiled)
 
 
-_PRECAST: dict[type, type] = {}
-
-
 def multiply_by_cast(module: nn.Module, data: torch.Tensor, scale: torch.Tensor) -> None:
     """Make Float8Linear `module` multiply by `data` (its whole weight cast to float8: by WeightCast, or
     under ZeRO-3 gathered around each use) under `scale` instead of casting its weight at each use; the
     weight parameter still takes the gradient."""
-    cls = type(module)
-    if cls not in _PRECAST:
-        _PRECAST[cls] = type(f"Precast{cls.__name__}", (cls,), {"forward": _precast_forward()})
-    module.__class__ = _PRECAST[cls]
+    module.__class__ = derived_class(type(module), "Precast", lambda: {"forward": _precast_forward()})
     module.weight_float8, module.weight_float8_scale = data, scale
 
 

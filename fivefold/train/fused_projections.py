@@ -24,6 +24,7 @@ from torch import nn
 
 from fivefold.model.attention import Attention
 from fivefold.model.layers import MLP
+from fivefold.model.swap import derived_class
 from fivefold.model.transformer import Block
 from fivefold.parallel.tensor_parallel import ColumnParallelLinear
 
@@ -103,17 +104,6 @@ def _fused_gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return MLP.gate_and_up(self, x) if parts is None else tuple(parts)
 
 
-_FUSED: dict[type, type] = {Attention: FusedProjectionAttention}
-
-
-def _fused_class(cls: type) -> type:
-    """The fused subclass of a SwiGLU MLP class (the plain one or the Triton one, whose forward calls
-    gate_and_up too)."""
-    if cls not in _FUSED:
-        _FUSED[cls] = type(f"FusedProjection{cls.__name__}", (cls,), {"gate_and_up": _fused_gate_and_up})
-    return _FUSED[cls]
-
-
 def apply_fused_projections(model: nn.Module, qkv: bool = True, gate_up: bool = True) -> int:
     """Fuse every block's q/k/v (`qkv`) and its dense SwiGLU MLP's gate/up (`gate_up`; not a mixture's shared
     expert), in place (meta or materialised; before torch.compile and recomputation wrap the blocks).
@@ -127,7 +117,8 @@ def apply_fused_projections(model: nn.Module, qkv: bool = True, gate_up: bool = 
             swapped += 1
         mlp = block.mlp
         if gate_up and isinstance(mlp, MLP) and mlp.swiglu and type(mlp).__name__ in ("MLP", "TritonMLP"):
-            mlp.__class__ = _fused_class(type(mlp))
+            # (the plain MLP or the Triton one, whose forward calls gate_and_up too)
+            mlp.__class__ = derived_class(type(mlp), "FusedProjection", lambda: {"gate_and_up": _fused_gate_and_up})
             swapped += 1
     return swapped
 
@@ -136,7 +127,7 @@ def unfuse_projections(model: nn.Module) -> int:
     """Undo apply_fused_projections (serving fuses its own way): each module's class back to its base."""
     count = 0
     for module in model.modules():
-        if type(module) in _FUSED.values():
+        if type(module) is FusedProjectionAttention or getattr(type(module), "gate_and_up", None) is _fused_gate_and_up:
             module.__class__ = type(module).__bases__[0]
             count += 1
     return count
