@@ -38,8 +38,9 @@ def timed(times: dict, name: str, fn):
 
 
 def instrument(llm: LLM, times: dict) -> None:
-    """Wrap the products (every oneDNN / F.linear call the model makes, the LM head apart), the norms, RoPE,
-    the paged attention and its core, each layer, the forward and the engine step."""
+    """Wrap the products (every oneDNN / F.linear call the model makes, the LM head apart), the paged
+    attention and its core, the forward and the engine step; on the modules' path (`--modules`) also the
+    norms, RoPE and each layer, which the lean loop (fivefold.serve.lean_forward) runs inline."""
     model, engine = llm.engine.model, llm.engine
     product = timed(times, "products", engine_linear(model))
     for module in model.modules():
@@ -49,12 +50,13 @@ def instrument(llm: LLM, times: dict) -> None:
             module.forward = (lambda m: timed(times, "products", m.forward))(module)
     model.lm_head.forward = timed(times, "lm_head", model.lm_head.forward)
     for layer in model.layers:
-        for norm in (layer.attn_norm, layer.mlp_norm):
-            norm.forward = timed(times, "norms", norm.forward)
-        layer.attn.rope_fn = timed(times, "rope", layer.attn.rope_fn)
         layer.attn.core.forward = timed(times, "attention core (SDPA)", layer.attn.core.forward)
-        layer.forward = timed(times, "layers", layer.forward)
-    PagedBatch.attend = timed(times, "attention (store, gather, core)", PagedBatch.attend)
+        if not engine.lean:
+            for norm in (layer.attn_norm, layer.mlp_norm):
+                norm.forward = timed(times, "norms", norm.forward)
+            layer.attn.rope_fn = timed(times, "rope", layer.attn.rope_fn)
+            layer.forward = timed(times, "layers", layer.forward)
+    PagedBatch.attend_heads = timed(times, "attention (store, gather, core)", PagedBatch.attend_heads)
     engine._forward = timed(times, "forward", engine._forward)
     engine.step = timed(times, "step", engine.step)
 
@@ -85,11 +87,14 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--output", type=int, default=128, help="generated tokens")
+    p.add_argument("--modules", action="store_true",
+                   help="run the model's modules step by step (serve.fuse_launches=false), timing norms and RoPE too")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     cfg = get_preset(args.model)
     model = build_model(cfg, "cpu", seed=0, dtype=torch.float32).eval()
-    llm = LLM(model, device="cpu", seed=0, num_blocks=-(-(args.prompt + args.output) // 16) + 1)
+    llm = LLM(model, device="cpu", seed=0, num_blocks=-(-(args.prompt + args.output) // 16) + 1,
+              fuse_launches=not args.modules)
     prompt = list(range(5, 5 + args.prompt))
     params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
@@ -114,7 +119,8 @@ def main(argv=None) -> dict:
           f"{bandwidth:.1f} GB/s read; per token, ms:")
     print(f"  block products {ms['products']:.2f} ({result['block_products_gb_per_s']:.1f} GB/s), LM head "
           f"{ms['lm_head']:.2f} ({result['lm_head_gb_per_s']:.1f} GB/s)")
-    print(f"  the rest of the forward {other:.2f}: norms {ms['norms']:.2f}, RoPE {ms['rope']:.2f}, attention "
+    pieces = f"norms {ms['norms']:.2f}, RoPE {ms['rope']:.2f}, " if args.modules else ""
+    print(f"  the rest of the forward {other:.2f}: {pieces}attention "
           f"{ms['attention (store, gather, core)']:.2f} (of which SDPA {ms['attention core (SDPA)']:.2f})")
     print(f"  engine work outside the forward {result['outside_forward_ms']:.2f}")
     print("  per product call, us: " + ", ".join(f"{k} {v:.1f}" for k, v in result["call_overhead_us"].items()))

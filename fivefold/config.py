@@ -245,8 +245,14 @@ class ServeConfig:
     linear: Literal["auto", "onednn", "torch"] = "auto"
     # On the Triton path, fewer launches a layer: RoPE inside the KV store's kernel, reading q/k/v in place
     # from the fused product, and each residual add inside the next RMSNorm's kernel (fivefold.serve.residual);
-    # the logits are bit for bit those of the separate kernels, which false runs (to measure the difference).
+    # on the torch path (a CPU), the blocks as one loop of tensor ops without per-module calls
+    # (fivefold.serve.lean_forward). The logits are bit for bit those of the separate kernels or modules,
+    # which false runs (to measure the difference).
     fuse_launches: bool = True
+    # On a CPU, the weights and the KV pool in transparent huge pages (fivefold.serve.huge_pages): a decode
+    # streams every weight, and 2 MiB pages take that many fewer TLB misses. "auto" = on a CPU whose kernel
+    # offers them (transparent_hugepage not "never"); the bytes and the logits are unchanged.
+    huge_pages: Literal["auto", "true", "false"] = "auto"
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

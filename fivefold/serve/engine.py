@@ -31,6 +31,8 @@ from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
+from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
+from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
@@ -119,6 +121,9 @@ class Engine:
         # weights' concatenation and the CPU layout timing hold memory only until they are done.
         self.fused = 0 if self.adapters else fuse_projections(model)
         self.onednn = self._use_onednn()
+        # The torch path's blocks as one loop of tensor ops (fivefold.serve.lean_forward), bit for bit the modules'.
+        self.lean = not self.kernel and self.cfg.fuse_launches and use_lean_forward(model)
+        self.huge_pages = self._use_huge_pages()
         shards = tp.size if tp else 1
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
                                     free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks,
@@ -130,7 +135,7 @@ class Engine:
             raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
-        self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards)
+        self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards, huge_pages=self.huge_pages)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
         self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.batch)
@@ -194,6 +199,19 @@ class Engine:
             raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
         return onednn and use_onednn(self.model) > 0
 
+    def _use_huge_pages(self) -> bool:
+        """serve.huge_pages: whether the weights (moved here, once) and the KV pool live in transparent huge
+        pages (a CPU whose kernel offers them)."""
+        choice = self.cfg.huge_pages
+        why_not = ("the device is not a CPU" if self.device.type != "cpu" else
+                   "this kernel does not offer transparent huge pages" if not huge_pages_available() else None)
+        if choice == "true" and why_not:
+            raise ConfigError(f"serve.huge_pages=true cannot be used here: {why_not}; set serve.huge_pages=auto or false")
+        if choice == "false" or why_not:
+            return False
+        move_to_huge_pages(self.model)
+        return True
+
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
         why_not = ("the device is not CUDA" if self.device.type != "cuda" else
@@ -221,6 +239,8 @@ class Engine:
             rotary = rotary if self.cfg.fuse_launches else 0
             attention = (f"Triton paged attention, RoPE in the KV store's launch in {rotary} layers, residual adds "
                          f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
+        elif self.lean:
+            attention += ", blocks as one loop of tensor ops"
         decode = "CUDA graphs" if self.graphs else "eager"
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"
         linears = "torch (F.linear)"
@@ -228,6 +248,8 @@ class Engine:
             blocks = [p for n, p in self.model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
             laid = sum(p.stride()[0] == 1 and p.shape[0] > 1 for p in blocks)
             linears = f"oneDNN, {laid} of {len(blocks)} block weights input-major"
+        if self.huge_pages:
+            linears += "; weights and KV pool in huge pages"
         return (f"attention: {attention}; decode steps: {decode}; scheduling: {scheduling}; fused q/k/v and "
                 f"gate/up: {self.fused} modules; linears: {linears}")
 

@@ -7,6 +7,7 @@ many sequences of a given length fit is known in advance (`kv_plan`, shown by `f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
+from fivefold.serve.huge_pages import huge_page_bytes
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
@@ -70,10 +72,17 @@ class KVPool:
     """Keys and values of every layer: (layers, blocks x block_size slots, kv heads, head size) each.
     Slot b * block_size + i holds the i-th token of block b."""
 
-    def __init__(self, cfg: ModelConfig, plan: KVPlan, device, dtype: torch.dtype, tp: int = 1):
+    def __init__(self, cfg: ModelConfig, plan: KVPlan, device, dtype: torch.dtype, tp: int = 1,
+                 huge_pages: bool = False):
+        """`huge_pages` (a CPU): each pool in memory advised for transparent huge pages
+        (fivefold.serve.huge_pages), written through at once so that it is resident, as torch.zeros makes it."""
         shape = (cfg.num_layers, plan.tokens, cfg.num_kv_heads // tp, cfg.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if huge_pages:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.k, self.v = (huge_page_bytes(nbytes).view(dtype).view(shape).zero_() for _ in range(2))
+        else:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = plan.block_size
 
     @property
@@ -103,10 +112,12 @@ class PagedBatch:
 
     def __init__(self, pool: KVPool, dev, host=None, kernel: bool = False, fused_launches: bool = False):
         """`dev`: fivefold.serve.buffers.DeviceStep; `host`: its fivefold.serve.batch.StepInputs;
-        `fused_launches` (kernel path only): the model runs RoPE in the store's launch (attend_rotary) and
-        its residual adds in the norms' (serve.fuse_launches)."""
+        `fused_launches` (serve.fuse_launches): on the kernel path the model runs RoPE in the store's launch
+        (attend_rotary) and its residual adds in the norms'; otherwise its blocks as one loop of tensor ops
+        (fivefold.serve.lean_forward, through attend_heads)."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
         self.fused_launches = kernel and fused_launches
+        self.lean = not kernel and fused_launches
         self.positions = dev.positions[None]
         if kernel:
             self.block_tables = dev.block_tables
@@ -135,6 +146,10 @@ class PagedBatch:
             # None: causal over equal lengths (SDPA's own); else this chunk's rows of the causal mask.
             mask = None if past == 0 else torch.ones(n, length, dtype=torch.bool, device=device).tril(past)[None, None]
             self.chunks.append((start, n, tables[i, :-(-length // bs)], mask))
+        # A decode-only step whose decodes are one group already in row order (batch 1, or a few sequences
+        # of rising length) needs no scatter into a zeroed output.
+        self.whole = (not self.chunks and len(self.groups) == 1 and len(order) == host.num_tokens
+                      and np.array_equal(order, np.arange(len(order))))
 
     def attend_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> torch.Tensor:
@@ -148,34 +163,42 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, mask) -> torch.Tensor:
         """q (1, H, T, d), k and v (1, Hkv, T, d) -> (1, H, T, d)."""
-        bs, heads, dim = self.pool.block_size, k.shape[1], k.shape[3]
-        kb, vb = self.pool.blocks(layer)  # (blocks, bs, Hkv, d)
         if self.kernel:
+            kb, vb = self.pool.blocks(layer)  # (blocks, bs, Hkv, d)
             d = self.dev
             store_kv(kb, vb, k[0].transpose(0, 1), v[0].transpose(0, 1), d.slot_mapping)
             out = paged_attention(q[0].transpose(0, 1), kb, vb, self.block_tables, d.seq_lens, d.query_start_loc,
                                   d.max_query_len)  # (T, H, d); the kernel reads q through its strides
             return out.transpose(0, 1)[None]
-        kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (T, Hkv, d)
+        return self.attend_heads(layer, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                 core).transpose(0, 1)[None]
+
+    def attend_heads(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
+        """The CPU path in the tokens' own layout: q (T, H, d), k and v (T, Hkv, d) -> (T, H, d); `core` is the
+        layer's AttentionCore (or its forward)."""
+        bs, heads, dim = self.pool.block_size, k.shape[1], k.shape[2]
+        kb, vb = self.pool.blocks(layer)  # (blocks, bs, Hkv, d)
         if self.store_at is None:
-            self.pool.k[layer].index_copy_(0, self.store, kt)
-            self.pool.v[layer].index_copy_(0, self.store, vt)
+            self.pool.k[layer].index_copy_(0, self.store, k)
+            self.pool.v[layer].index_copy_(0, self.store, v)
         else:
-            self.pool.k[layer].index_copy_(0, self.store_at, kt[self.store])
-            self.pool.v[layer].index_copy_(0, self.store_at, vt[self.store])
+            self.pool.k[layer].index_copy_(0, self.store_at, k[self.store])
+            self.pool.v[layer].index_copy_(0, self.store_at, v[self.store])
 
         def gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:  # (..., blocks) -> (..., Hkv, L, d)
             whole = pool.index_select(0, blocks.reshape(-1))
             return whole.view(*blocks.shape[:-1], blocks.shape[-1] * bs, heads, dim).transpose(-3, -2)
 
-        out = torch.zeros_like(q[0])  # (H, T, d); padding rows stay 0
-        if self.num_decodes:
-            qd = q[0, :, :self.num_decodes].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
-            od = out[:, :self.num_decodes].transpose(0, 1)[:, :, None]
-            for rows, blocks, group_mask in self.groups:
-                od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
+        qd = q[:self.num_decodes, :, None]  # (B, H, 1, d)
+        if self.whole:  # every row one decode, in one group in row order: the core's output is the step's
+            _, blocks, group_mask = self.groups[0]
+            return core(qd, gather(kb, blocks), gather(vb, blocks), group_mask)[:, :, 0]
+        out = torch.zeros_like(q)  # padding rows stay 0
+        od = out[:self.num_decodes, :, None]
+        for rows, blocks, group_mask in self.groups:
+            od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
         for start, n, blocks, chunk_mask in self.chunks:
             length = n if chunk_mask is None else chunk_mask.shape[-1]
             kc, vc = gather(kb, blocks)[None, :, :length], gather(vb, blocks)[None, :, :length]  # (1, Hkv, L, d)
-            out[:, start:start + n] = core(q[:, :, start:start + n], kc, vc, chunk_mask)[0]
-        return out[None]
+            out[start:start + n] = core(q[start:start + n].transpose(0, 1)[None], kc, vc, chunk_mask)[0].transpose(0, 1)
+        return out

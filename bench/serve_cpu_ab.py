@@ -1,0 +1,107 @@
+"""The CPU engine's choices, A/B in one process: each against the engine without it.
+
+- `layout`: block weights laid out input-major where oneDNN runs them faster (fivefold/serve/cpu_linear.py,
+  `input_major_pays`) against the plain layout;
+- `lean`: the blocks as one loop of tensor ops (fivefold/serve/lean_forward.py, serve.fuse_launches=true)
+  against the model's modules step by step;
+- `huge-pages`: weights and KV pool in transparent huge pages (fivefold/serve/huge_pages.py,
+  serve.huge_pages=true) against 4 KiB pages;
+- `all`: the defaults against none of the three.
+
+Two engines on models built from the same seed, differing only in that choice, run alternately, so that
+whatever the host does to one it does to the other: batch-1 decode tok/s, and output tok/s of a batch of
+requests decoding together. On a host whose speed moves between processes (this project's 2-vCPU machine
+reads memory at 39-46 GB/s in some and 68-74 in others), only a comparison inside one process says what a
+change is worth.
+
+    python bench/serve_cpu_ab.py --compare lean --json bench/results/serve_lean_ab.json     # ~2 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+from machine import write_results
+
+from fivefold.model import build_model
+from fivefold.presets import get_preset
+from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.cpu_linear import use_onednn
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", choices=sorted(SIDES), default="all", help="which choice to A/B")
+    p.add_argument("--model", default="smollm2-135m", help="a preset (random weights, fp32)")
+    p.add_argument("--reps", type=int, default=6, help="alternating runs of each side")
+    p.add_argument("--requests", type=int, default=16, help="requests decoding together in the batch run")
+    p.add_argument("--json", help="write the figures here")
+    return p.parse_args(argv)
+
+
+# Per comparison, (name, options) of the side with the choice and of the side without: serve.* options, and
+# "input_major" (whether block weights may take the input-major layout).
+SIDES = {
+    "layout": (("input-major", {}), ("plain", {"input_major": False})),
+    "lean": (("lean loop", {}), ("modules", {"fuse_launches": False})),
+    "huge-pages": (("huge pages", {"huge_pages": "true"}), ("4 KiB pages", {"huge_pages": "false"})),
+    "all": (("defaults", {}), ("none of the three", {"input_major": False, "fuse_launches": False,
+                                                     "huge_pages": "false"})),
+}
+
+
+def make_llm(cfg, options: dict) -> LLM:
+    """An engine with these serve.* options; its block weights stay plain unless `input_major` (default)."""
+    options = dict(options)
+    chosen = use_onednn.__defaults__
+    if not options.pop("input_major", True):
+        use_onednn.__defaults__ = (lambda shape, dtype: False,)
+    try:
+        return LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=400, max_num_seqs=64,
+                   **options)
+    finally:
+        use_onednn.__defaults__ = chosen
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = get_preset(args.model)
+    (with_name, with_options), (without_name, without_options) = SIDES[args.compare]
+    llms = {with_name: make_llm(cfg, with_options), without_name: make_llm(cfg, without_options)}
+    for name, llm in llms.items():
+        print(f"{name}: {llm.engine.path}")
+    greedy = dict(temperature=0, ignore_eos=True)
+    prompt = list(range(100, 228))
+    rng = random.Random(0)
+    batch1 = {name: [] for name in llms}
+    batch = {name: [] for name in llms}
+    for _ in range(args.reps):
+        prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(64)] for _ in range(args.requests)]
+        for name, llm in llms.items():
+            out = llm.generate([prompt], SamplingParams(max_tokens=64, **greedy))[0]
+            batch1[name].append(1 / out.tpot)
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=48, **greedy))
+            batch[name].append(args.requests * 48 / (time.perf_counter() - start))
+    result = {"compare": args.compare, "model": args.model, "threads": torch.get_num_threads(), "reps": args.reps,
+              "requests": args.requests, "paths": {n: llm.engine.path for n, llm in llms.items()}}
+    for label, runs in (("batch1_decode_tok_s", batch1), (f"batch{args.requests}_output_tok_s", batch)):
+        summary = {n: {"runs": xs, "best": max(xs), "median": statistics.median(xs)} for n, xs in runs.items()}
+        summary["gain_best"] = summary[with_name]["best"] / summary[without_name]["best"] - 1
+        summary["gain_median"] = summary[with_name]["median"] / summary[without_name]["median"] - 1
+        result[label] = summary
+        print(f"{label}: {without_name} best {summary[without_name]['best']:.1f} median "
+              f"{summary[without_name]['median']:.1f}; {with_name} best {summary[with_name]['best']:.1f} median "
+              f"{summary[with_name]['median']:.1f}; gain {100 * summary['gain_best']:+.1f}% (best) "
+              f"{100 * summary['gain_median']:+.1f}% (median)")
+    if args.json:
+        write_results(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

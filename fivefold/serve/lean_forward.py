@@ -1,0 +1,112 @@
+"""The serving step on the engine's torch path (a CPU) as one loop over the blocks' tensor ops.
+
+At a decode step's few rows every op moves a few kilobytes, so a block's time outside its products is the
+per-call overhead of its ~45 tensor ops and ~10 module calls: on the 2-vCPU test machine ~270 us a block,
+a third of a `smollm2-135m` token (bench/serve_decode_breakdown.py). This loop computes the same block with
+fewer ops and no module calls: RMSNorm as one `F.rms_norm` where that is the model's formula bit for bit
+(float32), q and k rotated together in the fused product's layout (a roll and three elementwise ops where
+`apply_rope` took six for each), the keys, values and attention in the tokens' own (T, heads, d) layout
+(no transposes to and from (1, heads, T, d)), and the residual adds as plain adds. Each op computes what
+the module path computes, so the logits are those of `Transformer.forward` bit for bit (tested).
+
+Applied from outside, like the fused projections (fivefold.serve.fused): the model's class changes to a
+subclass whose forward runs this loop when the batch is the engine's torch path with serve.fuse_launches,
+and Transformer.forward otherwise. Only a model this loop reproduces takes it: Blocks of RMSNorm, attention
+with RoPE whose q/k/v run as one product, and a SwiGLU MLP whose gate/up do too, with no hooks on any of
+their modules (adapters, tensor parallelism and memory trackers place theirs there), checked on every call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from fivefold.model import ForwardContext
+from fivefold.model.layers import RMSNorm
+from fivefold.model.rope import apply_rope, rope_cos_sin
+from fivefold.model.transformer import Block, Transformer
+from fivefold.serve.fused import FusedAttention, FusedMLP
+
+
+class LeanTransformer(Transformer):
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        cache = None if ctx is None else ctx.kv_cache
+        blocks = lean_blocks(self) if getattr(cache, "lean", False) else None
+        if blocks is None:
+            return super().forward(input_ids, ctx)
+        positions = self.positions(input_ids, ctx)
+        x = self.embed(input_ids, positions)[0]  # (T, h)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)  # (1, 1, T, d)
+        half = cos.shape[-1] // 2
+        cos, sin = cos[0, 0, :, None], sin[0, 0, :, None]  # (T, 1, d)
+        # apply_rope's x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) * cat(-sin1, sin2): a negation
+        # moved from one factor to the other, exact in floating point.
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        t = x.shape[0]
+        for attn_norm, attn, o_proj, mlp_norm, mlp, down_proj in blocks:
+            d = attn.head_dim
+            heads = attn.linear_fn(rms_norm(attn_norm, x), attn.qkv_weight, attn.qkv_bias).view(t, -1, d)
+            nq, nk = attn.qkv_sizes[0] // d, attn.qkv_sizes[1] // d
+            qk = heads[:, :nq + nk]
+            qk = qk * cos + qk.roll(half, -1) * signed_sin
+            out = cache.attend_heads(attn.layer_idx, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:], attn.core.forward)
+            x = x + o_proj.forward(out.reshape(t, -1))
+            gate, up = mlp.linear_fn(rms_norm(mlp_norm, x), mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
+            x = x + down_proj.forward(F.silu(gate) * up)
+        if ctx.logits_at is not None:
+            x = x[ctx.logits_at]
+        return self.lm_head.forward(rms_norm(self.norm, x))
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm.forward's result: in float32 torch's own op gives it bit for bit (checked by the tests), in
+    another dtype the module's formula (F.rms_norm would multiply by the weight before casting back)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    x32 = x.float()
+    return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _plain(module: nn.Module, cls: type) -> bool:
+    """Of exactly this class, with no hook and no forward of its own set on the instance."""
+    return type(module) is cls and not _hooked(module) and "forward" not in module.__dict__
+
+
+def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
+    """Each block's (attn_norm, attn, o_proj, mlp_norm, mlp, down_proj) when the loop computes `model`'s
+    forward: every block is one it reproduces and nothing hooks the model, a block, or a module whose work
+    the loop does; else None. Read through `_modules` each call, so that a module replaced or hooked since
+    the swap is seen (~3 us a block)."""
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or _hooked(model)
+            or model.cfg.position != "rope"):
+        return None
+    top = model._modules
+    if not _plain(top["norm"], RMSNorm) or _hooked(top["lm_head"]) or _hooked(top["embed_tokens"]):
+        return None
+    blocks = []
+    for layer in top["layers"]._modules.values():
+        parts = layer._modules
+        attn, mlp = parts["attn"], parts["mlp"]
+        inner, ffn = attn._modules, mlp._modules
+        if not (_plain(layer, Block) and _plain(parts["attn_norm"], RMSNorm) and _plain(parts["mlp_norm"], RMSNorm)
+                and _plain(attn, FusedAttention) and attn.use_rope and attn.rope_fn is apply_rope
+                and not _hooked(inner["core"]) and not _hooked(inner["o_proj"])
+                and _plain(mlp, FusedMLP) and not _hooked(ffn["down_proj"])):
+            return None
+        blocks.append((parts["attn_norm"], attn, inner["o_proj"], parts["mlp_norm"], mlp, ffn["down_proj"]))
+    return blocks or None
+
+
+def use_lean_forward(model: nn.Module) -> bool:
+    """Make `model` a LeanTransformer in place when this loop computes its forward (checked again on every
+    call: an engine sharing the model may unfuse it, a tracker may hook it). Whether it now is one."""
+    if type(model) not in (Transformer, LeanTransformer) or lean_blocks(model) is None:
+        return False
+    model.__class__ = LeanTransformer
+    return True
