@@ -17,7 +17,8 @@ from fivefold.quant.directory import load_quantized, save_quantized
 from fivefold.quant.formats import (METHODS, expected_bytes, int4_grid, pack_int4, quantize_int4, quantize_int8,
                                     unpack_int4)
 from fivefold.quant.gptq import HessianAccumulator, gptq_quantize, quantize_model, quantized_linears
-from fivefold.quant.linear import QuantLinear, swap_linears
+from fivefold.quant.cpu_gemv import gemv_problem
+from fivefold.quant.linear import ROWS_READ_FROM_CODES, QuantLinear, swap_linears
 
 
 def gen(seed):
@@ -176,20 +177,43 @@ def test_dead_columns_quantize_to_zero():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_quant_linear_equals_linear_on_the_dequantized_weight(method):
+@pytest.mark.parametrize("rows", [1, 3, 5, 15])  # up to ROWS_READ_FROM_CODES read the codes; more dequantize
+def test_quant_linear_equals_linear_on_the_dequantized_weight(method, rows):
     w = torch.randn(40, 64, generator=gen(11))
     qw = quantize_int8(w) if method == "int8" else quantize_int4(w, 16) if method == "int4" else \
         gptq_quantize(w, HessianAccumulator(64).hessian() + torch.eye(64), 16)
     bias = torch.randn(40, generator=gen(12))
     layer = QuantLinear(qw, bias)
-    x = torch.randn(3, 5, 64, generator=gen(13))
-    assert layer._int8_kernel(x) == (method == "int8" and hasattr(torch, "_weight_int8pack_mm"))
+    x = torch.randn(rows, 1, 64, generator=gen(13))
+    from_codes = layer._rows_from_codes(x)
+    assert (from_codes is not None) == (rows <= ROWS_READ_FROM_CODES), gemv_problem()
+    assert (QuantLinear(qw, bias).to(torch.bfloat16)._rows_from_codes(x.bfloat16()) is not None) == \
+        (rows <= ROWS_READ_FROM_CODES)  # a bfloat16 row is widened to float32 for the codes-reading product
     torch.testing.assert_close(layer(x), F.linear(x, qw.dequantize(), bias), rtol=1e-5, atol=1e-5)
     half = layer.to(torch.bfloat16)  # the compute dtype follows; the stored codes and scales do not change
     assert half.dtype == torch.bfloat16 and half.scales.dtype == qw.scales.dtype and torch.equal(half.scales, qw.scales)
     xb = x.bfloat16()
     torch.testing.assert_close(half(xb).float(), F.linear(xb, qw.dequantize(torch.bfloat16), bias.bfloat16()).float(),
                                rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("method,group_size", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 576)])
+def test_one_row_read_from_the_codes_equals_the_dequantized_product(method, group_size, monkeypatch):
+    """A decode's row through the compiled codes-reading product, at a served model's widths and every group
+    layout (one group per row included), equals the dequantized product to float32 rounding; where the
+    kernels cannot compile, the layer dequantizes and still gives it."""
+    import fivefold.quant.cpu_gemv as cpu_gemv
+
+    w = torch.randn(960, 576, generator=gen(21))
+    qw = quantize_int8(w) if method == "int8" else quantize_int4(w, group_size)
+    layer = QuantLinear(qw)
+    x = torch.randn(1, 1, 576, generator=gen(22))
+    expected = F.linear(x, qw.dequantize())
+    assert layer._rows_from_codes(x) is not None, gemv_problem()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=2e-5)
+    monkeypatch.setattr(cpu_gemv, "_problem", ["no C++ compiler"])
+    assert layer._rows_from_codes(x) is None
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=2e-5)
 
 
 def tiny_model(preset="tiny"):

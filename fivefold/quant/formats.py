@@ -152,20 +152,23 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     w = w.detach().float()
     scale = w.abs().amax(dim=1, keepdim=True) / INT8_MAX  # (out, 1)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return QuantizedWeight("int8", tuple(w.shape), w.shape[1], q, scale)
+    # Contiguous whatever `w`'s layout (a served model's weight may be stored input-major): the kernels
+    # that read the codes take them row-major.
+    q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8).contiguous()
+    return QuantizedWeight("int8", tuple(w.shape), w.shape[1], q, scale.contiguous())
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
     """Group-wise asymmetric int4, round to nearest."""
-    w = w.detach().float()
+    w = w.detach().float().contiguous()
     out_f, in_f = w.shape
     g = resolve_group_size(in_f, group_size)
     stored_layout(w.shape, "int4", g)  # the width checks
     groups = w.view(out_f, in_f // g, g)
     scale, zero = int4_grid(groups)  # (out, groups)
     q = int4_codes(groups, scale[..., None], zero[..., None]).to(torch.uint8).view(out_f, in_f)
-    return QuantizedWeight("int4", (out_f, in_f), g, pack_int4(q), scale.half(), zero.to(torch.uint8))
+    return QuantizedWeight("int4", (out_f, in_f), g, pack_int4(q).contiguous(), scale.half().contiguous(),
+                           zero.to(torch.uint8).contiguous())
 
 
 def from_codes(method: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int

@@ -1,22 +1,30 @@
 """Inference with quantized weights: QuantLinear, and swapping a model's linears for it.
 
-The forward never keeps a dequantized weight: the codes are the only copy held (that is the point), so
-int4 / gptq dequantize for each matmul and drop the result: memory at 4 bits, compute at the compute
-dtype's matmul speed plus one unpack. int8 on the CPU uses torch's weight-only int8 kernel
-(`torch._weight_int8pack_mm`: x (M, K) in fp32 / bf16 / fp16 times int8 (N, K) scaled per row), which
-reads the int8 codes directly; anywhere else (CUDA, other dtypes, a torch without it) int8 dequantizes too.
-Every path equals F.linear(x, qw.dequantize(dtype), bias) to float rounding (tested).
+The forward never keeps a dequantized weight: the codes are the only copy held (that is the point). A few
+rows on a CPU (decodes of up to ROWS_READ_FROM_CODES sequences) take compiled products that read int8
+or int4 codes in place, a row at a time (fivefold.quant.cpu_gemv); everything else dequantizes each weight
+for its product and drops it: memory at 8 or 4 bits, compute at the compute dtype's matmul speed plus one
+unpack. torch's weight-only int8 kernel (`torch._weight_int8pack_mm`) is not used: on the project's 2-vCPU
+CPU it took 534 us for one row of a 3072 x 576 weight and 37 ms for 64, where dequantizing and multiplying
+took 161 us and 2.4 ms (its time grows with the rows as if it read the weight once per row). Every path
+equals F.linear(x, qw.dequantize(dtype), bias) to float rounding (tested).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.quant.cpu_gemv import quantized_row
 from fivefold.quant.formats import QuantizedWeight
 
-_INT8_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Rows up to which the codes-reading product runs row by row: 50 us a row of a 3072 x 576 int8 weight
+# against 161-260 us for dequantizing and multiplying 1-8 rows on oneDNN (2-vCPU machine).
+ROWS_READ_FROM_CODES = 4
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class QuantLinear(nn.Module):
@@ -52,19 +60,47 @@ class QuantLinear(nn.Module):
         self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
         return self
 
-    def _int8_kernel(self, x: torch.Tensor) -> bool:
-        return (self.method == "int8" and hasattr(torch, "_weight_int8pack_mm") and x.device.type == "cpu"
-                and self.qweight.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES)
+    linear_fn = staticmethod(F.linear)  # the product of a dequantized weight; fivefold.serve puts oneDNN's here on a CPU
+
+    def _rows_from_codes(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A few rows on a CPU: the compiled products that read the codes directly (fivefold.quant.cpu_gemv), a
+        row at a time, in float32 (a bfloat16 / float16 row is widened, the result cast back); None otherwise,
+        or where they cannot compile."""
+        rows = x.numel() // self.in_features
+        if rows > ROWS_READ_FROM_CODES or x.dtype not in _FLOATS or x.device.type != "cpu" \
+                or self.qweight.device.type != "cpu":
+            return None
+        method = "int8" if self.method == "int8" else "int4"  # gptq is stored as int4
+        flat, out = x.reshape(rows, self.in_features).float(), []
+        for row in flat:
+            y = quantized_row(method, row, self.qweight, self.scales, self.zeros, self.group_size)
+            if y is None:
+                return None
+            out.append(y)
+        y = out[0] if rows == 1 else torch.stack(out)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        if self._int8_kernel(x):
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.qweight,
-                                          self.scales.view(-1).to(x.dtype))
-            y = y.view(*x.shape[:-1], self.out_features)
-        else:
-            y = F.linear(x, self.quantized().dequantize(x.dtype))
+        y = self._rows_from_codes(x)
+        if y is None:
+            y = self.linear_fn(x, self.quantized().dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
+
+
+def warm_up_one_row(model: nn.Module) -> tuple[int, float]:
+    """Compile the one-row products (fivefold.quant.cpu_gemv) now for `model`'s quantized linears on a CPU,
+    one call per method and group layout, so that no decode step waits for the
+    compiler; (the calls made, seconds)."""
+    start, seen = time.perf_counter(), set()
+    with torch.inference_mode():
+        for module in model.modules():
+            if isinstance(module, QuantLinear) and module.dtype in _FLOATS and module.qweight.device.type == "cpu":
+                key = (module.method, module.group_size == module.in_features)
+                if key not in seen:
+                    seen.add(key)
+                    module(torch.zeros(1, module.in_features, dtype=module.dtype))  # one row: compiles the kernel
+    return len(seen), time.perf_counter() - start
 
 
 def swap_linears(model: nn.Module, qweights: dict[str, QuantizedWeight]) -> list[str]:

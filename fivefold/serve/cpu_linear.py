@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.corpus import cache_dir
+from fivefold.quant.linear import QuantLinear
 from fivefold.serve.fused import FusedAttention
 
 
@@ -150,8 +151,8 @@ def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
 
 
 def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], bool] = input_major_pays) -> int:
-    """Route every plain linear of `model` (on a CPU, in float32 or bfloat16) and its fused q/k/v and gate/up
-    products through oneDNN, in place, laying out input-major each block product's weight whose shape `pays`
+    """Route every plain linear of `model` (on a CPU, in float32 or bfloat16), its fused q/k/v and gate/up
+    products and its quantized linears' dequantized products through oneDNN, in place, laying out input-major each block product's weight whose shape `pays`
     says runs faster so; the number of products routed."""
     routed = 0
     # Left as they are: the embedding and LM head, and the fused products' parts (views into their fused
@@ -169,6 +170,9 @@ def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], 
                 keep.update(id(getattr(module, name).weight) for name in fused[1])
                 if pays(tuple(weight.shape), weight.dtype):
                     _relay(module, *fused)
+                routed += 1
+            elif isinstance(module, QuantLinear) and module.qweight.device.type == "cpu":
+                module.linear_fn = onednn_linear  # its dequantized products (more rows than it reads codes for)
                 routed += 1
             elif isinstance(module, OneDNNLinear):  # routed by an earlier engine on this model
                 routed += 1

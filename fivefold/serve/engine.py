@@ -31,6 +31,8 @@ from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
+from fivefold.quant.cpu_gemv import gemv_problem
+from fivefold.quant.linear import ROWS_READ_FROM_CODES, QuantLinear, warm_up_one_row
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
@@ -142,6 +144,7 @@ class Engine:
         self.buffers = StepBuffers(max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs), self.cfg.max_num_seqs,
                                    self.cfg.max_num_seqs, self.batch.max_blocks_per_seq, self.device)
         self._warm_up_kernels()
+        self._warm_up_quantized()
         self.graphs = self._graphs()
         # serve.async_scheduling: the next step is scheduled and launched before this one's tokens are on
         # the host. Pays only where the device runs apart from the host (CUDA); tensor-parallel followers
@@ -189,6 +192,17 @@ class Engine:
         torch.cuda.synchronize(self.device)
         print(f"paged attention: {len(launched)} kernel variants compiled in {time.perf_counter() - start:.1f} s",
               flush=True)
+
+    def _warm_up_quantized(self) -> None:
+        """On a CPU, compile the quantized linears' one-row products (fivefold.quant.cpu_gemv) now, not at
+        the first decode step, which would stall every running request."""
+        if self.device.type != "cpu":
+            return
+        calls, seconds = warm_up_one_row(self.model)
+        if calls:
+            why = gemv_problem()
+            print(f"quantized one-row products: {'compiled' if why is None else 'not compiled (' + why + ')'} "
+                  f"in {seconds:.1f} s", flush=True)
 
     def _use_onednn(self) -> bool:
         """serve.linear: whether the linears run on oneDNN (a CPU), after the projections are fused."""
@@ -250,6 +264,11 @@ class Engine:
             linears = f"oneDNN, {laid} of {len(blocks)} block weights input-major"
         if self.huge_pages:
             linears += "; weights and KV pool in huge pages"
+        quantized = sum(isinstance(m, QuantLinear) for m in self.model.modules())
+        if quantized:
+            one_row = f"up to {ROWS_READ_FROM_CODES} rows read from the codes by compiled products, more dequantized" \
+                if self.device.type == "cpu" and gemv_problem() is None else "dequantized per product"
+            linears += f"; {quantized} quantized linears ({one_row})"
         return (f"attention: {attention}; decode steps: {decode}; scheduling: {scheduling}; fused q/k/v and "
                 f"gate/up: {self.fused} modules; linears: {linears}")
 
