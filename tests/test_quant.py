@@ -424,3 +424,53 @@ def test_quantizing_a_model_an_engine_fused_serves_the_quantized_weights(linear)
     assert (want - full).abs().max() > 1e-3  # int4 codes move these log-probabilities
     torch.testing.assert_close(served(quantized(copy.deepcopy(fresh))), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(served(quantized(fresh)), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@torch.no_grad()
+def test_quantized_projections_fuse_in_serving_like_full_precision_ones(method, monkeypatch):
+    """An engine fuses a quantized model's q/k/v (with biases, as Qwen2 has) and gate/up: one QuantLinear
+    each over the parts' concatenated codes, which the parts' buffers then view (nothing held twice, names and
+    state dict unchanged); the blocks run as one loop; greedy tokens equal those of the same model served
+    unfused; unfusing gives each part its own buffers with the same values."""
+    import dataclasses
+
+    import fivefold.serve.fused as fused_module
+    from fivefold.presets import PRESETS
+    from fivefold.serve import LLM, SamplingParams
+    from fivefold.serve.fused import FusedQuantAttention, FusedQuantMLP, unfuse_projections
+
+    cfg = dataclasses.replace(PRESETS["tiny"], qkv_bias=True, max_seq_len=128)
+
+    def quantized():
+        model = build_model(cfg, seed=5).eval()
+        swap_linears(model, {n: quantize_int8(p) if method == "int8" else quantize_int4(p, 16)
+                             for n, p in model.named_parameters() if n.startswith("layers.") and n.endswith("proj.weight")})
+        return model
+
+    model = quantized()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompts = [[5, 17, 42, 7], list(range(30, 70)), [9]]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, block_size=8, num_blocks=32)
+    assert llm.engine.fused == 2 * cfg.num_layers and llm.engine.lean
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    assert type(attn) is FusedQuantAttention and type(mlp) is FusedQuantMLP
+    assert attn.q_proj.qweight.untyped_storage().data_ptr() == attn.qkv_quant.qweight.untyped_storage().data_ptr()
+    assert mlp.up_proj.qweight.untyped_storage().data_ptr() == mlp.gate_up_quant.qweight.untyped_storage().data_ptr()
+    assert attn.v_proj.bias.untyped_storage().data_ptr() == attn.qkv_quant.bias.untyped_storage().data_ptr()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+
+    monkeypatch.setattr(fused_module, "_fuse_quantized", lambda module, names: None)
+    plain = LLM(quantized(), block_size=8, num_blocks=32)
+    assert plain.engine.fused == 0 and not plain.engine.lean
+    assert got == [o.token_ids for o in plain.generate(prompts, greedy)]
+
+    assert unfuse_projections(model) == 2 * cfg.num_layers
+    assert type(model.layers[0].attn).__name__ == "Attention" and type(model.layers[0].mlp).__name__ == "MLP"
+    assert "qkv_quant" not in vars(model.layers[0].attn)
+    q = model.layers[0].attn.q_proj.qweight
+    assert q.untyped_storage().nbytes() == q.numel() * q.element_size()  # its own storage again
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)

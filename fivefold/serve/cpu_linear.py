@@ -162,9 +162,13 @@ def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], 
         keep.add(id(model.lm_head.weight))
     with torch.no_grad():
         for module in model.modules():
+            quantized = module.__dict__.get("qkv_quant", module.__dict__.get("gate_up_quant"))
             fused = ("qkv_weight", ("q_proj", "k_proj", "v_proj")) if isinstance(module, FusedAttention) else \
                 ("gate_up_weight", ("gate_proj", "up_proj")) if hasattr(module, "gate_up_weight") else None
-            if fused:
+            if quantized is not None:  # a fused QuantLinear (fivefold.serve.fused), not among the modules
+                quantized.linear_fn = onednn_linear
+                routed += 1
+            elif fused:
                 module.linear_fn = onednn_linear
                 weight = getattr(module, fused[0])
                 keep.update(id(getattr(module, name).weight) for name in fused[1])

@@ -5,8 +5,10 @@ At decode batch sizes a GEMM is bound by reading its weight and by its launch, s
 once, and the separate projections' parameters become views into it: parameter names, `state_dict()` and
 `Engine.update_weights` (which copies into those views) are unchanged, and no weight is held twice.
 Applied from outside, like the Triton kernels (fivefold.kernels): the model's classes change to
-subclasses whose `project` / `gate_and_up` run the fused product. `unfuse_projections` undoes it for an
-engine whose LoRA adapters hook the separate projections, when an earlier engine fused the same model.
+subclasses whose `project` / `gate_and_up` run the fused product. Quantized parts (fivefold.quant) of one
+method and group size fuse the same way: one QuantLinear over their concatenated codes, scales and zeros,
+which their buffers then view. `unfuse_projections` undoes it for an engine whose LoRA adapters hook the
+separate projections, when an earlier engine fused the same model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 from fivefold.model.attention import Attention
 from fivefold.model.layers import MLP
 from fivefold.model.swap import derived_class
+from fivefold.quant.formats import QuantizedWeight
+from fivefold.quant.linear import QuantLinear
 from fivefold.train.fused_projections import unfuse_projections as unfuse_training
 
 
@@ -49,8 +53,12 @@ def _fuse(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torc
 class FusedAttention(Attention):
     linear_fn = staticmethod(F.linear)  # fivefold.serve.cpu_linear puts oneDNN's here on a CPU
 
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side: (..., q + 2 kv)."""
+        return self.linear_fn(x, self.qkv_weight, self.qkv_bias)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.linear_fn(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        return self.qkv(x).split(self.qkv_sizes, dim=-1)
 
     def forward(self, x: torch.Tensor, rope, mask, kv_cache=None) -> torch.Tensor:
         """On the engine's kernel path with serve.fuse_launches (a PagedBatch's `fused_launches`), RoPE runs inside the KV store's launch,
@@ -69,8 +77,57 @@ class FusedAttention(Attention):
 class FusedMLP(MLP):
     linear_fn = staticmethod(F.linear)
 
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """gate and up side by side: (..., 2 ffn)."""
+        return self.linear_fn(x, self.gate_up_weight, self.gate_up_bias)
+
     def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.linear_fn(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.gate_up(x).chunk(2, dim=-1)
+
+
+class FusedQuantAttention(FusedAttention):
+    """q/k/v quantized alike (fivefold.quant): one QuantLinear over their concatenated codes (`qkv_quant`,
+    not a submodule: the state dict keeps the parts' names), whose buffers the parts' buffers view."""
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv_quant(x)
+
+
+class FusedQuantMLP(FusedMLP):
+    """gate/up quantized alike: one QuantLinear over their codes (`gate_up_quant`, not a submodule)."""
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate_up_quant(x)
+
+
+def _fuse_quantized(module: nn.Module, names: tuple[str, ...]) -> QuantLinear | None:
+    """One QuantLinear over the named QuantLinears' codes, scales and zeros concatenated along the output
+    (per-row int8 scales and per-row-group int4 ones stay each row's), each part's buffers re-pointed at
+    its rows; None unless they share a method, group size, compute dtype, device and bias presence."""
+    parts = [getattr(module, n) for n in names]
+    if not all(type(m) is QuantLinear for m in parts):
+        return None
+    keys = {(m.method, m.group_size, m.in_features, m.dtype, m.qweight.device, m.bias is not None) for m in parts}
+    if len(keys) != 1:
+        return None
+    with torch.no_grad():
+        stored = {k: torch.cat([m._buffers[k] for m in parts]) for k in ("qweight", "scales", "zeros")
+                  if parts[0]._buffers.get(k) is not None}
+        bias = torch.cat([m.bias.detach() for m in parts]) if parts[0].bias is not None else None
+    out = sum(m.out_features for m in parts)
+    fused = QuantLinear(QuantizedWeight(parts[0].method, (out, parts[0].in_features), parts[0].group_size,
+                                        stored["qweight"], stored["scales"], stored.get("zeros")),
+                        None, parts[0].dtype)
+    fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in parts:
+        rows = slice(start, start + m.out_features)
+        for k, t in stored.items():
+            m._buffers[k] = t[rows]
+        if bias is not None:
+            m.bias.data = fused.bias.data[rows]
+        start += m.out_features
+    return fused
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -84,12 +141,19 @@ def fuse_projections(model: nn.Module) -> int:
         if _fused_parts(module) is not None:
             fused += 1
         elif type(module) is Attention:
-            parts = _fuse(module, ("q_proj", "k_proj", "v_proj"))
+            names = ("q_proj", "k_proj", "v_proj")
+            sizes = [getattr(module, n).out_features for n in names]
+            parts, quantized = _fuse(module, names), None
+            if parts is None:
+                quantized = _fuse_quantized(module, names)
             if parts:
                 module.qkv_weight, module.qkv_bias = parts
-                module.qkv_sizes = [module.q_proj.weight.shape[0], module.k_proj.weight.shape[0],
-                                    module.v_proj.weight.shape[0]]
                 module.__class__ = FusedAttention
+            elif quantized is not None:
+                module.__dict__["qkv_quant"] = quantized  # not a submodule: names and state dict unchanged
+                module.__class__ = FusedQuantAttention
+            if parts or quantized is not None:
+                module.qkv_sizes = sizes
                 fused += 1
         elif isinstance(module, MLP) and module.swiglu and type(module).__name__ in ("MLP", "TritonMLP"):
             parts = _fuse(module, ("gate_proj", "up_proj"))
@@ -97,21 +161,38 @@ def fuse_projections(model: nn.Module) -> int:
                 module.gate_up_weight, module.gate_up_bias = parts
                 module.__class__ = _fused_mlp_class(type(module))
                 fused += 1
+            elif type(module) is MLP:
+                quantized = _fuse_quantized(module, ("gate_proj", "up_proj"))
+                if quantized is not None:
+                    module.__dict__["gate_up_quant"] = quantized
+                    module.__class__ = FusedQuantMLP
+                    fused += 1
     return fused
 
 
 def _fused_parts(module: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
     """(fused weight's name, the parts' names, the attributes fusing added) of a fused module, else None."""
+    if isinstance(module, FusedQuantAttention):
+        return "qkv_quant", ("q_proj", "k_proj", "v_proj"), ("qkv_quant", "qkv_sizes")
     if isinstance(module, FusedAttention):
         return "qkv_weight", ("q_proj", "k_proj", "v_proj"), ("qkv_weight", "qkv_bias", "qkv_sizes")
+    if isinstance(module, FusedQuantMLP):
+        return "gate_up_quant", ("gate_proj", "up_proj"), ("gate_up_quant",)
     if isinstance(module, MLP) and hasattr(module, "gate_up_weight"):
         return "gate_up_weight", ("gate_proj", "up_proj"), ("gate_up_weight", "gate_up_bias")
     return None
 
 
-def _is_view_of(linear: nn.Module, fused: torch.Tensor) -> bool:
-    storage = fused.untyped_storage().data_ptr()
-    return isinstance(linear, nn.Linear) and linear.weight.untyped_storage().data_ptr() == storage
+def _codes(module: nn.Module) -> torch.Tensor | None:
+    """What a part or a fused product computes from: a linear's weight, a QuantLinear's codes."""
+    if isinstance(module, QuantLinear):
+        return module.qweight
+    return module.weight if isinstance(module, nn.Linear) else None
+
+
+def _is_view_of(part: nn.Module, fused: torch.Tensor | QuantLinear) -> bool:
+    mine, theirs = _codes(part), _codes(fused) if isinstance(fused, nn.Module) else fused
+    return mine is not None and mine.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
 
 
 def unfuse_projections(model: nn.Module, stale_only: bool = False) -> int:
@@ -131,15 +212,26 @@ def unfuse_projections(model: nn.Module, stale_only: bool = False) -> int:
         with torch.no_grad():
             for name in parts:  # views into the fused weight (input-major on a CPU, fivefold.serve.cpu_linear)
                 linear = getattr(module, name)
-                if _is_view_of(linear, fused):
+                if not _is_view_of(linear, fused):
+                    continue
+                if isinstance(linear, QuantLinear):
+                    for key, t in linear._buffers.items():
+                        if t is not None:
+                            linear._buffers[key] = t.clone()
+                else:
                     linear.weight.data = linear.weight.detach().clone(memory_format=torch.contiguous_format)
-                    if linear.bias is not None:
-                        linear.bias.data = linear.bias.detach().clone()
+                if linear.bias is not None:
+                    linear.bias.data = linear.bias.detach().clone()
         for attr in (*attrs, "linear_fn"):
             module.__dict__.pop(attr, None)
-        module.__class__ = type(module).__bases__[0]  # FusedAttention -> Attention, Fused<X>MLP -> <X>MLP
+        module.__class__ = _unfused_class(type(module))
         unfused += 1
     return unfused
+
+
+def _unfused_class(cls: type) -> type:
+    """FusedAttention / FusedQuantAttention -> Attention, Fused<X>MLP / FusedQuantMLP -> <X>MLP."""
+    return _unfused_class(cls.__bases__[0]) if cls.__bases__[0] in (FusedAttention, FusedMLP) else cls.__bases__[0]
 
 
 def _fused_mlp_class(cls: type) -> type:

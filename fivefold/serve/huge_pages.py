@@ -63,7 +63,9 @@ def _tensors(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
     parameters, buffers (a quantized linear's codes and scales) and tensors set as plain attributes (a fused
     product's weight and bias)."""
     found = []
-    for module in model.modules():
+    # The modules, and those held as plain attributes (a fused quantized product, fivefold.serve.fused).
+    held = [v for m in model.modules() for v in vars(m).values() if isinstance(v, nn.Module)]
+    for module in [*model.modules(), *held]:
         found += [(module, name, True) for name, p in module._parameters.items() if p is not None]
         found += [(module, name, False) for name, b in module._buffers.items() if b is not None]
         found += [(module, name, False) for name, value in vars(module).items()

@@ -12,8 +12,8 @@ the module path computes, so the logits are those of `Transformer.forward` bit f
 Applied from outside, like the fused projections (fivefold.serve.fused): the model's class changes to a
 subclass whose forward runs this loop when the batch is the engine's torch path with serve.fuse_launches,
 and Transformer.forward otherwise. Only a model this loop reproduces takes it: Blocks of RMSNorm, attention
-with RoPE whose q/k/v run as one product, and a SwiGLU MLP whose gate/up do too, with no hooks on any of
-their modules (adapters, tensor parallelism and memory trackers place theirs there), checked on every call.
+with RoPE whose q/k/v run as one product, and a SwiGLU MLP whose gate/up do too (full precision or quantized
+alike), with no hooks on any of their modules (adapters, tensor parallelism and memory trackers place theirs there), checked on every call.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fivefold.model import ForwardContext
 from fivefold.model.layers import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
 from fivefold.model.transformer import Block, Transformer
-from fivefold.serve.fused import FusedAttention, FusedMLP
+from fivefold.serve.fused import FusedAttention, FusedMLP, FusedQuantAttention, FusedQuantMLP
 
 
 class LeanTransformer(Transformer):
@@ -47,13 +47,13 @@ class LeanTransformer(Transformer):
         t = x.shape[0]
         for attn_norm, attn, o_proj, mlp_norm, mlp, down_proj in blocks:
             d = attn.head_dim
-            heads = attn.linear_fn(rms_norm(attn_norm, x), attn.qkv_weight, attn.qkv_bias).view(t, -1, d)
+            heads = attn.qkv(rms_norm(attn_norm, x)).view(t, -1, d)
             nq, nk = attn.qkv_sizes[0] // d, attn.qkv_sizes[1] // d
             qk = heads[:, :nq + nk]
             qk = qk * cos + qk.roll(half, -1) * signed_sin
             out = cache.attend_heads(attn.layer_idx, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:], attn.core.forward)
             x = x + o_proj.forward(out.reshape(t, -1))
-            gate, up = mlp.linear_fn(rms_norm(mlp_norm, x), mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
+            gate, up = mlp.gate_up(rms_norm(mlp_norm, x)).chunk(2, dim=-1)
             x = x + down_proj.forward(F.silu(gate) * up)
         if ctx.logits_at is not None:
             x = x[ctx.logits_at]
@@ -73,9 +73,9 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def _plain(module: nn.Module, cls: type) -> bool:
-    """Of exactly this class, with no hook and no forward of its own set on the instance."""
-    return type(module) is cls and not _hooked(module) and "forward" not in module.__dict__
+def _plain(module: nn.Module, *classes: type) -> bool:
+    """Of exactly one of these classes, with no hook and no forward of its own set on the instance."""
+    return type(module) in classes and not _hooked(module) and "forward" not in module.__dict__
 
 
 def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
@@ -95,9 +95,9 @@ def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
         attn, mlp = parts["attn"], parts["mlp"]
         inner, ffn = attn._modules, mlp._modules
         if not (_plain(layer, Block) and _plain(parts["attn_norm"], RMSNorm) and _plain(parts["mlp_norm"], RMSNorm)
-                and _plain(attn, FusedAttention) and attn.use_rope and attn.rope_fn is apply_rope
+                and _plain(attn, FusedAttention, FusedQuantAttention) and attn.use_rope and attn.rope_fn is apply_rope
                 and not _hooked(inner["core"]) and not _hooked(inner["o_proj"])
-                and _plain(mlp, FusedMLP) and not _hooked(ffn["down_proj"])):
+                and _plain(mlp, FusedMLP, FusedQuantMLP) and not _hooked(ffn["down_proj"])):
             return None
         blocks.append((parts["attn_norm"], attn, inner["o_proj"], parts["mlp_norm"], mlp, ffn["down_proj"]))
     return blocks or None
