@@ -142,10 +142,8 @@ def fuse_projections(model: nn.Module) -> int:
             fused += 1
         elif type(module) is Attention:
             names = ("q_proj", "k_proj", "v_proj")
-            sizes = [getattr(module, n).out_features for n in names]
-            parts, quantized = _fuse(module, names), None
-            if parts is None:
-                quantized = _fuse_quantized(module, names)
+            parts = _fuse(module, names)
+            quantized = None if parts else _fuse_quantized(module, names)
             if parts:
                 module.qkv_weight, module.qkv_bias = parts
                 module.__class__ = FusedAttention
@@ -153,7 +151,7 @@ def fuse_projections(model: nn.Module) -> int:
                 module.__dict__["qkv_quant"] = quantized  # not a submodule: names and state dict unchanged
                 module.__class__ = FusedQuantAttention
             if parts or quantized is not None:
-                module.qkv_sizes = sizes
+                module.qkv_sizes = [getattr(module, n).out_features for n in names]
                 fused += 1
         elif isinstance(module, MLP) and module.swiglu and type(module).__name__ in ("MLP", "TritonMLP"):
             parts = _fuse(module, ("gate_proj", "up_proj"))
