@@ -2,7 +2,6 @@
 preemption, seeded sampling, stops, logprobs, weight updates, and the requests it must refuse."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,10 +10,9 @@ from fivefold.config import ConfigError
 from fivefold.model import ForwardContext, build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, RequestError, SamplingParams
-from fivefold.serve.batch import InputBatch
-from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
 from fivefold.serve.sampling import apply_penalties, filtered_probs
+from paged_steps import admitted
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -54,12 +52,7 @@ def test_paged_attention_equals_full_forward(preset, attention):
     pool = KVPool(cfg, kv_plan(cfg, 1, 4, torch.float32, num_blocks=16), "cpu", torch.float32)
     tables = [[3, 9, 1, 14, 6, 12], [0, 7, 2, 11]]  # scattered blocks: reads must go through the table
     plan = [[(0, 5), (0, 3)], [(5, 1), (3, 7)], [(6, 1), (10, 1)], [(7, 14), (11, 2)]]  # (past, n) per step
-    batch = InputBatch(max_num_seqs=2, max_model_len=24, block_size=4)
-    buffers = StepBuffers(64, 2, 2, batch.max_blocks_per_seq, "cpu")
-    rows = [SimpleNamespace(token_ids=s, block_table=t, num_computed=0, params=SamplingParams(), pending=False)
-            for s, t in zip(seqs, tables)]
-    for row in rows:
-        batch.admit(row)
+    batch, buffers, rows = admitted(seqs, tables, block_size=4, max_model_len=24)
     for step in plan:
         for row, (past, n) in zip(rows, step):
             row.num_computed = past

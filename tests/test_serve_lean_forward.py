@@ -3,20 +3,17 @@ modules: the same logits and the same KV pool, bit for bit, step after step; and
 must leave to the modules."""
 
 import dataclasses
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from fivefold.model import ForwardContext, build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
-from fivefold.serve.batch import InputBatch
-from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.cpu_linear import onednn_available, use_onednn
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
 from fivefold.serve.lean_forward import LeanTransformer, lean_blocks, use_lean_forward
+from paged_steps import admitted
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -64,12 +61,7 @@ def test_the_loop_gives_the_modules_logits_and_pool_bit_for_bit(case, dtype):
     # (tokens already computed, tokens this step) per sequence; 0 tokens: not in the step
     steps = [[(0, 5), (0, 3), (0, 0)], [(5, 1), (3, 7), (0, 4)], [(6, 1), (10, 1), (4, 1)],
              [(7, 1), (11, 1), (5, 1)], [(8, 14), (12, 1), (6, 3)], [(22, 1), (0, 0), (9, 0)]]
-    batch = InputBatch(max_num_seqs=3, max_model_len=28, block_size=4)
-    buffers = StepBuffers(64, 4, 4, batch.max_blocks_per_seq, "cpu")
-    rows = [SimpleNamespace(token_ids=s, block_table=t, num_computed=0, params=SamplingParams(), pending=False)
-            for s, t in zip(seqs, tables)]
-    for row in rows:
-        batch.admit(row)
+    batch, buffers, rows = admitted(seqs, tables, block_size=4, max_model_len=28, rows=4)  # 4: the padded step
     wholes = []
     for i, step in enumerate(steps):
         work = [(rows[j], n) for j, (past, n) in enumerate(step) if n]
