@@ -164,6 +164,8 @@ OTHER_CASES = [
     ("plan-device-memory-zero", ["plan", "--preset", "tiny", "--device-memory", "0"], "write a positive size"),
     ("serve-kv-memory", ["serve", "{run}", "--set", "serve.kv_memory=0"], "serve.kv_memory=0.0 must be > 0"),
     ("serve-max-model-len", ["serve", "{run}", "--set", "serve.max_model_len=-1"], "must be >= 0"),
+    ("serve-huge-pages", ["serve", "{run}", "--set", "serve.huge_pages=maybe"],
+     "serve.huge_pages='maybe' is not valid; choose one of auto, true, false"),
     ("serve-missing", ["serve", "{tmp}/none"], "no checkpoint found"),
     ("serve-damaged", ["serve", "{damaged_step}"], "is damaged"),
     ("export-damaged", ["export-hf", "--checkpoint", "{damaged_step}", "--out", "{tmp}/hf"], "is damaged"),
