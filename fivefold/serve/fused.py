@@ -236,5 +236,5 @@ def _fused_mlp_class(cls: type) -> type:
     """FusedMLP, or a fused subclass of the Triton MLP (whose forward calls gate_and_up too)."""
     if cls is MLP:
         return FusedMLP
-    return derived_class(cls, "Fused", lambda: {"gate_and_up": FusedMLP.gate_and_up,
+    return derived_class(cls, "Fused", lambda: {"gate_up": FusedMLP.gate_up, "gate_and_up": FusedMLP.gate_and_up,
                                                 "linear_fn": FusedMLP.__dict__["linear_fn"]})
