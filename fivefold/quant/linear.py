@@ -1,11 +1,11 @@
 """Inference with quantized weights: QuantLinear, and swapping a model's linears for it.
 
 The forward never keeps a dequantized weight: the codes are the only copy held (that is the point). A few
-rows on a CPU (decodes of up to ROWS_READ_FROM_CODES sequences) take compiled products that read int8
-or int4 codes in place, a row at a time (fivefold.quant.cpu_gemv); everything else dequantizes each weight
-for its product and drops it: memory at 8 or 4 bits, compute at the compute dtype's matmul speed plus one
-unpack. torch's weight-only int8 kernel (`torch._weight_int8pack_mm`) is not used: on the project's 2-vCPU
-CPU it took 534 us for one row of a 3072 x 576 weight and 37 ms for 64, where dequantizing and multiplying
+rows on a CPU (decodes of up to ROWS_READ_FROM_CODES sequences: 8 for int8, 16 for int4) take compiled
+products that read the int8 or int4 codes in place (fivefold.quant.cpu_gemv); everything else dequantizes
+each weight for its product and drops it: memory at 8 or 4 bits, compute at the compute dtype's matmul speed
+plus one unpack. torch's weight-only int8 kernel (`torch._weight_int8pack_mm`) is not used: on the project's
+2-vCPU CPU it took 534 us for one row of a 3072 x 576 weight and 37 ms for 64, where dequantizing and multiplying
 took 161 us and 2.4 ms (its time grows with the rows as if it read the weight once per row). Every path
 equals F.linear(x, qw.dequantize(dtype), bias) to float rounding (tested).
 """
@@ -18,12 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.quant.cpu_gemv import quantized_row
+from fivefold.quant.cpu_gemv import ROWS_READ_FROM_CODES, quantized_rows
 from fivefold.quant.formats import QuantizedWeight
 
-# Rows up to which the codes-reading product runs row by row: 50 us a row of a 3072 x 576 int8 weight
-# against 161-260 us for dequantizing and multiplying 1-8 rows on oneDNN (2-vCPU machine).
-ROWS_READ_FROM_CODES = 4
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -63,22 +60,17 @@ class QuantLinear(nn.Module):
     linear_fn = staticmethod(F.linear)  # the product of a dequantized weight; fivefold.serve puts oneDNN's here on a CPU
 
     def _rows_from_codes(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A few rows on a CPU: the compiled products that read the codes directly (fivefold.quant.cpu_gemv), a
-        row at a time, in float32 (a bfloat16 / float16 row is widened, the result cast back); None otherwise,
-        or where they cannot compile."""
+        """A few rows on a CPU: the compiled products that read the codes directly (fivefold.quant.cpu_gemv),
+        in float32 (a bfloat16 / float16 row is widened, the result cast back); None otherwise, or where
+        they cannot compile."""
+        method = "int8" if self.method == "int8" else "int4"  # gptq is stored as int4
         rows = x.numel() // self.in_features
-        if rows > ROWS_READ_FROM_CODES or x.dtype not in _FLOATS or x.device.type != "cpu" \
+        if rows > ROWS_READ_FROM_CODES[method] or x.dtype not in _FLOATS or x.device.type != "cpu" \
                 or self.qweight.device.type != "cpu":
             return None
-        method = "int8" if self.method == "int8" else "int4"  # gptq is stored as int4
-        flat, out = x.reshape(rows, self.in_features).float(), []
-        for row in flat:
-            y = quantized_row(method, row, self.qweight, self.scales, self.zeros, self.group_size)
-            if y is None:
-                return None
-            out.append(y)
-        y = out[0] if rows == 1 else torch.stack(out)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = quantized_rows(method, x.reshape(rows, self.in_features).float(), self.qweight, self.scales, self.zeros,
+                           self.group_size)
+        return None if y is None else y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
@@ -88,9 +80,9 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def warm_up_one_row(model: nn.Module) -> tuple[int, float]:
-    """Compile the one-row products (fivefold.quant.cpu_gemv) now for `model`'s quantized linears on a CPU,
-    one call per method and group layout, so that no decode step waits for the
+def warm_up_codes_products(model: nn.Module) -> tuple[int, float]:
+    """Compile the codes-reading products (fivefold.quant.cpu_gemv) now for `model`'s quantized linears on a
+    CPU, one and two rows per method and group layout, so that no decode step waits for the
     compiler; (the calls made, seconds)."""
     start, seen = time.perf_counter(), set()
     with torch.inference_mode():
@@ -99,7 +91,8 @@ def warm_up_one_row(model: nn.Module) -> tuple[int, float]:
                 key = (module.method, module.group_size == module.in_features)
                 if key not in seen:
                     seen.add(key)
-                    module(torch.zeros(1, module.in_features, dtype=module.dtype))  # one row: compiles the kernel
+                    for rows in (1, 2):  # the one-row kernel, and the one for several rows
+                        module(torch.zeros(rows, module.in_features, dtype=module.dtype))
     return len(seen), time.perf_counter() - start
 
 

@@ -31,8 +31,8 @@ from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
-from fivefold.quant.cpu_gemv import gemv_problem
-from fivefold.quant.linear import ROWS_READ_FROM_CODES, QuantLinear, warm_up_one_row
+from fivefold.quant.cpu_gemv import ROWS_READ_FROM_CODES, gemv_problem
+from fivefold.quant.linear import QuantLinear, warm_up_codes_products
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
@@ -194,14 +194,14 @@ class Engine:
               flush=True)
 
     def _warm_up_quantized(self) -> None:
-        """On a CPU, compile the quantized linears' one-row products (fivefold.quant.cpu_gemv) now, not at
+        """On a CPU, compile the quantized linears' codes-reading products (fivefold.quant.cpu_gemv) now, not at
         the first decode step, which would stall every running request."""
         if self.device.type != "cpu":
             return
-        calls, seconds = warm_up_one_row(self.model)
+        calls, seconds = warm_up_codes_products(self.model)
         if calls:
             why = gemv_problem()
-            print(f"quantized one-row products: {'compiled' if why is None else 'not compiled (' + why + ')'} "
+            print(f"quantized products reading the codes: {'compiled' if why is None else 'not compiled (' + why + ')'} "
                   f"in {seconds:.1f} s", flush=True)
 
     def _use_onednn(self) -> bool:
@@ -266,9 +266,10 @@ class Engine:
             linears += "; weights and KV pool in huge pages"
         quantized = sum(isinstance(m, QuantLinear) for m in self.model.modules())
         if quantized:
-            one_row = f"up to {ROWS_READ_FROM_CODES} rows read from the codes by compiled products, more dequantized" \
+            rows = "/".join(f"{n} ({m})" for m, n in ROWS_READ_FROM_CODES.items())
+            read = f"up to {rows} rows read from the codes by compiled products, more dequantized" \
                 if self.device.type == "cpu" and gemv_problem() is None else "dequantized per product"
-            linears += f"; {quantized} quantized linears ({one_row})"
+            linears += f"; {quantized} quantized linears ({read})"
         return (f"attention: {attention}; decode steps: {decode}; scheduling: {scheduling}; fused q/k/v and "
                 f"gate/up: {self.fused} modules; linears: {linears}")
 
