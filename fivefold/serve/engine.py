@@ -223,7 +223,11 @@ class Engine:
             raise ConfigError(f"serve.huge_pages=true cannot be used here: {why_not}; set serve.huge_pages=auto or false")
         if choice == "false" or why_not:
             return False
-        move_to_huge_pages(self.model)
+        start = time.perf_counter()
+        moved = move_to_huge_pages(self.model)
+        if moved > 2**30:  # a large model's copy is start-up time worth saying where it goes
+            print(f"weights moved into huge pages: {moved / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s",
+                  flush=True)
         return True
 
     def _graphs(self) -> DecodeGraphs | None:
