@@ -57,7 +57,8 @@ class QuantLinear(nn.Module):
         self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
         return self
 
-    linear_fn = staticmethod(F.linear)  # the product of a dequantized weight; fivefold.serve puts oneDNN's here on a CPU
+    # The product of a dequantized weight; fivefold.serve puts oneDNN's here on a CPU.
+    linear_fn = staticmethod(F.linear)
 
     def _rows_from_codes(self, x: torch.Tensor) -> torch.Tensor | None:
         """A few rows on a CPU: the compiled products that read the codes directly (fivefold.quant.cpu_gemv),

@@ -152,8 +152,9 @@ def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
 
 def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], bool] = input_major_pays) -> int:
     """Route every plain linear of `model` (on a CPU, in float32 or bfloat16), its fused q/k/v and gate/up
-    products and its quantized linears' dequantized products through oneDNN, in place, laying out input-major each block product's weight whose shape `pays`
-    says runs faster so; the number of products routed."""
+    products and its quantized linears' dequantized products through oneDNN, in place, laying out
+    input-major each block product's weight whose shape `pays` says runs faster so; the number of products
+    routed."""
     routed = 0
     # Left as they are: the embedding and LM head, and the fused products' parts (views into their fused
     # weight, laid out with it).

@@ -201,8 +201,8 @@ class Engine:
         calls, seconds = warm_up_codes_products(self.model)
         if calls:
             why = gemv_problem()
-            print(f"quantized products reading the codes: {'compiled' if why is None else 'not compiled (' + why + ')'} "
-                  f"in {seconds:.1f} s", flush=True)
+            done = "compiled" if why is None else f"not compiled ({why})"
+            print(f"quantized products reading the codes: {done} in {seconds:.1f} s", flush=True)
 
     def _use_onednn(self) -> bool:
         """serve.linear: whether the linears run on oneDNN (a CPU), after the projections are fused."""
@@ -220,7 +220,8 @@ class Engine:
         why_not = ("the device is not a CPU" if self.device.type != "cpu" else
                    "this kernel does not offer transparent huge pages" if not huge_pages_available() else None)
         if choice == "true" and why_not:
-            raise ConfigError(f"serve.huge_pages=true cannot be used here: {why_not}; set serve.huge_pages=auto or false")
+            raise ConfigError(f"serve.huge_pages=true cannot be used here: {why_not}; "
+                              f"set serve.huge_pages=auto or false")
         if choice == "false" or why_not:
             return False
         start = time.perf_counter()

@@ -9,7 +9,7 @@ one anonymous mapping advised for huge pages: each storage copied in and every t
 (parameters, fused products' weights, their parts) re-pointed, one storage at a time, so the process holds
 at most one storage twice. The bytes, layouts, strides and values are unchanged (each storage starts on a
 page boundary, as torch's allocator places it), so the logits are the same bit for bit (tested). Measured
-by `bench/serve_decode_breakdown.py --huge-pages both` in one process.
+against 4 KiB pages in one process by `bench/serve_cpu_ab.py --compare huge-pages`.
 """
 
 from __future__ import annotations
