@@ -18,9 +18,10 @@ order, so its last bits differ from that path's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_compiled: dict[str, object] = {}
 _problem: list[str] = []  # why compiling failed here, once it has
 
 
@@ -67,10 +68,9 @@ KERNELS = {"int8": int8_row, "int4": int4_row, "int8 rows": int8_rows, "int4 row
 ROWS_READ_FROM_CODES = {"int8": 8, "int4": 16}
 
 
+@functools.cache
 def _kernel(name: str):
-    if name not in _compiled:
-        _compiled[name] = torch.compile(KERNELS[name], dynamic=True, fullgraph=True)
-    return _compiled[name]
+    return torch.compile(KERNELS[name], dynamic=True, fullgraph=True)
 
 
 def gemv_problem() -> str | None:

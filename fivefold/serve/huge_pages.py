@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 from collections import defaultdict
 from pathlib import Path
@@ -49,11 +50,17 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
+@functools.cache
+def _libc():
+    """The C library, found once (find_library searches the system's library cache each call)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
 def _trim_heap() -> None:
     """Return the free memory at the top of glibc's heaps to the system (malloc_trim): storages the engine
     made at start-up (the fused weights) live there, and freeing them alone would not lower the resident set."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass  # not glibc: the allocator keeps what it keeps
 
