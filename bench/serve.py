@@ -105,7 +105,9 @@ def parse_args(argv=None):
     p.add_argument("--max-output", type=int, default=None)
     # 8 is left out by default: it was the slowest to run and the worst of 8/16/32 on a 2-core CPU
     # (bench/README.md); a fast accelerator may want it back.
-    p.add_argument("--batch-sizes", default=None, help="transformers static batch sizes to try (default: the workload's)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="transformers static batch sizes to try (default: the workload's); 'none' times no static "
+                        "batch (transformers' batch-1 decode still runs)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="default float32 on cpu, bfloat16 on cuda. On a CPU bfloat16 wants native bf16 matmuls "
                         "(avx512_bf16, AMX or a GPU-class CPU kernel); on AVX2 only, the matmul-peak measurement "
@@ -151,7 +153,7 @@ def parse_args(argv=None):
         p.error(f"--model {args.model!r}: one of {', '.join(PRESETS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
-    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip() and x.strip() != "none"]
     if not 1 <= args.min_prompt <= args.max_prompt:
         p.error(f"--min-prompt {args.min_prompt} / --max-prompt {args.max_prompt}: need 1 <= min <= max")
     if not 1 <= args.min_output <= args.max_output:

@@ -45,10 +45,11 @@ class FusedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, *weights = ctx.saved_tensors
         n, need = ctx.n, ctx.needs_input_grad
-        # The input gradient multiplies by the concatenated weight again, made here as its transpose: a
-        # different expression from forward's, so torch.compile's partitioner makes it from the weights in
-        # backward instead of keeping forward's across the whole forward (a weight-sized tensor per block).
-        grad_x = grad.matmul(torch.cat([w.t() for w in weights], dim=1).t()) if need[0] else None
+        # The input gradient multiplies by the concatenated weight again, made here along dim -2 where forward
+        # says 0: a different expression, so torch.compile's partitioner makes it from the weights in backward
+        # instead of keeping forward's across the whole forward (a weight-sized tensor per block). (The
+        # transposes' concatenation used before comes out as NaN from inductor's CPU code in bf16, torch 2.13.)
+        grad_x = grad.matmul(torch.cat(weights, dim=-2)) if need[0] else None
         flat = grad.reshape(-1, grad.shape[-1])  # (tokens, sum of rows)
         grad_w = [None] * n
         if x is not None:
