@@ -2,7 +2,9 @@
 # of the GPU's name: h100, h200, a100, ...), name and log; sends all output to the log too; installs fivefold
 # if it is not importable; and gives step / pytest_step (each with its own time limit, so a failing or
 # timed-out step does not stop the next) and print_steps (how each ended). ONLY="NAME ..." runs just the
-# steps so named (a session's device time may not cover every step of both scripts).
+# steps so named (a session's device time may not cover every step of both scripts). COPY_TO=DIR: after every
+# step, every file these scripts wrote under bench/results (since the first script of the call started) is
+# packed into DIR/results.tgz, one file, so that a call cut short keeps what its finished steps measured.
 #
 #   gpu_setup LOG_PREFIX    # bench/results/<LOG_PREFIX>_<gpu>.log
 
@@ -17,6 +19,10 @@ gpu_setup() {
     gpu=$(printf '%s' "$name" | tr 'A-Z' 'a-z' | grep -oE 'gh200|[a-z][0-9]{2,4}[a-z]?' | head -n 1)
     gpu=${gpu:-${GPU_SLUG:-gpu}}
     mkdir -p bench/results
+    if [ -z "${GPU_RESULTS_SINCE:-}" ]; then  # one mark for every script of the call (COPY_TO packs what is newer)
+        GPU_RESULTS_SINCE=$(mktemp)
+        export GPU_RESULTS_SINCE
+    fi
     log=bench/results/$1_$gpu.log
     exec > >(tee "$log") 2>&1
     echo "== bench/$1.sh on $(hostname) at $(date -u '+%Y-%m-%d %H:%M:%S') UTC; git $(git rev-parse --short HEAD 2>/dev/null)"
@@ -51,11 +57,18 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit (SIGTERM, then S
     timeout -k 10 "$limit" "$@"
     rc=$?
     names+=("$label") codes+=("$rc") secs+=("$((SECONDS - start))")
+    copy_results
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         echo "== $label: TIMED OUT after ${limit} s (exit $rc)"
     elif [ "$rc" -ne 0 ]; then
         echo "== $label: FAILED (exit $rc)"
     fi
+}
+
+copy_results() {  # with COPY_TO: this call's results so far, packed into COPY_TO/results.tgz
+    [ -n "${COPY_TO:-}" ] || return 0
+    mkdir -p "$COPY_TO"
+    (cd bench/results && find . -type f -newer "$GPU_RESULTS_SINCE" -print0 | tar czf "$COPY_TO/results.tgz" --null -T -)
 }
 
 existing() {  # the given test files that this checkout has

@@ -5,7 +5,7 @@
 # the output. bench/serve.py writes its JSON after each stage, so a run cut short keeps what it measured.
 #
 #   bash bench/gpu_serve.sh               # PYTHON=/path/to/python to choose the interpreter;
-#                                         # COPY_TO=DIR also copies the results and the log there;
+#                                         # COPY_TO=DIR packs the results and log into DIR/results.tgz;
 #                                         # BATCH_SIZES=256 times fewer transformers static batches
 #
 # Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json, serve_paths_<gpu>.json and
@@ -23,7 +23,7 @@ gpu_setup gpu_serve
 #     interpreter when it is the first to import triton, so the CUDA-only tests (CUDA-graph decode,
 #     test_serve_fast_path.py) run in a second process, where triton compiles for the GPU.
 pytest_step "tests" 90 tests/test_paged_attention.py tests/test_serve_engine.py
-pytest_step "cuda-tests" 45 tests/test_serve_fast_path.py
+pytest_step "cuda-tests" 90 tests/test_serve_fast_path.py  # 26 tests: 28 s warm, past 45 s cold
 # (b) the anchor workload: 256 requests, prompts and outputs uniform 100..1024, against transformers
 #     static batches of 256, 128 and 64; per-step times, batch-1 decode, and the profiled batch-256 decode step
 step "anchors" 255 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --profile \
@@ -42,9 +42,4 @@ print_steps
 "$PY" bench/gpu_summary.py serve "bench/results/serve_anchors_$gpu.json" "bench/results/serve_default_$gpu.json" \
     "bench/results/serve_paths_$gpu.json"
 
-if [ -n "${COPY_TO:-}" ]; then
-    mkdir -p "$COPY_TO" && cp -f bench/results/serve_anchors_"$gpu".json bench/results/serve_default_"$gpu".json \
-        bench/results/serve_paths_"$gpu".json \
-        "$log" "$COPY_TO"/ 2>/dev/null
-    echo "== copied the results to $COPY_TO"
-fi
+copy_results  # the summary's lines are in the log: pack it once more

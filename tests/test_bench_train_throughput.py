@@ -232,3 +232,26 @@ def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
                 (tag, r["precision"], r["compiled"])
             rows += 1
     assert rows == 6
+
+
+def test_the_memory_plan_holds_on_the_second_h100_leases_135m_rows(bench, tmp_path):
+    """The second H100 lease's smollm2-135m rows (bench/results/train_throughput_135m_h100_20261127.json: the loss
+    compiled, projections fused and separate): the memory plan within 0.5% of torch.cuda.max_memory_allocated
+    (measured -0.31% and -0.32%). Their speed is a reported miss, not asserted: the planner reads +25.9% fused and
+    +15.3% separate, while the three sides' median steps lay within 1.5% of each other and their best steps spread
+    78-90 ms (docs/planner_validation.md)."""
+    from fivefold.memory.plan import plan_memory
+
+    d = json.loads((ROOT / "bench/results/train_throughput_135m_h100_20261127.json").read_text())
+    assert "H100" in d["machine"]["gpu"]
+    args = bench.parse_args(["--device", "cuda", "--preset", d["settings"]["preset"],
+                             "--seq-len", str(d["settings"]["seq_len"])])
+    rows = [r for r in d["results"] if r["impl"] in ("ours", "ours-separate")]
+    assert len(rows) == 2 and all(r["loss_compiled"] for r in rows)
+    for r in rows:
+        fused = "true" if r["fused_projections"]["gate_up"] else "false"
+        cfg = bench.make_config(args, r["precision"], r["compiled"], 1.0, str(tmp_path), batch=r["micro_batch_size"],
+                                fused=fused)
+        assert cfg.fused_projections("cuda") == (r["fused_projections"]["qkv"], r["fused_projections"]["gate_up"])
+        planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
+        assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005), r["impl"]
