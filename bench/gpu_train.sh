@@ -9,7 +9,7 @@
 #
 # torchao is not in the lent machines' image: carry its wheel (bench/README.md, "GPU sessions") or the fp8
 # steps are left out. Writes bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile}_<gpu>.json,
-# kernels_<gpu>.json and gpu_train_<gpu>.log.
+# kernels_<gpu>.json, matmul_shapes_<gpu>.json and gpu_train_<gpu>.log.
 #
 # A dry run on a CPU checks the plumbing (tiny shapes; fp8 is left out there):
 #   DEVICE=cpu DEVICE_MEMORY=0.3 SEQ=64 M1B=tiny M135=tiny M3B=tiny GPU_SLUG=dry bash bench/gpu_train.sh
@@ -70,6 +70,9 @@ step "cuda-train-tests" 90 "$PY" -m pytest -q -p no:cacheprovider \
 #     layer, fwd+bwd: train.kernels stays torch by default until they beat the compiled blocks, the training
 #     default on CUDA (the issue's 0.61-0.72x is against eager). On a CPU a correctness check only.
 step "kernels" 60 "$PY" bench/kernels.py --device "$DEVICE" --json "bench/results/kernels_$gpu.json"
+# (h) each linear's three products at the rows' token counts, against the planner's price for each, and the
+#     matmul knee that prices them best (the 1B and 3B rows read 10-14% slow, published runs optimistic)
+step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/results/matmul_shapes_$gpu.json"
 
 print_steps
 "$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile}_"$gpu".json

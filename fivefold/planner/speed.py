@@ -130,6 +130,13 @@ def recomputed_matmul_share(m: ModelConfig) -> float:
     return sum(sizes[1::2]) / sum(sizes)
 
 
+def matmul_seconds(m: float, k: float, n: float, peak: float, efficiency: float, knee: float) -> float:
+    """Seconds of an (m x k) @ (k x n) product: 2 m k n FLOPs at peak x efficiency x prod(d / (d + knee)) over
+    the three dimensions (bench/matmul_shapes.py times real products against it and fits the knee)."""
+    shape = (m / (m + knee)) * (k / (k + knee)) * (n / (n + knee))
+    return 2 * m * k * n / (peak * efficiency * shape)
+
+
 class _Costs:
     """Seconds of one micro-batch's work on this hardware, by kind."""
 
@@ -149,9 +156,7 @@ class _Costs:
         self.bandwidth = hw.memory_bandwidth * hw.memory_efficiency
 
     def matmul(self, m: float, k: float, n: float, peak: float | None = None) -> float:
-        knee = self.hw.matmul_knee
-        shape = (m / (m + knee)) * (k / (k + knee)) * (n / (n + knee))
-        return 2 * m * k * n / ((peak or self.peak) * self.hw.matmul_efficiency * shape)
+        return matmul_seconds(m, k, n, peak or self.peak, self.hw.matmul_efficiency, self.hw.matmul_knee)
 
     def linear(self, m: float, k: float, n: float) -> float:
         """A block's linear layer: float8 under train.precision=fp8."""
