@@ -55,7 +55,11 @@ fi
 #     for a fresh machine's cold inductor cache (35 s warm).
 #     --fused-projections both: ours with q/k/v and gate/up fused (train.fused_projections=true, the planner's
 #     best for this shape: 75 ms against 81 separate) and ours separate, one more compile: 50 s more.
-bench "135m" 190 135m --preset "$M135" --batch 8 --precision bf16 --compile on --fused-projections both
+#     12 steps in 3 windows of 4 a side: at 2026-11-27's one step a window, the three sides' medians lay within
+#     1.5% (93.8-95.1 ms) while single steps ran 78-106 ms, as if each switch between three models cost a step
+#     something (allocator, caches, clocks); steps inside a window show whether it does.
+bench "135m" 190 135m --preset "$M135" --batch 8 --precision bf16 --compile on --fused-projections both --steps 12 \
+    --rounds 3
 # (f) one profiled step of each side of (e): kernel time against wall time and the top kernels, to say where
 #     the 135M step differs from HF's (bench/results/train_throughput_135m_profile_<gpu>.json, "profiles_bf16")
 bench "135m-profile" 150 135m_profile --preset "$M135" --batch 8 --precision bf16 --compile on --warmup 1 --steps 2 \

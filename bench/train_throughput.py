@@ -416,6 +416,19 @@ def time_alternating(runners: dict, warmup: int, steps: int, rounds: int) -> tup
     return times, utils, peaks
 
 
+def window_note(times: list[float], steps: int, rounds: int) -> str:
+    """With windows of several steps (--rounds < --steps): the median first step of a window beside the median
+    of the rest, which says whether switching between the runners costs the step after the switch."""
+    if not rounds or rounds >= steps:
+        return ""
+    sizes = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
+    starts = {sum(sizes[:i]) for i in range(rounds)}
+    first = [t for i, t in enumerate(times) if i in starts]
+    rest = [t for i, t in enumerate(times) if i not in starts]
+    return (f"; a window's first step {1e3 * statistics.median(first):.1f} ms, the others "
+            f"{1e3 * statistics.median(rest):.1f} ms")
+
+
 def release_memory(device: str) -> None:
     """Free what dropped runners held before the next ones are built (cycles first, then the allocator's
     cache, so the next runner's peak is measured from a clean start)."""
@@ -629,7 +642,7 @@ def main(argv=None) -> dict:
         for r in rows:
             impl = r["impl"] + ("+compile" if r["compiled"] else "")
             print(f"  {precision} {impl}: {r['tokens_per_s']:,.0f} tokens/s (median step {1e3 * r['median_step_s']:.1f} "
-                  f"ms)", flush=True)
+                  f"ms){window_note(r['step_times_s'], args.steps, args.rounds)}", flush=True)
         results += rows
         sample_peaks(peak_samples, args.device)
 

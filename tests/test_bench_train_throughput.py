@@ -255,3 +255,10 @@ def test_the_memory_plan_holds_on_the_second_h100_leases_135m_rows(bench, tmp_pa
         assert cfg.fused_projections("cuda") == (r["fused_projections"]["qkv"], r["fused_projections"]["gate_up"])
         planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
         assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005), r["impl"]
+
+
+def test_the_window_note_splits_each_windows_first_step_from_the_rest(bench):
+    """--steps 7 --rounds 3: windows of 3, 2, 2 steps; their first steps (0, 3, 5) apart from the others."""
+    times = [0.010, 0.001, 0.002, 0.020, 0.003, 0.030, 0.004]
+    assert bench.window_note(times, 7, 3) == "; a window's first step 20.0 ms, the others 2.5 ms"
+    assert bench.window_note(times, 7, 0) == "" and bench.window_note(times, 7, 7) == ""

@@ -84,7 +84,7 @@ def test_a_fused_model_has_the_same_parameters_outputs_and_gradients():
     assert type(fused.layers[0].attn).__name__ == "Attention" and type(fused.layers[0].mlp).__name__ == "MLP"
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
