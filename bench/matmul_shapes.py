@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from fivefold.config_load import load_config  # noqa: E402
 from fivefold.planner.hardware import load_profile, profile_for_device_name  # noqa: E402
 from fivefold.planner.speed import matmul_seconds  # noqa: E402
+from fivefold.train.metrics import cuda_matmul_seconds  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # The tokens per micro-batch of bench/gpu_train.sh's rows: the 1B's --fit choice (16 x 2048), the 3B at 4, 135M at 8.
@@ -87,26 +88,18 @@ def operands(tokens: int, k: int, n: int, which: str, device, dtype):
 
 
 def time_product(a: torch.Tensor, b: torch.Tensor, reps: int, rounds: int = 3) -> float:
-    """Seconds of one a @ b, the best of `rounds` timings of `reps` back-to-back products."""
-    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=a.dtype)
-    for _ in range(2):
-        torch.matmul(a, b, out=out)
+    """Seconds of one a @ b: CUDA events on a GPU (fivefold.train.metrics.cuda_matmul_seconds); on a CPU the
+    best wall time of `rounds` runs of `reps` back-to-back products."""
+    if a.is_cuda:
+        return cuda_matmul_seconds(a, b, reps, rounds)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
+    torch.matmul(a, b, out=out)
     best = math.inf
     for _ in range(rounds):
-        if a.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                torch.matmul(a, b, out=out)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.matmul(a, b, out=out)
-            seconds = time.perf_counter() - t0
-        best = min(best, seconds / reps)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b, out=out)
+        best = min(best, (time.perf_counter() - t0) / reps)
     return best
 
 

@@ -59,11 +59,20 @@ def measure_cuda_peak_flops(device: torch.device, dtype: torch.dtype, reps: int 
     size = CUDA_PEAK_SIZE.get(dtype, 8192)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    out = torch.empty(size, size, device=device, dtype=dtype)  # one output, reused: no allocator traffic
+    best = cuda_matmul_seconds(a, b, reps, rounds)
+    del a, b
+    torch.cuda.empty_cache()  # give the ~0.4 GB of operands back before training allocates
+    return 2 * size ** 3 / best
+
+
+def cuda_matmul_seconds(a: torch.Tensor, b: torch.Tensor, reps: int = 10, rounds: int = 3) -> float:
+    """GPU seconds of one a @ b: `reps` back-to-back products timed by CUDA events, the best of `rounds` such
+    runs after a warm-up (bench/matmul_shapes.py times each product of a step with it)."""
+    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=a.dtype)  # reused: no allocator traffic
     for _ in range(3):
         torch.matmul(a, b, out=out)
     best = float("inf")
-    with torch.cuda.device(device):  # events record on the current device's stream: make it this one
+    with torch.cuda.device(a.device):  # events record on the current device's stream: make it this one
         for _ in range(rounds):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -72,9 +81,7 @@ def measure_cuda_peak_flops(device: torch.device, dtype: torch.dtype, reps: int 
             end.record()
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3 / reps)  # elapsed_time is in milliseconds
-    del a, b, out
-    torch.cuda.empty_cache()  # give the ~0.4 GB of operands back before training allocates
-    return 2 * size ** 3 / best
+    return best
 
 
 @functools.lru_cache(maxsize=None)
