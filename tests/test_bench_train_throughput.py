@@ -170,9 +170,33 @@ def test_the_gpu_scripts_parse_and_the_serving_summary_reads_a_real_result(bench
     assert "fivefold / transformers best: 31.16x" in out and "batch-1 decode 659 tok/s = 49%" in out
     assert "decode step at batch 256: wall / kernel time 1.16" in out
     assert "target batch1_hbm_roofline_fraction >= 0.5: 0.49 NOT met" in out
+    # The second lease's: batch-1 decode over the 50% line, transformers' static batches not timed.
+    gpu_summary.main(["serve", str(ROOT / "bench/results/serve_anchors_h100_20261127.json")])
+    out = capsys.readouterr().out
+    assert "batch-1 decode 696 tok/s = 52%" in out and "target batch1_hbm_roofline_fraction >= 0.5: 0.52 met" in out
+    assert "target ratio_vs_transformers_best >= 10: - not measured" in out
     gpu_summary.main(["train", str(ROOT / "bench/results/train_throughput_3b_fp8_h100.json")])
     out = capsys.readouterr().out
     assert "fp8 ours+compile (micro-batch 2 x 1, recompute none): 20,306 tok/s, MFU 43.9%, 1.07x our bf16" in out
+
+
+def test_copy_to_packs_each_finished_steps_results_into_one_archive(tmp_path):
+    """COPY_TO=DIR: after every step, the files written under bench/results since the call's first script began
+    (and no older one) are in DIR/results.tgz, so a call cut short keeps its finished steps."""
+    import subprocess
+    import tarfile
+
+    written = ROOT / "bench/results/copy_check_dry.json"  # *_dry.* is git-ignored
+    try:
+        script = ('source bench/gpu_common.sh; name=check gpu=cpu; GPU_RESULTS_SINCE=$(mktemp); '
+                  f'COPY_TO={tmp_path}; step one 5 bash -c "echo 1 > {written}"; '
+                  f'test -f {tmp_path}/results.tgz && cp {tmp_path}/results.tgz {tmp_path}/after_one.tgz; '
+                  'step two 5 true')
+        subprocess.run(["bash", "-c", script], cwd=ROOT, check=True, capture_output=True)
+        with tarfile.open(tmp_path / "after_one.tgz") as tar:
+            assert tar.getnames() == ["./copy_check_dry.json"]  # the stored results are older: left out
+    finally:
+        written.unlink(missing_ok=True)
 
 
 def test_hf_accumulates_like_ours(bench, data_cache, tmp_path, monkeypatch):
