@@ -24,6 +24,8 @@ from fivefold.kernels.paged_attention import warm_up
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.parallel.mesh import launched_world_size, local_device, resolve_device
+from fivefold.quant.cpu_gemv import ROWS_READ_FROM_CODES, gemv_problem
+from fivefold.quant.linear import QuantLinear, warm_up_codes_products
 from fivefold.serve.adapters import AdapterSet, load_adapter, take_model
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
@@ -31,11 +33,9 @@ from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
-from fivefold.quant.cpu_gemv import ROWS_READ_FROM_CODES, gemv_problem
-from fivefold.quant.linear import QuantLinear, warm_up_codes_products
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
-from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
+from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
 from fivefold.serve.scheduler import Scheduler, Sequence

@@ -66,11 +66,10 @@ class LeanTransformer(Transformer):
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm.forward's result: in float32 torch's own op gives it bit for bit (checked by the tests), in
-    another dtype the module's formula (F.rms_norm would multiply by the weight before casting back)."""
+    another dtype the module's own forward (F.rms_norm would multiply by the weight before casting back)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
-    x32 = x.float()
-    return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+    return norm.forward(x)
 
 
 def _hooked(module: nn.Module) -> bool:
