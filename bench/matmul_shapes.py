@@ -30,9 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fivefold.config import ConfigError  # noqa: E402
 from fivefold.config_load import load_config  # noqa: E402
 from fivefold.planner.hardware import load_profile, profile_for_device_name  # noqa: E402
 from fivefold.planner.speed import matmul_seconds  # noqa: E402
+from fivefold.presets import PRESETS  # noqa: E402
 from fivefold.train.metrics import cuda_matmul_seconds  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -55,6 +57,16 @@ def parse_args(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
     args.rows = args.rows or (CUDA_ROWS if args.device == "cuda" else CPU_ROWS)
+    for spec in args.rows.split(","):
+        preset, _, tokens = spec.partition(":")
+        if preset not in PRESETS or not tokens.isdigit() or int(tokens) < 1:
+            p.error(f"--rows {spec!r}: want PRESET:TOKENS with a preset of `fivefold presets` and TOKENS >= 1, "
+                    f"e.g. {CPU_ROWS}")
+    if args.cluster:
+        try:
+            load_profile(args.cluster)
+        except ConfigError as e:
+            p.error(f"--cluster: {e}")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.reps = args.reps or (10 if args.device == "cuda" else 3)
     return args

@@ -50,3 +50,11 @@ def test_a_cpu_run_times_and_prices_every_linear_pass(bench, tmp_path):
         assert r["seconds"] > 0 and r["flops_per_s"] == pytest.approx(2 * math.prod(r["shape"]) / r["seconds"])
         assert r["error"] == pytest.approx(r["seconds"] / r["predicted_seconds"] - 1)
     assert d["fit"]["profile_knee"] == 512 and d["fit"]["rms_log_error"] <= d["fit"]["profile_rms_log_error"] + 1e-12
+
+
+@pytest.mark.parametrize("argv", [["--rows", "bench-30m"], ["--rows", "nosuch:64"], ["--rows", "tiny:0"],
+                                  ["--cluster", "nosuch"]])
+def test_bad_rows_or_profile_are_refused_with_one_line(bench, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--device", "cpu", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].split(": error: ")[1].startswith("--")
