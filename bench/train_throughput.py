@@ -363,7 +363,7 @@ class HF(Runner):
 
     def _step(self) -> float:
         t = self.cfg.train
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed as the floats were
         for _ in range(t.grad_accum):  # equal micro-batches: the mean of their mean losses is the step's
             batch = self.data.batch(self.sampler.take(t.micro_batch_size))  # (B, S + 1)
             batch = batch.to(self.device)
@@ -372,15 +372,18 @@ class HF(Runner):
             with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.bf16):
                 loss = self.model(input_ids=inputs, labels=labels, shift_labels=labels).loss / t.grad_accum
             loss.backward()
-            total += loss.item()
-        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True).item()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=True)
         tokens = labels.numel() * t.grad_accum
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.steps_done, t, tokens, tokens)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return total
+        # One read of the step's loss and norm, after the update is queued: the wait our Trainer has, so neither
+        # side's step time carries host syncs the other's does not (HF's Trainer reads only at logging steps).
+        loss, self.grad_norm = torch.stack([total, grad_norm.double()]).tolist()
+        return loss
 
 
 def time_alternating(runners: dict, warmup: int, steps: int, rounds: int) -> tuple[dict, dict, dict]:

@@ -119,13 +119,85 @@ def test_fp32_gradient_accumulation_buffers(tiny_config):
     assert all(buf.abs().sum() == 0 for buf in mixed.optimizer.main_grads)
 
 
-def test_nan_loss_is_reported_with_the_step(tiny_config):
-    trainer = Trainer(tiny_config(), quiet=True)
+def optimizer_state(trainer, parameters=True):
+    """Every value an optimizer step may change: parameters, masters, moments, step counts."""
+    inner = trainer.optimizer.inner
+    return ([p.detach().clone() for p in trainer.model.parameters()] * parameters
+            + [m.detach().clone() for m in trainer.optimizer.masters]
+            + [v.clone() for state in inner.state.values() for v in state.values()])
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_nan_loss_is_reported_with_the_step_and_its_update_is_not_applied(tiny_config, impl, precision):
+    trainer = Trainer(tiny_config(**{"train.optimizer_impl": impl, "train.precision": precision}), quiet=True)
     trainer.fit(until=2)
     with torch.no_grad():
         trainer.model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
-    with pytest.raises(TrainingError, match="loss is nan at step 3"):
+    # the masters and moments; under bf16-mixed the parameters are the masters' rounding, rewritten from them
+    before = optimizer_state(trainer, parameters=False)
+    with pytest.raises(TrainingError, match=r"loss is nan at step 3 \(the step's update was not applied\)"):
         trainer.train_step()
+    after = optimizer_state(trainer, parameters=False)
+    assert len(after) == len(before)
+    assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_an_infinite_gradient_with_a_finite_loss_changes_no_weight(tiny_config, impl):
+    trainer = Trainer(tiny_config(**{"train.optimizer_impl": impl}), quiet=True)
+    trainer.fit(until=2)
+    before = optimizer_state(trainer)
+    handle = trainer.model.layers[1].mlp.down_proj.weight.register_hook(lambda g: g * float("inf"))
+    with pytest.raises(TrainingError, match=r"gradient norm is (inf|nan) at step 3 \(the step's update was not"):
+        trainer.train_step()
+    handle.remove()
+    after = optimizer_state(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    # and the run goes on from the same state: the next step is the one a fresh run takes there
+    record = trainer.train_step()
+    assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+
+
+def test_a_finite_step_told_it_is_finite_is_the_plain_fused_step(tiny_config):
+    """found_inf = 0 on the device: bit for bit the step AdamW takes without it."""
+    plain = Trainer(tiny_config(), quiet=True)
+    told = Trainer(tiny_config(), quiet=True)
+    batch = first_batch(plain, 1)
+    for trainer in (plain, told):
+        trainer.accumulate_gradients(*batch)
+    plain.optimizer.fused = False  # reads the verdict on the host, then AdamW without found_inf
+    for p in plain.optimizer.inner.param_groups:
+        assert p["fused"]
+    plain.optimizer.step(1e-3, 1.0)
+    told.optimizer.step(1e-3, 1.0, torch.tensor(2.5))
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(plain), optimizer_state(told)))
+
+
+def test_a_step_reads_nothing_back_before_its_update_is_queued(tiny_config, monkeypatch):
+    """The step's one wait for the device comes after the optimizer has queued the update, so a GPU never idles
+    while the host works through the optimizer's launches."""
+    trainer = Trainer(tiny_config(**{"train.precision": "bf16-mixed"}), quiet=True)
+    trainer.train_step()
+    events = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def reading(self, *args, _name=name, _original=original, **kwargs):
+            events.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, reading)
+    step = trainer.optimizer.step
+
+    def stepping(*args, **kwargs):
+        out = step(*args, **kwargs)
+        events.append("update queued")
+        return out
+    monkeypatch.setattr(trainer.optimizer, "step", stepping)
+    trainer.train_step()
+    assert "update queued" in events
+    assert events.index("update queued") == 0, events
+    assert events[1] == "tolist", events  # the loss, the gradient norm and the token count, read together
 
 
 def test_loss_decreases(tiny_config):

@@ -91,8 +91,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk)
             # d loss / d logits = softmax - one-hot of the target, per kept token, times the output's gradient
             probs = F.linear(flat[rows], weight).float().sub_(lse[rows, None]).exp_()
-            hit = mine[rows].nonzero().squeeze(1)
-            probs[hit, local[rows][hit]] -= 1.0
+            # -1 at each kept target this rank holds, -0.0 (x + -0.0 == x) on every other row: no nonzero(),
+            # whose size the host must wait for in the middle of the backward
+            target = local[rows].clamp(0, probs.shape[1] - 1)[:, None]
+            probs.scatter_add_(1, target, -mine[rows, None].to(probs.dtype))
             probs *= scale[rows, None]
             g = probs.to(flat.dtype)
             del probs

@@ -59,7 +59,8 @@ class MasterWeightAdamW:
         rest = [m for n, m in zip(self.names, self.masters) if is_no_decay(n)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         self.chunks = step_chunks(self.names)
-        impl = {"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": True}
+        self.fused = cfg.optimizer_impl == "fused"
+        impl = {"fused": True} if self.fused else {"foreach": True}
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
     def _own_gradients(self) -> list[torch.Tensor | None]:
@@ -71,12 +72,18 @@ class MasterWeightAdamW:
         return grads
 
     @torch.no_grad()
-    def step(self, lr: float, grad_clip: float) -> torch.Tensor:
+    def step(self, lr: float, grad_clip: float, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip by the global norm, then update chunk by chunk (embeddings, each block, the head).
 
         Stepping one chunk at a time bounds the step's temporaries (the fp32 copy of bf16 gradients,
         foreach AdamW's sqrt(exp_avg_sq)) by the largest chunk instead of the whole model, and frees each
-        chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm."""
+        chunk's gradients as soon as it is updated. Returns the pre-clip gradient norm, on the device.
+
+        A step whose gradient norm or `loss` is not finite changes nothing: not the masters, the moments or
+        the step count. The fused AdamW is told so on the device (its found_inf, the input GradScaler uses),
+        so this method never waits for the device: on a GPU the host queues the whole update while the
+        backward still runs, and a small model's ~270 parameters stop costing the step their launches. The
+        foreach AdamW has no such input; it reads the verdict first."""
         grads = self.gradient_source() if self.gradient_source is not None else self._own_gradients()
         for i, group in self.syncs:
             if grads[i] is not None:
@@ -84,6 +91,11 @@ class MasterWeightAdamW:
 
                 dist.all_reduce(grads[i], group=group)
         norm = self._global_norm(grads)
+        finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
+        if self.fused:
+            self.inner.found_inf = (~finite).float()
+        elif not bool(finite):
+            return norm
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
             group["lr"] = lr

@@ -130,20 +130,25 @@ class Trainer:
         accum = self.ramp.grad_accum if self.ramp is not None else grad_accum_at(self.tokens_seen, cfg)
         inputs, labels = self.global_batch(accum)
         targets = (labels != IGNORE_INDEX).sum()  # the labels that count: B_big of the noise scale
-        loss_value = self.accumulate_gradients(inputs, labels, measure_small_batch=True).item()
-        target_tokens = targets.item()
-        if not math.isfinite(loss_value):
-            raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; lower train.lr, enable "
-                                f"train.grad_clip, or use train.precision=fp32 to locate the overflow")
+        loss = self.accumulate_gradients(inputs, labels, measure_small_batch=True)
         batch_tokens = labels.numel()
         lr = lr_at(self.step, cfg, batch_tokens, self.base_batch_tokens)
-        grad_norm = self.optimizer.step(lr, cfg.grad_clip).item()
+        # The update is queued before anything is read back (a non-finite loss or norm makes it change nothing,
+        # fivefold.train.optim): on a GPU the host runs ahead through the optimizer while the backward
+        # runs, and the step waits for the device once, here, where three waits used to stall it.
+        norm = self.optimizer.step(lr, cfg.grad_clip, loss)
         self.optimizer.zero_grad()
         if self.reducer is not None:
             self.reducer.zero_grad()
+        loss_value, grad_norm, target_tokens = torch.stack([loss.double(), norm.double(), targets.double()]).tolist()
+        target_tokens = int(target_tokens)
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"loss is {loss_value} at step {self.step + 1} (the step's update was not applied); "
+                                f"lower train.lr, enable train.grad_clip, or use train.precision=fp32 to locate the "
+                                f"overflow")
         if not math.isfinite(grad_norm):
-            raise TrainingError(f"gradient norm is {grad_norm} at step {self.step + 1}; lower train.lr "
-                                f"or use train.precision=fp32")
+            raise TrainingError(f"gradient norm is {grad_norm} at step {self.step + 1} (the step's update was not "
+                                f"applied); lower train.lr or use train.precision=fp32")
         self._measure_noise(accum, grad_norm, target_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
