@@ -69,7 +69,8 @@ bench "135m-profile" 150 135m_profile --preset "$M135" --batch 8 --precision bf1
 #     case only: the CPU case's C++ compile took the whole 55 s of the 2026-11-27 lease's try)
 step "cuda-train-tests" 90 "$PY" -m pytest -q -p no:cacheprovider \
     "tests/test_fused_projections.py::test_cuda_compiled_fused_projections_train_as_separate" \
-    "tests/test_fused_projections.py::test_a_compiled_bf16_fused_block_has_the_separate_gradients_and_keeps_no_fused_weight[cuda]"
+    "tests/test_fused_projections.py::test_a_compiled_bf16_fused_block_has_the_separate_gradients_and_keeps_no_fused_weight[cuda]" \
+    "tests/test_train.py::test_a_cuda_step_waits_for_the_device_only_after_its_update_is_queued"
 # (g) the Triton RMSNorm / SwiGLU / RoPE (train.kernels=triton) against eager and compiled PyTorch at the 1B
 #     layer, fwd+bwd: train.kernels stays torch by default until they beat the compiled blocks, the training
 #     default on CUDA (the 0.61-0.72x is against eager). On a CPU a correctness check only.

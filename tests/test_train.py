@@ -403,3 +403,37 @@ def test_measured_cuda_peak_is_below_the_datasheet():
     if datasheet is None:
         pytest.skip(f"no hardware profile describes {torch.cuda.get_device_name(device)}")
     assert 0.6 * datasheet[0] < measure_cuda_peak_flops(device, torch.bfloat16) < datasheet[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_step_waits_for_the_device_only_after_its_update_is_queued(tiny_config):
+    """CUDA's sync debug mode flags every implicit wait (a read, a copy from pageable memory, nonzero): from the
+    forward of the first micro-batch to the queued update there is none, micro-batches and bf16 included."""
+    import warnings
+
+    trainer = Trainer(tiny_config(**{"train.device": "cuda", "train.precision": "bf16-mixed", "train.grad_accum": 2,
+                                     "train.micro_batch_size": 2, "train.compile": "false"}), quiet=True)
+    trainer.train_step()
+    marks = {}
+    accumulate, step = trainer.accumulate_gradients, trainer.optimizer.step
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def accumulating(*args, **kwargs):
+            marks["forward"] = len(caught)
+            return accumulate(*args, **kwargs)
+
+        def stepping(*args, **kwargs):
+            out = step(*args, **kwargs)
+            marks["queued"] = len(caught)
+            return out
+        trainer.accumulate_gradients, trainer.optimizer.step = accumulating, stepping
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught[marks["forward"]:marks["queued"]] if "synchroniz" in str(w.message)]
+    assert syncs == [], syncs
+    assert any("synchroniz" in str(w.message) for w in caught[marks["queued"]:])  # the mode did flag the read

@@ -62,6 +62,7 @@ class AllReduceBucket:
         self.ready = 0
         self.buffer: torch.Tensor | None = None
         self.work = None
+        self.present: list[bool] = []  # which of the parameters had a gradient on this rank
 
 
 class BucketedAllReduce(TimedWaits):
@@ -96,12 +97,22 @@ class BucketedAllReduce(TimedWaits):
 
     def _launch(self, bucket: AllReduceBucket) -> None:
         grads = [self.grad_of(p) for p in bucket.params]
-        # Parameters that got no gradient this step contribute zeros, so every rank reduces equal shapes;
-        # a count of the ranks that had one rides along, so that a parameter no rank touched keeps no
-        # gradient (the optimizer then leaves it alone, as one process would: an expert no token chose).
-        had = torch.tensor([g is not None for g in grads], dtype=torch.float32, device=bucket.params[0].device)
-        bucket.buffer = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
-                                   for g, p in zip(grads, bucket.params)] + [had])
+        bucket.present = [g is not None for g in grads]
+        flat = [(g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, bucket.params)]
+        if not self.overlap:
+            # Parameters that got no gradient here contribute zeros, so every rank reduces equal shapes; a count
+            # of the ranks that had one rides along, so that a parameter no rank touched keeps no gradient (the
+            # optimizer then leaves it alone, as one process would: an expert no token chose). Filled on the
+            # device: a list copied from the host would make the host wait for the device mid-backward.
+            had = torch.ones(len(grads), dtype=torch.float32, device=bucket.params[0].device)
+            for i, present in enumerate(bucket.present):
+                if not present:
+                    had[i] = 0.0
+            flat.append(had)
+        # Overlapped buckets hold parameters that get a gradient on every rank or on none (the same layers
+        # run everywhere; experts, which may not, are reduced with overlap=False): their presence here is
+        # every rank's, and finish() need not read it back from the device.
+        bucket.buffer = torch.cat(flat)
         for p in bucket.params:
             p.grad = None  # the bucket holds it now
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
@@ -115,7 +126,7 @@ class BucketedAllReduce(TimedWaits):
                 self._launch(bucket)
             self.wait(bucket.work)
             offset = 0
-            had = bucket.buffer[-len(bucket.params):].tolist()
+            had = bucket.present if self.overlap else bucket.buffer[-len(bucket.params):].tolist()
             for p, count in zip(bucket.params, had):
                 if count:
                     self.reduced[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)

@@ -317,7 +317,8 @@ class ParallelModel:
                 reducer.finish()
             dist.all_reduce(loss, group=self.mesh.pp_group)  # only the last stage has it
             return self.sum_over_batch(loss)
-        micro_batches = torch.arange(len(inputs)).split(micro)
+        # slices, not index tensors: a host index applied to a GPU batch is copied over and waits for the device
+        micro_batches = [slice(start, start + micro) for start in range(0, len(inputs), micro)]
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if reducer is not None:
