@@ -67,10 +67,11 @@ def train_lines(d: dict) -> list[str]:
                 f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%")
         if r.get("ratio_vs_hf") is not None and r["impl"] == "ours":
             line += f", {r['ratio_vs_hf']:.2f}x HF"
-        if r["impl"] == "ours-separate":  # --fused-projections both: the fused row against this one
-            fused = next(x for x in d["results"] if x["impl"] == "ours" and x["precision"] == r["precision"]
-                         and x["compiled"] == r["compiled"])
-            line += f", fused {fused['tokens_per_s'] / r['tokens_per_s']:.3f}x separate"
+        if r["impl"] in ("ours-separate", "ours-waiting"):  # --fused-projections / --waits both: ours against it
+            ours = next(x for x in d["results"] if x["impl"] == "ours" and x["precision"] == r["precision"]
+                        and x["compiled"] == r["compiled"])
+            what = "fused {:.3f}x separate" if r["impl"] == "ours-separate" else "reading once {:.3f}x waiting"
+            line += ", " + what.format(ours["tokens_per_s"] / r["tokens_per_s"])
         if r["precision"] == "fp8" and r["compiled"] in bf16:
             line += f", {r['tokens_per_s'] / bf16[r['compiled']]['tokens_per_s']:.2f}x our bf16"
         if "predicted_error" in r:

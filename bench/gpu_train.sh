@@ -53,12 +53,14 @@ fi
 #     123 s, 1b-fit 35, fp8-3b 87; 135m overran 80 s with two cold compiles (64 s once inductor's cache was warm).
 #     The compiled loss (train.compile) adds two small graphs to each compiled run of ours; 1b-fit has 150 s
 #     for a fresh machine's cold inductor cache (35 s warm).
-#     --fused-projections both: ours with q/k/v and gate/up fused (train.fused_projections=true, the planner's
-#     best for this shape: 75 ms against 81 separate) and ours separate, one more compile: 50 s more.
+#     --waits both: ours (one read from the device a step, after the update is queued) beside the same Trainer
+#     made to wait where the step used to (for the loss before the optimizer, for the norm after it): the host
+#     work the device idled through, at the size where it weighs most. One more compile: ~50 s. (Fused against
+#     separate projections, the planner's 75 against 81 ms, measured equal at 2026-11-27's lease: 94.7 / 93.8.)
 #     12 steps in 3 windows of 4 a side: at 2026-11-27's one step a window, the three sides' medians lay within
 #     1.5% (93.8-95.1 ms) while single steps ran 78-106 ms, as if each switch between three models cost a step
 #     something (allocator, caches, clocks); steps inside a window show whether it does.
-bench "135m" 190 135m --preset "$M135" --batch 8 --precision bf16 --compile on --fused-projections both --steps 12 \
+bench "135m" 190 135m --preset "$M135" --batch 8 --precision bf16 --compile on --waits both --steps 12 \
     --rounds 3
 # (f) one profiled step of each side of (e): kernel time against wall time and the top kernels, to say where
 #     the 135M step differs from HF's (bench/results/train_throughput_135m_profile_<gpu>.json, "profiles_bf16")
@@ -78,6 +80,9 @@ step "kernels" 60 "$PY" bench/kernels.py --device "$DEVICE" --json "bench/result
 # (h) each linear's three products at the rows' token counts, against the planner's price for each, and the
 #     matmul knee that prices them best (the 1B and 3B rows read 10-14% slow, published runs optimistic)
 step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/results/matmul_shapes_$gpu.json"
+# (i) the optimizer step's host work against its device time over smollm2-135m's 272 parameters: what the
+#     device idled through while the step waited for the loss before queueing the update (it no longer does)
+step "optimizer-host" 30 "$PY" bench/optimizer_host.py --device "$DEVICE" --json "bench/results/optimizer_host_$gpu.json"
 
 print_steps
 "$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile}_"$gpu".json

@@ -81,6 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--fused-projections", choices=["auto", "true", "false", "both"], default="auto",
                    help="our train.fused_projections (q/k/v and gate/up as one GEMM each); both: time ours fused "
                         "(\"ours\") and separate (\"ours-separate\") side by side")
+    p.add_argument("--waits", choices=["once", "both"], default="once",
+                   help="both: beside ours (one read from the device a step, after the update is queued), "
+                        "\"ours-waiting\", the same Trainer made to wait as it did before 2026-11-27: for the loss "
+                        "before the optimizer, and for the gradient norm after it")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--profile", action="store_true",
                    help="profile one bf16 step of ours and of HF (top ops; on CUDA kernel time against wall time)")
@@ -108,6 +112,10 @@ def parse_args(argv=None):
     args.rounds = min(args.rounds or args.steps, args.steps)
     if args.warmup < 1 and args.compile != "off":
         p.error("--compile needs --warmup >= 1: the first step compiles")
+    if args.fused_projections == "both" and args.waits == "both":
+        p.error("--fused-projections both and --waits both: choose one pair of our runners to compare")
+    if args.waits == "both" and args.fit:
+        p.error("--waits both times two of our runners at --batch: leave out --fit")
     if args.fused_projections == "both" and args.fit:
         p.error("--fused-projections both times two of our runners at --batch: leave out --fit")
     if args.fit and not args.skip_hf:
@@ -330,6 +338,28 @@ class Ours(Runner):
         record = self.trainer.train_step()
         self.grad_norm = record["grad_norm"]
         return record["loss"]
+
+
+class OursWaiting(Ours):
+    """Ours, made to wait for the device where the Trainer's step used to: for the loss once the backward is
+    queued (before the optimizer), and for the gradient norm once the update is. On a GPU the difference from
+    `Ours` is the host's optimizer work and launch latency the device sat idle through."""
+
+    def __init__(self, cfg, datasets):
+        super().__init__(cfg, datasets)
+        trainer = self.trainer
+        accumulate, step = trainer.accumulate_gradients, trainer.optimizer.step
+
+        def accumulate_then_wait(*args, **kwargs):
+            loss = accumulate(*args, **kwargs)
+            loss.item()
+            return loss
+
+        def step_then_wait(*args, **kwargs):
+            norm = step(*args, **kwargs)
+            norm.item()
+            return norm
+        trainer.accumulate_gradients, trainer.optimizer.step = accumulate_then_wait, step_then_wait
 
 
 class HF(Runner):
@@ -587,7 +617,8 @@ def main(argv=None) -> dict:
             release_memory(args.device)
     configs = {}  # each row's exact Config, for the planner's predictions: (precision, compiled, impl) -> Config
     # --fused-projections both: ours fused and ours separate, as two runners of the same shapes
-    ours = {"ours": "true", "ours-separate": "false"} if args.fused_projections == "both" else {"ours": ""}
+    ours = ({"ours": "true", "ours-separate": "false"} if args.fused_projections == "both" else
+            {"ours": "", "ours-waiting": ""} if args.waits == "both" else {"ours": ""})
 
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results, schedule = [], {}
@@ -605,7 +636,8 @@ def main(argv=None) -> dict:
                 if (impl, compiled) in checked:  # the checked pair, one warmup step already done
                     makers[impl, compiled] = lambda runner=checked.pop((impl, compiled)): runner
                 elif impl in ours:
-                    makers[impl, compiled] = lambda cfg=cfg: Ours(cfg, datasets)
+                    runner = OursWaiting if impl == "ours-waiting" else Ours
+                    makers[impl, compiled] = lambda cfg=cfg, runner=runner: runner(cfg, datasets)
                 else:
                     makers[impl, compiled] = lambda cfg=cfg, compiled=compiled: HF(
                         cfg, datasets, initial, bf16=precision != "fp32", compiled=compiled)
@@ -685,7 +717,7 @@ def main(argv=None) -> dict:
            "settings": {"preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
                         "grad_accum": args.grad_accum, "fit": args.fit, "skip_hf": args.skip_hf,
-                        "sequential": args.sequential, "fused_projections": args.fused_projections,
+                        "sequential": args.sequential, "fused_projections": args.fused_projections, "waits": args.waits,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
         write_results(json_path(args.json, device_slug(args.device)), out)

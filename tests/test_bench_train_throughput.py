@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fivefold.config_load import load_config
 from fivefold.memory.formulas import count_params
@@ -134,9 +135,35 @@ def test_fit_trains_ours_at_the_planners_micro_batch_keeping_the_step(bench, dat
     assert row["micro_batch_size"] * row["grad_accum"] == 8 and row["micro_batch_size"] > 2
 
 
+def test_waits_both_times_ours_beside_the_same_trainer_made_to_wait(bench, data_cache, tmp_path, monkeypatch):
+    """--waits both: "ours-waiting" is our Trainer reading the loss before its update and the norm after it, as
+    the step did before it read once; both train the same weights (here, a CPU, at the same losses)."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", data_cache)
+    out = tmp_path / "waits.json"
+    reads = []
+    item = torch.Tensor.item
+
+    def counted(self):
+        reads.append(self.shape)
+        return item(self)
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+    bench.main(["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "2", "--precision", "fp32",
+                "--skip-hf", "--waits", "both", "--json", str(out)])
+    data = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in data["results"]}
+    assert set(rows) == {"ours", "ours-waiting"} and data["settings"]["waits"] == "both"
+    assert all(len(r["step_times_s"]) == 2 for r in rows.values())
+    # at least the waiting runner's two reads a step (a warm-up and two timed steps)
+    assert len(reads) >= 6 and all(shape == torch.Size([]) for shape in reads)
+
+
 def test_fused_projections_both_is_refused_with_fit(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--fused-projections", "both", "--fit", "--skip-hf", "--device-memory", "80"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--waits", "both", "--fused-projections", "both"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--waits", "both", "--fit", "--skip-hf", "--device-memory", "80"])
 
 
 def test_fit_is_refused_beside_hf_and_without_a_memory(bench):
