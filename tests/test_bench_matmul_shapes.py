@@ -1,12 +1,12 @@
 """bench/matmul_shapes.py: the step's products timed against the step-time model's price, and the knee fit."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from bench_modules import bench_module
 
 from fivefold.planner.speed import matmul_seconds
 
@@ -15,10 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("matmul_shapes", ROOT / "bench/matmul_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with bench_module("matmul_shapes") as module:
+        yield module
 
 
 def test_the_fit_recovers_the_knee_and_efficiency_that_made_the_times(bench):

@@ -1,23 +1,15 @@
 """bench/optimizer_host.py: the optimizer step's host time over a model's own parameter list."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # its `machine` helper
-    spec = importlib.util.spec_from_file_location("optimizer_host", ROOT / "bench/optimizer_host.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(ROOT / "bench"))
+    with bench_module("optimizer_host") as module:
+        yield module
 
 
 def test_both_adamws_are_timed_over_the_presets_parameters(bench, tmp_path):

@@ -1,20 +1,13 @@
 """bench/serve.py end to end on a tiny model (no transformers reference, no roofline): the engine's other
 paths (--paths) and quantized weights (--quant) beside the main run, and the GPU summary of that file."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_modules import bench_module
 
 
 def test_paths_and_quantized_weights_beside_the_main_run(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "bench"))  # serve_client, gpu_summary
-    try:
-        spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "bench/serve.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
+    with bench_module("serve", "serve_bench") as bench:  # with serve_client, gpu_summary
         out_json = tmp_path / "serve.json"
         out = bench.main(["--model", "tiny", "--requests", "6", "--max-prompt", "48", "--max-output", "12",
                           "--skip-hf", "--skip-roofline", "--decode-reps", "1", "--decode-prompt", "16",
@@ -22,8 +15,6 @@ def test_paths_and_quantized_weights_beside_the_main_run(tmp_path, capsys):
         import gpu_summary
 
         gpu_summary.main(["serve", str(out_json)])
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
     printed = capsys.readouterr().out
     paths = out["paths"]
     # On a CPU there are no graphs: the eager-decode variant is the main run, and is left out.

@@ -4,13 +4,12 @@ runner the plan says cannot fit at all. The shapes are the GPU benchmark's (benc
 card; nothing here needs a GPU (the plan is arithmetic). Tiny CPU runs check the --skip-hf, --sequential and
 --fit paths end to end, and the GPU scripts' summaries (bench/gpu_summary.py) read real result files."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_modules import bench_module
 
 from fivefold.config_load import load_config
 from fivefold.memory.formulas import count_params
@@ -21,12 +20,8 @@ H100 = 80 * 10**9  # bytes: an H100 80GB (torch.cuda.mem_get_info reports ~79.2e
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # its `machine` helper
-    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench/train_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(ROOT / "bench"))
+    with bench_module("train_throughput") as module:
+        yield module
 
 
 def _cfg(preset, precision, batch):

@@ -91,10 +91,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk)
             # d loss / d logits = softmax - one-hot of the target, per kept token, times the output's gradient
             probs = F.linear(flat[rows], weight).float().sub_(lse[rows, None]).exp_()
-            # -1 at each kept target this rank holds, -0.0 (x + -0.0 == x) on every other row: no nonzero(),
-            # whose size the host must wait for in the middle of the backward
-            target = local[rows].clamp(0, probs.shape[1] - 1)[:, None]
-            probs.scatter_add_(1, target, -mine[rows, None].to(probs.dtype))
+            # 1 off each kept target this rank holds, 0 off one logit of every other row (x - 0 == x): no nonzero(),
+            # whose size the host would wait for in the middle of the backward
+            target = local[rows].clamp(0, probs.shape[1] - 1)
+            row = torch.arange(len(target), device=probs.device)
+            probs[row, target] -= mine[rows].to(probs.dtype)
             probs *= scale[rows, None]
             g = probs.to(flat.dtype)
             del probs

@@ -215,9 +215,8 @@ class Trainer:
             inputs, labels = (t.to(self.device) for t in self.data.val.pairs(mine or rows[:1]))
             inputs, labels, docs = self.parallel.local_columns(inputs, labels)
             loss = self.parallel.eval_loss_sum(inputs, labels, docs)
-            if mine:
-                counted = (labels != IGNORE_INDEX).sum().item()
-                totals += torch.tensor([loss.item(), counted], dtype=torch.float64, device=self.device)
+            if mine:  # summed on the device: the evaluation waits for it once, at the end
+                totals += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         self.parallel.sum_over_batch(totals)
         return (totals[0] / totals[1]).item()
 
