@@ -1,5 +1,6 @@
 """The host's part of one optimizer step: how long `MasterWeightAdamW.step` takes to return, over a model's own
-parameter list, for the fused and the foreach AdamW.
+parameter list, for the fused and the foreach AdamW, beside torch.optim.AdamW.step called once over fp32 copies
+of the same parameters (the reference: a plain loop's optimizer, without chunks, clipping or bf16 copies).
 
     python bench/optimizer_host.py [--preset smollm2-135m] [--device cpu|cuda] [--json FILE]
 
@@ -21,6 +22,7 @@ import torch
 from machine import base_info, write_results
 
 from fivefold.config import TrainConfig
+from fivefold.memory.formulas import is_no_decay
 from fivefold.model.init import build_model
 from fivefold.presets import get_preset
 from fivefold.train.optim import MasterWeightAdamW
@@ -29,31 +31,51 @@ NARROW = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, 
           "vocab_size": 256}
 
 
-def time_step(model: torch.nn.Module, impl: str, device: str, steps: int) -> dict:
+def time_steps(model: torch.nn.Module, impl: str, device: str, steps: int) -> dict:
+    """Ours (MasterWeightAdamW.step: clip, then chunk by chunk) and, step for step in turn, the reference:
+    torch.optim.AdamW.step once over fp32 copies of all the parameters in the same two groups, as a plain
+    training loop calls it (no chunks, no clipping, no bf16 copies to write back)."""
     cfg = TrainConfig(precision="bf16-mixed", optimizer_impl=impl)
-    optimizer = MasterWeightAdamW(model, cfg)
+    ours = MasterWeightAdamW(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    host, device_s = [], []
-    for i in range(steps + 2):  # two warm-up steps: state allocation, first launches
+    masters = [p.detach().float() for p in params]
+    groups = [{"params": [m for n, m in zip(ours.names, masters) if not is_no_decay(n)], "weight_decay": 0.1},
+              {"params": [m for n, m in zip(ours.names, masters) if is_no_decay(n)], "weight_decay": 0.0}]
+    reference = torch.optim.AdamW(groups, lr=1e-4, **({"fused": True} if impl == "fused" else {"foreach": True}))
+
+    def ours_step():
         for p in params:
             p.grad = torch.ones_like(p)
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start_event.record()
-        start = time.perf_counter()
-        optimizer.step(1e-4, 1.0)
-        returned = time.perf_counter() - start
-        if device == "cuda":
-            end_event.record()
-            torch.cuda.synchronize()
-        if i >= 2:
-            host.append(returned)
+        return lambda: ours.step(1e-4, 1.0)
+
+    def reference_step():
+        for m in masters:
+            m.grad = torch.ones_like(m)
+        return reference.step
+
+    times = {"ours": ([], []), "reference": ([], [])}
+    for i in range(steps + 2):  # two warm-up steps each: state allocation, first launches
+        for name, prepare in (("ours", ours_step), ("reference", reference_step)):
+            call = prepare()
             if device == "cuda":
-                device_s.append(start_event.elapsed_time(end_event) / 1e3)
-    out = {"impl": impl, "host_s_median": statistics.median(host), "host_s_min": min(host)}
-    if device_s:
-        out["device_s_median"] = statistics.median(device_s)
+                torch.cuda.synchronize()
+                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_event.record()
+            start = time.perf_counter()
+            call()
+            returned = time.perf_counter() - start
+            if device == "cuda":
+                end_event.record()
+                torch.cuda.synchronize()
+            if i >= 2:
+                times[name][0].append(returned)
+                if device == "cuda":
+                    times[name][1].append(start_event.elapsed_time(end_event) / 1e3)
+    out = {"impl": impl}
+    for name, (host, device_s) in times.items():
+        out[name] = {"host_s_median": statistics.median(host), "host_s_min": min(host)}
+        if device_s:
+            out[name]["device_s_median"] = statistics.median(device_s)
     return out
 
 
@@ -74,12 +96,16 @@ def main(argv=None) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     print(f"{args.preset}: {len(params)} parameters, {sum(p.numel() for p in params) / 1e6:.2f}M elements"
           f"{' (width 64: the host work alone)' if args.device == 'cpu' else ''}, on {args.device}")
-    rows = [time_step(model, impl, args.device, args.steps) for impl in ("fused", "foreach")]
+    rows = [time_steps(model, impl, args.device, args.steps) for impl in ("fused", "foreach")]
     for r in rows:
-        line = f"  {r['impl']:<8} host {1e3 * r['host_s_median']:.2f} ms a step (best {1e3 * r['host_s_min']:.2f})"
-        if "device_s_median" in r:
-            line += f", device {1e3 * r['device_s_median']:.2f} ms"
-        print(line)
+        for name in ("ours", "reference"):
+            t = r[name]
+            line = (f"  {r['impl']:<8} {name:<10} host {1e3 * t['host_s_median']:.2f} ms a step "
+                    f"(best {1e3 * t['host_s_min']:.2f})")
+            if "device_s_median" in t:
+                line += f", device {1e3 * t['device_s_median']:.2f} ms"
+            print(line)
+        print(f"  {r['impl']:<8} ours / reference host time: {r['ours']['host_s_median'] / r['reference']['host_s_median']:.2f}x")
     out = {"machine": base_info(), "preset": args.preset, "device": args.device, "parameters": len(params),
            "rows": rows}
     if args.device == "cuda":

@@ -159,19 +159,34 @@ def test_an_infinite_gradient_with_a_finite_loss_changes_no_weight(tiny_config, 
     assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
 
-def test_a_finite_step_told_it_is_finite_is_the_plain_fused_step(tiny_config):
-    """found_inf = 0 on the device: bit for bit the step AdamW takes without it."""
-    plain = Trainer(tiny_config(), quiet=True)
-    told = Trainer(tiny_config(), quiet=True)
-    batch = first_batch(plain, 1)
-    for trainer in (plain, told):
-        trainer.accumulate_gradients(*batch)
-    plain.optimizer.fused = False  # reads the verdict on the host, then AdamW without found_inf
-    for p in plain.optimizer.inner.param_groups:
-        assert p["fused"]
-    plain.optimizer.step(1e-3, 1.0)
-    told.optimizer.step(1e-3, 1.0, torch.tensor(2.5))
-    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(plain), optimizer_state(told)))
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_the_chunked_update_is_torch_adamw_step_bit_for_bit(tiny_config, impl):
+    """MasterWeightAdamW calls the functional AdamW chunk by chunk (told on the device that the step is finite):
+    masters, moments and step counts equal torch.optim.AdamW.step's over the same gradients, bit for bit."""
+    from fivefold.memory.formulas import is_no_decay
+
+    trainer = Trainer(tiny_config(**{"train.optimizer_impl": impl, "train.precision": "bf16-mixed"}), quiet=True)
+    opt, t = trainer.optimizer, trainer.cfg.train
+    masters = [m.detach().clone() for m in opt.masters]
+    groups = [{"params": [m for n, m in zip(opt.names, masters) if not is_no_decay(n)], "weight_decay": t.weight_decay},
+              {"params": [m for n, m in zip(opt.names, masters) if is_no_decay(n)], "weight_decay": 0.0}]
+    reference = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                  **({"fused": True} if impl == "fused" else {"foreach": True}))
+    for step in range(3):
+        trainer.accumulate_gradients(*trainer.global_batch(1))
+        for m, p in zip(masters, trainer.model.parameters()):
+            m.grad = p.grad.float()
+        norm = opt.step(1e-3 * (step + 1), 0.0, torch.tensor(2.5))
+        opt.zero_grad()
+        for group in reference.param_groups:
+            group["lr"] = 1e-3 * (step + 1)
+        reference.step()
+        reference.zero_grad()
+        assert math.isfinite(float(norm))
+    assert all(torch.equal(a, b) for a, b in zip(opt.masters, masters))
+    for ours, ref in zip(opt.masters, masters):
+        mine, theirs = opt.inner.state[ours], reference.state[ref]
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
 def test_a_step_reads_nothing_back_before_its_update_is_queued(tiny_config, monkeypatch):

@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
 from fivefold.checkpoint.pieces import Piece
 from fivefold.config import TrainConfig, parse_batch_schedule
@@ -61,7 +62,11 @@ class MasterWeightAdamW:
         self.chunks = step_chunks(self.names)
         self.fused = cfg.optimizer_impl == "fused"
         impl = {"fused": True} if self.fused else {"foreach": True}
+        # Holds the moments and step counts (checkpoints read them through it); the update itself calls the
+        # functional AdamW on each chunk's own parameters, where AdamW.step would walk every parameter of
+        # both groups once per chunk to find the few with a gradient (bench/optimizer_host.py).
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+        self.weight_decay = [0.0 if is_no_decay(n) else cfg.weight_decay for n in self.names]
 
     def _own_gradients(self) -> list[torch.Tensor | None]:
         if self.main_grads is not None:
@@ -93,9 +98,8 @@ class MasterWeightAdamW:
                 dist.all_reduce(grads[i], group=group)
         norm = self._global_norm(grads)
         finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
-        if self.fused:
-            self.inner.found_inf = (~finite).float()
-        elif not bool(finite):
+        found_inf = (~finite).float() if self.fused else None
+        if not self.fused and not bool(finite):
             return norm
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
@@ -108,7 +112,8 @@ class MasterWeightAdamW:
                 grads[i] = None
             if coef is not None:
                 torch._foreach_mul_([m.grad for m in masters], coef)
-            self.inner.step()  # AdamW skips parameters without a gradient: only this chunk moves
+            for decay in {self.weight_decay[i] for i in stepped}:  # AdamW's groups: decayed, not decayed
+                self._adamw([self.masters[i] for i in stepped if self.weight_decay[i] == decay], lr, decay, found_inf)
             if self.sharding is not None:
                 self.sharding.publish(stepped)
             elif self.mixed and stepped:
@@ -120,6 +125,19 @@ class MasterWeightAdamW:
         for hook in self.after_update:
             hook()
         return norm
+
+    def _adamw(self, masters: list[torch.Tensor], lr: float, weight_decay: float,
+               found_inf: torch.Tensor | None) -> None:
+        """torch.optim.AdamW's update of `masters` (each holding its .grad), through the functional AdamW that
+        AdamW.step calls, on the moments and step counts AdamW.step would use."""
+        for m in masters:
+            self.moment(m, "exp_avg")  # created at zero, as AdamW.step creates them, where this is the first step
+        states = [self.inner.state[m] for m in masters]
+        beta1, beta2 = self.inner.defaults["betas"]
+        adam(masters, [m.grad for m in masters], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+             [], [s["step"] for s in states], foreach=not self.fused, fused=self.fused, found_inf=found_inf,
+             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+             weight_decay=weight_decay, eps=self.inner.defaults["eps"], maximize=False)
 
     def _global_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         if self.sharding is None and self.tp_group is None and self.pp_group is None and self.ep_group is None:
