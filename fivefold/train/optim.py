@@ -37,7 +37,7 @@ class MasterWeightAdamW:
         self.sharding, self.tp_group, self.pp_group, self.ep_group = sharding, tp_group, pp_group, ep_group
         self.syncs: list[tuple[int, object]] = []  # (parameter index, group summing its gradient)
         self.uncounted: set[int] = set()  # copies of a parameter counted elsewhere in the norm
-        self._masks: dict[tuple[int, ...], list[torch.Tensor]] = {}  # local_squares' kinds, by parameter set
+        self._rows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # local_squares' kind rows, by parameter set
         if sharding is not None:
             self.masters = list(sharding.masters)
         elif self.mixed:
@@ -159,20 +159,23 @@ class MasterWeightAdamW:
             return torch.zeros(4, device=self.masters[0].device)
         norms = torch.stack(torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float32))
         squares = norms.square()
-        return torch.stack([squares[mask].sum() for mask in self._kind_masks(tuple(present), norms.device)])
+        return torch.stack([squares.index_select(0, rows).sum()
+                            for rows in self._kind_rows(tuple(present), norms.device)])
 
-    def _kind_masks(self, present: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
-        """Boolean masks over `present` picking each kind (whole, tp, ep, tp and ep), made once per set of
-        parameters: a step asks for the same sets every time (all, or a pipeline chunk's)."""
-        masks = self._masks.get(present)
-        if masks is None:
-            if len(self._masks) >= 16:  # sets that vary (experts no token reached): keep the cache bounded
-                self._masks.clear()
+    def _kind_rows(self, present: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+        """Positions in `present` of each kind (whole, tp, ep, tp and ep), on the device, made once per set of
+        parameters: a step asks for the same sets every time (all, or a pipeline chunk's). Index lists, not
+        boolean masks: selecting by a mask needs its count on the host, a wait for the device mid-step."""
+        rows = self._rows.get(present)
+        if rows is None:
+            if len(self._rows) >= 16:  # sets that vary (experts no token reached): keep the cache bounded
+                self._rows.clear()
             # kind: bit 0 = a tensor-parallel shard, bit 1 = an expert of this rank only
-            kind = torch.tensor([self.placements[i].tp_sharded + 2 * self.placements[i].expert for i in present]
-                                if self.placements else [0] * len(present), device=device)
-            masks = self._masks[present] = [kind == k for k in range(4)]
-        return masks
+            kind = [self.placements[i].tp_sharded + 2 * self.placements[i].expert for i in present] \
+                if self.placements else [0] * len(present)
+            rows = self._rows[present] = [torch.tensor([j for j, k in enumerate(kind) if k == wanted],
+                                                        dtype=torch.long, device=device) for wanted in range(4)]
+        return rows
 
     def reduce_squares(self, parts: torch.Tensor, zero_rows: bool) -> torch.Tensor:
         """|g|^2 of the gradient whose local squares are `parts` (local_squares), summed over every rank
