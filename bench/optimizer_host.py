@@ -21,7 +21,7 @@ import time
 import torch
 from machine import base_info, write_results
 
-from fivefold.config import TrainConfig
+from fivefold.config import ConfigError, TrainConfig
 from fivefold.memory.formulas import is_no_decay
 from fivefold.model.init import build_model
 from fivefold.presets import get_preset
@@ -88,7 +88,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps {args.steps} must be >= 1")
-    model_cfg = get_preset(args.preset)
+    try:
+        model_cfg = get_preset(args.preset)
+    except ConfigError as e:
+        p.error(f"--preset: {e}")
     if args.device == "cpu":
         for key, value in NARROW.items():
             setattr(model_cfg, key, value)

@@ -24,6 +24,9 @@ def test_both_adamws_are_timed_over_the_presets_parameters(bench, tmp_path):
     assert all(0 < t["host_s_min"] <= t["host_s_median"] and "device_s_median" not in t for t in timed)
 
 
-def test_a_step_count_below_one_is_refused(bench):
+def test_a_step_count_below_one_and_an_unknown_preset_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "llama-9"])
+    assert "--preset: unknown preset 'llama-9'" in capsys.readouterr().err

@@ -56,9 +56,11 @@ class MasterWeightAdamW:
         # would be a cycle that keeps every tensor here alive until gc runs.
         self.gradient_source = gradients
         self.after_update: list = []  # called once the parameters hold new values (after a step, or a load)
-        decay = [m for n, m in zip(self.names, self.masters) if not is_no_decay(n)]
-        rest = [m for n, m in zip(self.names, self.masters) if is_no_decay(n)]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+        # AdamW's two groups, decayed and not; each parameter's decay, which the chunked update groups by
+        decays = [not is_no_decay(n) for n in self.names]
+        self.weight_decay = [cfg.weight_decay if d else 0.0 for d in decays]
+        groups = [{"params": [m for m, d in zip(self.masters, decays) if d], "weight_decay": cfg.weight_decay},
+                  {"params": [m for m, d in zip(self.masters, decays) if not d], "weight_decay": 0.0}]
         self.chunks = step_chunks(self.names)
         self.fused = cfg.optimizer_impl == "fused"
         impl = {"fused": True} if self.fused else {"foreach": True}
@@ -66,7 +68,6 @@ class MasterWeightAdamW:
         # functional AdamW on each chunk's own parameters, where AdamW.step would walk every parameter of
         # both groups once per chunk to find the few with a gradient (bench/optimizer_host.py).
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
-        self.weight_decay = [0.0 if is_no_decay(n) else cfg.weight_decay for n in self.names]
 
     def _own_gradients(self) -> list[torch.Tensor | None]:
         if self.main_grads is not None:
