@@ -39,6 +39,32 @@ def test_parameter_inventory_equals_built_model(name):
         assert plan.active_params == plan.params
 
 
+def test_joined_units_stay_within_the_largest_unit():
+    assert formulas.joined_units([10, 3, 3, 3, 1, 10]) == [[0], [1, 2, 3, 4], [5]]
+    assert formulas.joined_units([2, 2, 5, 1, 1]) == [[0, 1], [2], [3, 4]]
+    assert formulas.joined_units([]) == []
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama3.2-1b", "llama3.2-3b", "mixtral-8x7b", "gpt2-xl"])
+def test_the_plan_steps_the_units_the_optimizer_steps(name):
+    """The plan's joined units are the optimizer's chunks (fivefold.train.optim.step_chunks), decayed and not,
+    and none is larger than the largest single unit: joining adds no memory to the step."""
+    from fivefold.memory.plan import _inventory
+    from fivefold.train.optim import step_chunks
+
+    cfg = PRESETS[name]
+    names, numels = zip(*[(n, p.numel()) for n, p in meta_model(cfg).named_parameters()])
+    inventory = _inventory(tuple(formulas.parameter_shapes(cfg)))
+    for join, units in ((True, inventory.joined), (False, inventory.units)):
+        chunks = step_chunks(list(names), list(numels), join)
+        assert [(sum(numels[i] for i in c if not formulas.is_no_decay(names[i])),
+                 sum(numels[i] for i in c if formulas.is_no_decay(names[i]))) for c in chunks] == list(units)
+        assert sorted(i for c in chunks for i in c) == list(range(len(names)))
+    assert max(map(sum, inventory.joined)) == max(map(sum, inventory.units))
+    if name == "smollm2-135m":  # 30 blocks of 3.5M parameters, the 28.3M embedding, the final norm
+        assert (len(inventory.units), len(inventory.joined)) == (32, 6)
+
+
 def test_mixtral_8x7b_total_and_active_parameters():
     """46.7B in total (the released checkpoint's count), 12.9B active per token (Mistral AI's figure)."""
     cfg = PRESETS["mixtral-8x7b"]

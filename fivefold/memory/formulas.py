@@ -163,6 +163,25 @@ def step_chunk_key(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
+def joined_units(sizes) -> list[list[int]]:
+    """Positions of the step units (in order, by numel) that the optimizer steps together: neighbours joined
+    while the joined numel stays within the largest single unit's. The step's temporaries are sized by its
+    largest unit, so joining smaller ones adds none, and each join saves a unit's launches and host work (a
+    small model's blocks are a few million parameters each: smollm2-135m steps 32 units as 6). ZeRO-1/2
+    publish each unit by an all-gather as soon as it is stepped, so a sharded step keeps the units apart."""
+    budget = max(sizes, default=0)
+    groups: list[list[int]] = []
+    total = 0
+    for j, size in enumerate(sizes):
+        if groups and total + size <= budget:
+            groups[-1].append(j)
+            total += size
+        else:
+            groups.append([j])
+            total = size
+    return groups
+
+
 _FP8_WEIGHT = re.compile(r"layers\.\d+\.(attn|mlp)\.(\w+\.)?\w+_proj\.weight")
 
 

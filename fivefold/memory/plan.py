@@ -132,6 +132,7 @@ class _Inventory:
     n: int
     largest: int
     units: tuple[tuple[int, int], ...]  # (decayed, not decayed) numels of each optimizer step unit
+    joined: tuple[tuple[int, int], ...]  # the same of the units an unsharded step takes together
     largest_shared: int  # the largest parameter in a step unit of several (ZeRO-1/2 reassemble it on publish)
     root: int  # outside the blocks: embeddings, final norm, LM head
     blocks: tuple[int, ...]  # each block's
@@ -152,7 +153,10 @@ def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
         if key.startswith("layers."):
             blocks[key] = blocks.get(key, 0) + numel
     n = sum(numel for _, numel in shapes)
-    return _Inventory(n=n, largest=max(numel for _, numel in shapes), units=tuple(map(tuple, units.values())),
+    sizes = list(units.values())
+    joined = tuple((sum(sizes[j][0] for j in group), sum(sizes[j][1] for j in group))
+                   for group in formulas.joined_units([sum(size) for size in sizes]))
+    return _Inventory(n=n, largest=max(numel for _, numel in shapes), units=tuple(map(tuple, sizes)), joined=joined,
                       largest_shared=max((max(m) for m in members.values() if len(m) > 1), default=0),
                       root=n - sum(blocks.values()), blocks=tuple(blocks.values()),
                       head=sum(numel for name, numel in shapes if name.startswith("lm_head.")),
@@ -331,27 +335,30 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     head_grad = d.p * d.vocab * m.hidden_size if last and not adapters else 0.0
     loss_t = loss_backward_bytes(d, head_grad) if last else 0.0
     tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
-    # The optimizer steps one unit (a block, the embedding, the head) at a time; within a unit, foreach
-    # AdamW makes sqrt(exp_avg_sq) per param group, and bf16-mixed an fp32 copy of the unit's gradients.
+    # The optimizer steps one unit (a block, the embedding, the head; unsharded, neighbours joined up to the
+    # largest unit's size) at a time; within a unit, foreach AdamW makes sqrt(exp_avg_sq) per param group,
+    # and bf16-mixed an fp32 copy of the unit's gradients.
     # Without a gradient reducer or fp32 buffers the step takes the .grad tensors over (then they are
-    # temporaries), and releases each bf16 gradient once its fp32 copy is made: a unit then adds 2 bytes
-    # per parameter, and 2 more for the one being copied (at most the largest).
+    # temporaries), and releases a unit's bf16 gradients once one foreach copy has made their fp32 copies:
+    # a unit then adds 4 bytes per parameter while it copies, 2 after.
     handed = memory["gradients"] if dp == 1 and not accum32 else 0.0
     # ZeRO-1/2 all-gather each unit's updated parameters as soon as it is stepped (fivefold.parallel.zero:
     # publish), into a full-size buffer beside the packed local shard, and copy them into the parameters
     # only after the last unit (finish_publish): the buffers pile up through the step.
     publishing = 1 <= zero <= 2 and dp > 1
-    step = published = 0.0
-    for decay, rest in inv.units:
+    step = published = released = 0.0
+    for decay, rest in (inv.units if zero and dp > 1 else inv.joined):  # (the optimizer's step_chunks)
         foreach = 4 * max(shard(decay, 1), shard(rest, 1)) if t.optimizer_impl == "foreach" else 0
         size = shard(decay + rest, 1)
         if not mixed or accum32:
             unit = foreach
-        elif handed:  # the copies made, then either the last copy's bf16 source or foreach's temporaries
-            unit = 2 * size + max(2 * min(size, inv.largest), foreach)
+        elif handed:  # the copies made, then either their bf16 sources or foreach's temporaries
+            unit = 2 * size + max(2 * size, foreach)
         else:
             unit = 4 * size + foreach
-        step = max(step, published + unit)
+        step = max(step, published - released + unit)
+        if handed:  # the unit's gradients, taken over, are released with it
+            released += bpp.gradients * size
         if publishing:
             published += bpp.parameters * (dp + 1) * size
     if publishing:  # a parameter sharing its unit is reassembled from strided rows: one copy at a time

@@ -17,7 +17,7 @@ from torch.optim.adam import adam
 
 from fivefold.checkpoint.pieces import Piece
 from fivefold.config import TrainConfig, parse_batch_schedule
-from fivefold.memory.formulas import is_no_decay, step_chunk_key
+from fivefold.memory.formulas import is_no_decay, joined_units, step_chunk_key
 
 
 class MasterWeightAdamW:
@@ -61,7 +61,7 @@ class MasterWeightAdamW:
         self.weight_decay = [cfg.weight_decay if d else 0.0 for d in decays]
         groups = [{"params": [m for m, d in zip(self.masters, decays) if d], "weight_decay": cfg.weight_decay},
                   {"params": [m for m, d in zip(self.masters, decays) if not d], "weight_decay": 0.0}]
-        self.chunks = step_chunks(self.names)
+        self.chunks = step_chunks(self.names, [m.numel() for m in self.masters], join=sharding is None)
         self.fused = cfg.optimizer_impl == "fused"
         impl = {"fused": True} if self.fused else {"foreach": True}
         # Holds the moments and step counts (checkpoints read them through it); the update itself calls the
@@ -108,8 +108,8 @@ class MasterWeightAdamW:
         for chunk in self.chunks:
             stepped = [i for i in chunk if grads[i] is not None]
             masters = [self.masters[i] for i in stepped]
+            _give_fp32_gradients(masters, [grads[i] for i in stepped])
             for i in stepped:
-                self.masters[i].grad = grads[i].float() if grads[i].dtype != torch.float32 else grads[i]
                 grads[i] = None
             if coef is not None:
                 torch._foreach_mul_([m.grad for m in masters], coef)
@@ -266,12 +266,34 @@ class MasterWeightAdamW:
             hook()
 
 
-def step_chunks(names: list[str]) -> list[list[int]]:
-    """Indices of parameters grouped by the unit they are stepped with (one block, or a top-level module)."""
+def step_chunks(names: list[str], numels: list[int], join: bool) -> list[list[int]]:
+    """Indices of parameters grouped by the unit they are stepped with (one block, or a top-level module),
+    with `join` neighbouring units taken together up to the largest unit's size (formulas.joined_units)."""
     chunks: dict[str, list[int]] = {}
     for i, name in enumerate(names):
         chunks.setdefault(step_chunk_key(name), []).append(i)
-    return list(chunks.values())
+    units = list(chunks.values())
+    if not join:
+        return units
+    return [[i for j in group for i in units[j]]
+            for group in joined_units([sum(numels[i] for i in unit) for unit in units])]
+
+
+def _give_fp32_gradients(masters: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Each master's .grad: its gradient in fp32, the fp32 ones themselves, the others copied into one buffer
+    by one foreach copy (a chunk's bf16 gradients: a multi-tensor kernel or a few, where a cast each took a
+    launch each, 272 for smollm2-135m). Nothing here outlives the call but the masters' .grad: the buffer is
+    freed once the chunk's step lets them go, before the next chunk's is made."""
+    low = [(m, g) for m, g in zip(masters, grads) if g.dtype != torch.float32]
+    for m, g in zip(masters, grads):
+        if g.dtype == torch.float32:
+            m.grad = g
+    if low:
+        flat = torch.empty(sum(g.numel() for _, g in low), dtype=torch.float32, device=low[0][1].device)
+        copies = [view.view(g.shape) for view, (_, g) in zip(flat.split([g.numel() for _, g in low]), low)]
+        torch._foreach_copy_(copies, [g for _, g in low])
+        for (m, _), copy in zip(low, copies):
+            m.grad = copy
 
 
 def _dot_grad(p: nn.Parameter) -> torch.Tensor | None:
