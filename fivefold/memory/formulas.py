@@ -167,8 +167,9 @@ def joined_units(sizes) -> list[list[int]]:
     """Positions of the step units (in order, by numel) that the optimizer steps together: neighbours joined
     while the joined numel stays within the largest single unit's. The step's temporaries are sized by its
     largest unit, so joining smaller ones adds none, and each join saves a unit's launches and host work (a
-    small model's blocks are a few million parameters each: smollm2-135m steps 32 units as 6). ZeRO-1/2
-    publish each unit by an all-gather as soon as it is stepped, so a sharded step keeps the units apart."""
+    small model's blocks are a few million parameters each: smollm2-135m steps 32 units as 6). A step sharded
+    by ZeRO over several ranks keeps the units apart (ZeRO-1/2 publish each by an all-gather as soon as it is
+    stepped, and the plan prices those gathers unit by unit)."""
     budget = max(sizes, default=0)
     groups: list[list[int]] = []
     total = 0
