@@ -82,6 +82,11 @@ def train_lines(d: dict) -> list[str]:
     for name, p in d.get("profiles_bf16", {}).items():  # --profile: where a step's time goes
         kernels = f", kernels {1e3 * p['kernel_s']:.1f} ms in {p['kernels']} launches" if "kernel_s" in p else ""
         out.append(f"profiled bf16 step, {name}: wall {1e3 * p['wall_s']:.1f} ms{kernels}")
+        if "kernel_kinds_s" in p:  # measured by kernel name, with the planner's price beside where it made one
+            predicted = p.get("predicted_kinds_s", {})
+            out.append("  by kind: " + ", ".join(
+                f"{kind} {1e3 * v:.1f}" + (f" (planned {1e3 * predicted[kind]:.1f})" if kind in predicted else "")
+                for kind, v in p["kernel_kinds_s"].items()) + " ms")
     return out
 
 

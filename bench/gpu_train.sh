@@ -8,7 +8,7 @@
 #                                         # COPY_TO=DIR packs the results and log into DIR/results.tgz
 #
 # torchao is not in the lent machines' image: carry its wheel (bench/README.md, "GPU sessions") or the fp8
-# steps are left out. Writes bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile}_<gpu>.json,
+# steps are left out. Writes bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile,1b_profile}_<gpu>.json,
 # kernels_<gpu>.json, matmul_shapes_<gpu>.json and gpu_train_<gpu>.log.
 #
 # A dry run on a CPU checks the plumbing (tiny shapes; fp8 is left out there):
@@ -66,6 +66,12 @@ bench "135m" 190 135m --preset "$M135" --batch 8 --precision bf16 --compile on -
 #     the 135M step differs from HF's (bench/results/train_throughput_135m_profile_<gpu>.json, "profiles_bf16")
 bench "135m-profile" 150 135m_profile --preset "$M135" --batch 8 --precision bf16 --compile on --warmup 1 --steps 2 \
     --profile
+# (f1) one profiled step of the 1B's --fit row, ours only: its kernels by kind (matmul, attention, elementwise,
+#     optimizer) beside the planner's price of each (fivefold.planner.speed.kernel_time), to say which term of
+#     the model misses on the large shapes (the H200's 1B and 3B rows read 9-12% slow while their products run
+#     a median 36% faster than priced: bench/results/matmul_shapes_h200.json)
+bench "1b-profile" 150 1b_profile --preset "$M1B" --batch 4 --grad-accum 4 --precision bf16 --compile on --skip-hf \
+    --fit --warmup 1 --steps 2 --profile
 # (f2) fused projections on CUDA (train.fused_projections): compiled bf16 steps equal the separate ones', and
 #     a compiled bf16 block's gradients the separate block's, with no fused weight kept for backward (its CUDA
 #     case only: the CPU case's C++ compile took the whole 55 s of the 2026-11-27 lease's try)
@@ -85,6 +91,6 @@ step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/
 step "optimizer-host" 30 "$PY" bench/optimizer_host.py --device "$DEVICE" --json "bench/results/optimizer_host_$gpu.json"
 
 print_steps
-"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile}_"$gpu".json
+"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile,1b_profile}_"$gpu".json
 
 copy_results  # the summary's lines are in the log: pack it once more

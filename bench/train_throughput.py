@@ -47,7 +47,7 @@ from fivefold.memory.formulas import is_no_decay
 from fivefold.memory.plan import plan_memory
 from fivefold.planner.fit import fit_micro_batch
 from fivefold.planner.hardware import load_profile, profile_for_device_name
-from fivefold.planner.speed import predict_step
+from fivefold.planner.speed import kernel_time, predict_step
 from fivefold.train.optim import lr_at
 from fivefold.train.trainer import Trainer
 
@@ -507,8 +507,28 @@ def profile_step(runner: Runner, device: str, rows: int = 25) -> dict:
     out = {"wall_s": wall, "table": table}
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        out.update(kernel_s=sum(e.self_device_time_total for e in kernels) / 1e6, kernels=len(kernels))
+        kinds = dict.fromkeys(MEASURED_KINDS, 0.0)
+        for e in kernels:
+            kinds[kernel_kind(e.name)] += e.self_device_time_total / 1e6
+        out.update(kernel_s=sum(e.self_device_time_total for e in kernels) / 1e6, kernels=len(kernels),
+                   kernel_kinds_s=kinds)
     return out
+
+
+# Kernel kinds by name, first match wins: cuDNN's and FlashAttention's attention kernels, cuBLAS's GEMMs (nvjet on
+# Hopper with CUDA 13, sm90_xmma / cutlass before) and inductor's matmul templates, the optimizer's multi-tensor
+# kernels (fused AdamW, foreach norm, copy and scale), and the rest of what inductor and ATen launch (norms,
+# activations, RoPE, the loss, casts). The planner's kernel_time prices the same kinds.
+KERNEL_NAMES = (("attention", ("flash", "fmha", "sdpa", "attention")),
+                ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "triton_tem")),
+                ("optimizer", ("adam", "multi_tensor")),
+                ("elementwise", ("triton", "elementwise", "reduce", "softmax", "norm", "copy", "cat", "index", "fill")))
+MEASURED_KINDS = tuple(kind for kind, _ in KERNEL_NAMES) + ("other",)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, words in KERNEL_NAMES if any(w in lower for w in words)), "other")
 
 
 def profile_runners(makers: dict, device: str) -> dict:
@@ -523,7 +543,21 @@ def profile_runners(makers: dict, device: str) -> dict:
         busy = f", kernels {1e3 * p['kernel_s']:.1f} ms ({p['kernels']} launches)" if "kernel_s" in p else ""
         print(f"\n{name}, one profiled bf16-mixed step: wall {1e3 * p['wall_s']:.1f} ms{busy}; top ops by self "
               f"{'device' if 'kernel_s' in p else 'CPU'} time:\n{p['table']}")
+        if "kernel_kinds_s" in p:
+            print(f"{name}'s kernels by kind: " + ", ".join(f"{kind} {1e3 * v:.1f} ms" for kind, v in
+                                                           p["kernel_kinds_s"].items()))
     return profiles
+
+
+def predicted_kinds(cfg, profile) -> dict | None:
+    """The planner's device time of one step of `cfg` by kernel kind (fivefold.planner.speed.kernel_time), beside
+    the profile's measured kinds; None without a profile or with pipeline stages."""
+    if profile is None or cfg.parallel.pp > 1:
+        return None
+    kinds = kernel_time(cfg, profile)
+    print("planner's kernel time by kind: " + ", ".join(f"{kind} {1e3 * v:.1f} ms" for kind, v in kinds.items())
+          + " (launches: its per-kernel overhead, which a profile counts in no kernel)")
+    return kinds
 
 
 def sample_peaks(peaks: dict[str, list[float]], device: str) -> None:
@@ -711,6 +745,9 @@ def main(argv=None) -> dict:
         if not args.skip_hf:
             makers["hf"] = lambda: HF(cfg, datasets, initial, bf16=True, compiled=compiled)
         profiles = profile_runners(makers, args.device)
+        predicted = predicted_kinds(cfg, profile)
+        if predicted is not None:
+            profiles["ours"]["predicted_kinds_s"] = predicted
     out = {"machine": info, "peak_flops": peaks, "peak_flops_samples": peak_samples, "datasheet_peak_flops": datasheet,
            "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profiles_bf16": profiles,
            "planner": planner,

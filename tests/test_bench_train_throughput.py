@@ -345,6 +345,23 @@ def test_the_memory_plan_holds_on_the_second_h100_leases_135m_rows(bench, tmp_pa
         assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005), r["impl"]
 
 
+def test_kernels_are_sorted_into_the_kinds_the_planner_prices(bench):
+    """Names of kernels an H200's profiled 135M steps launched (bench/results/train_throughput_135m_profile_h200
+    .json), each in the kind the planner's kernel_time prices it as."""
+    names = {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x128x64": "attention",
+             "flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 64, 4>>": "attention",
+             "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": "matmul",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+             "triton_tem_fused_mm_0": "matmul",
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor>": "optimizer",
+             "triton_poi_fused_add_cat_mul_neg_slice_slice_backward_3": "elementwise",
+             "triton_red_fused__log_softmax__log_softmax_backward_data_0": "elementwise",
+             "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": "elementwise",
+             "Memcpy HtoD (Pageable -> Device)": "other"}
+    assert {name: bench.kernel_kind(name) for name in names} == names
+    assert set(bench.MEASURED_KINDS) == {"attention", "matmul", "optimizer", "elementwise", "other"}
+
+
 def test_the_window_note_splits_each_windows_first_step_from_the_rest(bench):
     """--steps 7 --rounds 3: windows of 3, 2, 2 steps; their first steps (0, 3, 5) apart from the others."""
     times = [0.010, 0.001, 0.002, 0.020, 0.003, 0.030, 0.004]

@@ -16,7 +16,7 @@ from fivefold.config_load import load_config
 from fivefold.memory.communication import Collective, step_collectives, step_communication
 from fivefold.memory.plan import plan_memory
 from fivefold.planner.hardware import load_profile, profile_from_dict
-from fivefold.planner.speed import collective_seconds, predict_step
+from fivefold.planner.speed import collective_seconds, kernel_time, predict_step
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_profile("h100-sxm")
@@ -35,6 +35,28 @@ def test_breakdown_adds_up_and_throughput_follows():
     assert speed.mfu == pytest.approx(speed.tokens_per_s_per_gpu * speed.flops_per_token / 989e12)
     assert 0.2 < speed.mfu < 0.75  # an 8B model on H100s is neither idle nor above the sustained matmul rate
     assert speed.world == 8
+
+
+@pytest.mark.parametrize("overrides", [(), ("train.recompute=full",), ("train.recompute=selective",),
+                                       ("train.recompute=ops", "train.grad_accum=3"), ("train.precision=fp8",)])
+def test_kernel_time_by_kind_is_the_step_the_model_prices(overrides):
+    """One rank's step by kernel kind (what bench/train_throughput.py --profile measures by kernel name) sums to
+    predict_step's compute, recomputation and optimizer less its 20 launches after the update; only the matmul
+    kind follows the matmul rate, only attention the attention rate."""
+    cfg = _cfg(*overrides, preset="llama3.2-1b")
+    kinds, speed = kernel_time(cfg, H100), predict_step(cfg, H100)
+    b = speed.breakdown
+    assert sum(kinds.values()) == pytest.approx(b["compute"] + b["recompute"] + b["optimizer"] - 20 * H100.op_overhead,
+                                                rel=1e-9)
+    assert speed.step_time_s == pytest.approx(b["compute"] + b["recompute"] + b["optimizer"], rel=1e-12)
+    slower = kernel_time(cfg, dataclasses.replace(H100, matmul_efficiency=H100.matmul_efficiency / 2))
+    assert slower["matmul"] > 1.9 * kinds["matmul"]
+    assert all(slower[k] == pytest.approx(kinds[k]) for k in kinds if k not in ("matmul", "attention"))
+    flash = kernel_time(cfg, dataclasses.replace(H100, attention_efficiency=H100.attention_efficiency / 2))
+    assert flash["attention"] == pytest.approx(2 * kinds["attention"])
+    assert all(flash[k] == pytest.approx(kinds[k]) for k in kinds if k != "attention")
+    with pytest.raises(ValueError, match="pp must be 1"):
+        kernel_time(_cfg("parallel.pp=2", preset="llama3.2-1b"), H100)
 
 
 def test_compute_scales_with_the_hardware_and_recompute_costs_a_forward():

@@ -261,14 +261,24 @@ class _Costs:
 
     def head(self) -> tuple[float, float]:
         """(forward, backward) seconds of the final norm, LM head and loss."""
-        m, p = self.cfg.model, self.cfg.parallel
-        T = self.tokens
-        matmul = self.matmul(T, m.hidden_size, m.vocab_size / p.tp)
-        loss = (self.bytes("loss", T * m.vocab_size / p.tp, self.head_fused)
-                + self.bytes("norm", T * m.hidden_size, self.head_fused))
+        matmul, loss = self.head_matmul(), self._head_traffic()
         if self.cfg.train.loss_chunk:  # fused chunks: backward makes the logits again
             return matmul + loss / 3, 3 * matmul + 2 * loss / 3
         return matmul + loss / 3, 2 * matmul + 2 * loss / 3
+
+    def head_matmul(self) -> float:
+        """One product of the LM head (the logits; backward has two, three with the chunked loss)."""
+        m = self.cfg.model
+        return self.matmul(self.tokens, m.hidden_size, m.vocab_size / self.cfg.parallel.tp)
+
+    def head_backward_traffic(self) -> float:
+        """The memory-bound part of head()'s backward: the loss's and the final norm's gradients."""
+        return 2 * self._head_traffic() / 3
+
+    def _head_traffic(self) -> float:
+        m, T = self.cfg.model, self.tokens
+        return (self.bytes("loss", T * m.vocab_size / self.cfg.parallel.tp, self.head_fused)
+                + self.bytes("norm", T * m.hidden_size, self.head_fused))
 
     def ops(self, layers: int) -> float:
         return OPS_PER_LAYER[self.fused] * layers * self.hw.op_overhead
@@ -310,29 +320,71 @@ class _Stage:
     W: dict[str, float]
 
 
-def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict[str, dict[str, float]],
-                 split_w: bool) -> _Stage:
+KERNEL_KINDS = ("matmul", "attention", "elementwise", "launches")
+
+
+def _pass_kinds(cfg: Config, costs: _Costs, layers: int, last: bool) -> dict[str, dict[str, float]]:
+    """Seconds of one micro-batch's forward, backward (with its weight gradients) and recomputation on one
+    rank's `layers` (and the final norm, head and loss where `last`), by kernel kind (KERNEL_KINDS)."""
     t = cfg.train
     matmul, (attn_f, attn_b), elem = costs.layer_matmuls(), costs.attention(), costs.layer_elementwise()
     cast_f, cast_b = costs.fp8_casts()
     ops = costs.ops(layers)
-    forward = layers * (matmul + attn_f + elem + cast_f) + ops
-    weight = layers * matmul if split_w else 0.0  # the weight gradients, a W pass of their own
-    backward = layers * (2 * matmul + attn_b + 2 * elem + cast_b) + 2 * ops - weight
-    recompute = 0.0
+    forward = {"matmul": layers * matmul, "attention": layers * attn_f, "elementwise": layers * (elem + cast_f),
+               "launches": ops}
+    backward = {"matmul": layers * 2 * matmul, "attention": layers * attn_b,
+                "elementwise": layers * (2 * elem + cast_b), "launches": 2 * ops}
+    recompute = dict.fromkeys(KERNEL_KINDS, 0.0)
     if t.recompute == "full":
-        recompute = forward
+        recompute = dict(forward)
     elif t.recompute == "selective":
-        recompute = layers * attn_f
+        recompute["attention"] = layers * attn_f
     elif t.recompute == "ops":  # all but every other matmul and the fused attention (eager's is not kept)
-        again = matmul * costs.recomputed_matmul_share() + elem + (attn_f if costs.eager_attention else 0.0)
-        recompute = layers * again + ops
+        recompute.update(matmul=layers * matmul * costs.recomputed_matmul_share(), elementwise=layers * elem,
+                         attention=layers * attn_f if costs.eager_attention else 0.0, launches=ops)
     if last:
-        head_f, head_b = costs.head()
-        forward, backward = forward + head_f, backward + head_b
+        (head_f, head_b), head_matmul = costs.head(), costs.head_matmul()
+        forward["matmul"] += head_matmul
+        forward["elementwise"] += head_f - head_matmul
+        backward["matmul"] += head_b - costs.head_backward_traffic()
+        backward["elementwise"] += costs.head_backward_traffic()
+    return {"forward": forward, "backward": backward, "recompute": recompute}
+
+
+def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict[str, dict[str, float]],
+                 split_w: bool) -> _Stage:
+    kinds = _pass_kinds(cfg, costs, layers, last)
+    forward, backward, recompute = (sum(kinds[name].values()) for name in ("forward", "backward", "recompute"))
+    weight = layers * costs.layer_matmuls() if split_w else 0.0  # the weight gradients, a W pass of their own
     F = {"compute": forward, **comm["forward"]}
-    B = {"compute": backward, "recompute": recompute, **comm["backward"]}
+    B = {"compute": backward - weight, "recompute": recompute, **comm["backward"]}
     return _Stage(F, B, {"compute": weight})
+
+
+def _optimizer_seconds(cfg: Config, profile: HardwareProfile, costs: _Costs, shapes) -> float:
+    """The optimizer step's device time on a rank holding `shapes`: Adam's traffic over its (ZeRO: its
+    shard of the) parameters, and under fp8 with weights cast once a step the cast after the update."""
+    p = cfg.parallel
+    local = sum(n for _, n in shapes)
+    seconds = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
+    if cfg.fp8_cast_once(profile.device):
+        seconds += fp8_cast_seconds(cfg, shapes, costs, profile)
+    return seconds
+
+
+def kernel_time(cfg: Config, profile: HardwareProfile) -> dict[str, float]:
+    """Device seconds of one step of a layout without pipeline stages by kernel kind, as predict_step prices
+    them: every micro-batch's forward, backward and recomputation (KERNEL_KINDS; "launches" is the model's
+    per-kernel overhead), and the optimizer. `bench/train_throughput.py --profile` measures the same kinds
+    on CUDA from the kernels' names, which says which term of the model misses where the step's total does."""
+    m, p = cfg.model, cfg.parallel
+    if p.pp > 1:
+        raise ValueError("kernel_time prices one stage: pp must be 1")
+    costs = _Costs(cfg, profile, cfg.train.compiled(profile.device), head_fused=cfg.compiled_loss(profile.device))
+    kinds = _pass_kinds(cfg, costs, m.num_layers, True)
+    out = {kind: cfg.train.grad_accum * sum(kinds[name][kind] for name in kinds) for kind in KERNEL_KINDS}
+    out["optimizer"] = _optimizer_seconds(cfg, profile, costs, formulas.parameter_shapes(m, p.tp, ep=p.ep))
+    return out
 
 
 def _exposed(hw: HardwareProfile, seconds: float, window: float, floor: float = 0.0) -> float:
@@ -478,11 +530,7 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     shapes = formulas.parameter_shapes(
         m, p.tp, formulas.rank_layers(m.num_layers, p.pp, busiest, p.pp_virtual_stages, p.pp_layers),
         busiest == 0, busiest == p.pp - 1, p.ep)
-    local = sum(n for _, n in shapes)
-    optimizer = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
-    if cfg.fp8_cast_once(profile.device):
-        optimizer += fp8_cast_seconds(cfg, shapes, costs, profile)
-    optimizer += 20 * profile.op_overhead
+    optimizer = _optimizer_seconds(cfg, profile, costs, shapes) + 20 * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v
     for c in step_collectives(cfg, busiest):
         seconds = collective_seconds(c, profile, cfg) * c.count
