@@ -193,6 +193,14 @@ def test_plan_cli_speed_search_and_errors(tmp_path):
     speed = json.loads(run.stdout)["speed"]
     assert {"step_time_s", "tokens_per_s_per_gpu", "mfu"} <= set(speed) and speed["gpus"] == 16
     assert speed["tokens_per_step"] == 2**20
+    # one stage: the device time by kernel kind, the compute, recomputation and optimizer terms
+    kinds, parts = speed["kernels_s"], speed["breakdown_s"]
+    assert set(kinds) == {"matmul", "attention", "elementwise", "launches", "optimizer"}
+    assert sum(kinds.values()) == pytest.approx(parts["compute"] + parts.get("recompute", 0) + parts["optimizer"]
+                                                - 20 * H100.op_overhead, rel=1e-9)
+    run = _fivefold(*base, "--cluster", "h100-sxm", "--gpus", "1")
+    assert run.returncode == 0, run.stderr
+    assert "  device time by kernel kind: matmul " in run.stdout
     run = _fivefold(*base, "--cluster", "h100-sxm", "--gpus", "8", "--global-batch", "1Mi", "--search", "--top", "3",
                     "--png", str(tmp_path / "top.png"))
     assert run.returncode == 0, run.stderr

@@ -12,7 +12,7 @@ from fivefold.config import Config, ConfigError
 from fivefold.memory.units import human_bytes
 from fivefold.planner.plots import plot_breakdown
 from fivefold.planner.search import search_layouts, why_first
-from fivefold.planner.speed import predict_step
+from fivefold.planner.speed import kernel_time, predict_step
 
 
 def add_arguments(plan) -> None:
@@ -66,12 +66,16 @@ def placed(cfg: Config, gpus: int | None, batch_tokens: int) -> Config:
 def run_speed(args, cfg: Config, plan, profile) -> None:
     """Print the memory plan with its predicted speed (the layout as configured, placed on --gpus)."""
     speed = predict_step(cfg, profile)
+    # One stage's device time by kernel kind: what a profiled step (bench/train_throughput.py --profile) sums
+    kinds = kernel_time(cfg, profile) if cfg.parallel.pp == 1 else None
     if args.json:
-        print(json.dumps({**plan.to_json(), "speed": speed.to_json()}, indent=2))
+        print(json.dumps({**plan.to_json(), "speed": {**speed.to_json(), "kernels_s": kinds}}, indent=2))
     else:
         print(plan.table())
         print()
         print(speed.table())
+        if kinds:
+            print("  device time by kernel kind: " + ", ".join(f"{kind} {v * 1e3:.1f} ms" for kind, v in kinds.items()))
 
 
 def run_search(args, cfg: Config, profile, device_memory) -> int:
