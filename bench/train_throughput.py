@@ -564,9 +564,13 @@ def sample_peaks(peaks: dict[str, list[float]], device: str) -> None:
     # Outside load can only slow a matmul down, so the fastest of several samples spread over the run
     # is the best estimate of what this machine's kernels can do. On a GPU: large products timed by CUDA
     # events, the trainer's measured achievable peak.
+    # fp8's rows compute in bf16 outside their float8 linears and their MFU is against bf16's peak (fivefold.train.
+    # metrics): one bf16 measurement serves both (a second one read up to 7% apart on an H200 and was printed as
+    # fp8's peak).
     measure = measure_cuda_peak_flops if device == "cuda" else measure_peak_flops
+    measured = {dtype: measure(torch.device(device), dtype) for dtype in dict.fromkeys(d for _, d in PRECISIONS.values())}
     for p, (_, dtype) in PRECISIONS.items():
-        peaks[p].append(measure(torch.device(device), dtype))
+        peaks[p].append(measured[dtype])
 
 
 def summarize(times: dict, utils: dict, peaks: dict, precision: str, tokens: int) -> list[dict]:
@@ -717,12 +721,14 @@ def main(argv=None) -> dict:
 
     peaks = {p: max(v) for p, v in peak_samples.items()}
     print("measured matmul peak (best of %d): " % len(peak_samples["fp32"])
-          + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()))
+          + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items() if p != "fp8")
+          + " (fp8 rows: against bf16's)")
     # The trainer's choice (fivefold.train.metrics.mfu_peaks): a known GPU's datasheet peak, else the measured.
     datasheet = {p: datasheet_peak_flops(torch.device(args.device), dtype) for p, (_, dtype) in PRECISIONS.items()}
     datasheet = {p: d[0] for p, d in datasheet.items() if d is not None}
     if datasheet:
-        print("datasheet matmul peak: " + ", ".join(f"{p} {v / 1e12:.0f} TFLOP/s" for p, v in datasheet.items()))
+        print("datasheet matmul peak: " + ", ".join(f"{p} {v / 1e12:.0f} TFLOP/s" for p, v in datasheet.items()
+                                                    if p != "fp8"))
     for r in results:
         peak = datasheet.get(r["precision"], peaks[r["precision"]])
         r["mfu"] = r["tokens_per_s"] * fpt / peak

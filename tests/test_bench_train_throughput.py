@@ -345,6 +345,18 @@ def test_the_memory_plan_holds_on_the_second_h100_leases_135m_rows(bench, tmp_pa
         assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005), r["impl"]
 
 
+def test_the_peaks_measure_each_dtype_once_and_fp8_rows_take_bf16s(bench, monkeypatch):
+    """fp8's rows are timed against bf16's peak: one bf16 measurement, not a second one filed as fp8's."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(bench, "measure_peak_flops", lambda device, dtype: calls.append(dtype) or len(calls) * 1e12)
+    peaks = {p: [] for p in bench.PRECISIONS}
+    bench.sample_peaks(peaks, "cpu")
+    assert calls == [torch.float32, torch.bfloat16]
+    assert peaks == {"fp32": [1e12], "bf16": [2e12], "fp8": [2e12]}
+
+
 def test_kernels_are_sorted_into_the_kinds_the_planner_prices(bench):
     """Names of kernels an H200's profiled 135M steps launched (bench/results/train_throughput_135m_profile_h200
     .json), each in the kind the planner's kernel_time prices it as."""
