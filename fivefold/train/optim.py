@@ -106,36 +106,41 @@ class MasterWeightAdamW:
         for group in self.inner.param_groups:
             group["lr"] = lr
         for chunk in self.chunks:
-            stepped = [i for i in chunk if grads[i] is not None]
-            masters = [self.masters[i] for i in stepped]
-            _give_fp32_gradients(masters, [grads[i] for i in stepped])
-            for i in stepped:
-                grads[i] = None
-            if coef is not None:
-                torch._foreach_mul_([m.grad for m in masters], coef)
-            for decay in {self.weight_decay[i] for i in stepped}:  # AdamW's groups: decayed, not decayed
-                self._adamw([self.masters[i] for i in stepped if self.weight_decay[i] == decay], lr, decay, found_inf)
-            if self.sharding is not None:
-                self.sharding.publish(stepped)
-            elif self.mixed and stepped:
-                torch._foreach_copy_([self.params[i] for i in stepped], masters)
-            for m in masters:
-                m.grad = None
+            self._step_chunk([i for i in chunk if grads[i] is not None], grads, coef, lr, found_inf)
         if self.sharding is not None:
             self.sharding.finish_publish()
         for hook in self.after_update:
             hook()
         return norm
 
-    def _adamw(self, masters: list[torch.Tensor], lr: float, weight_decay: float,
+    def _step_chunk(self, stepped: list[int], grads: list[torch.Tensor | None], coef: torch.Tensor | None,
+                    lr: float, found_inf: torch.Tensor | None) -> None:
+        """One chunk's update: the gradients at `stepped` in fp32 (taken out of `grads`, which lets them go),
+        clipped by `coef`, AdamW by decay group, the parameters made to follow. A method of its own so that the
+        chunk's fp32 copies are freed when it returns, before the next chunk makes its own (the plan's step peak
+        holds one chunk's), and so that no master's .grad is set: the functional AdamW takes the list."""
+        fp32 = _fp32_copies([grads[i] for i in stepped])
+        for i in stepped:
+            grads[i] = None
+        if coef is not None:
+            torch._foreach_mul_(fp32, coef)
+        for decay in {self.weight_decay[i] for i in stepped}:  # AdamW's groups: decayed, not decayed
+            picked = [k for k, i in enumerate(stepped) if self.weight_decay[i] == decay]
+            self._adamw([self.masters[stepped[k]] for k in picked], [fp32[k] for k in picked], lr, decay, found_inf)
+        if self.sharding is not None:
+            self.sharding.publish(stepped)
+        elif self.mixed and stepped:
+            torch._foreach_copy_([self.params[i] for i in stepped], [self.masters[i] for i in stepped])
+
+    def _adamw(self, masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float, weight_decay: float,
                found_inf: torch.Tensor | None) -> None:
-        """torch.optim.AdamW's update of `masters` (each holding its .grad), through the functional AdamW that
+        """torch.optim.AdamW's update of `masters` by their fp32 `grads`, through the functional AdamW that
         AdamW.step calls, on the moments and step counts AdamW.step would use."""
         for m in masters:
             self.moment(m, "exp_avg")  # created at zero, as AdamW.step creates them, where this is the first step
         states = [self.inner.state[m] for m in masters]
         beta1, beta2 = self.inner.defaults["betas"]
-        adam(masters, [m.grad for m in masters], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+        adam(masters, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
              [], [s["step"] for s in states], foreach=not self.fused, fused=self.fused, found_inf=found_inf,
              decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
              weight_decay=weight_decay, eps=self.inner.defaults["eps"], maximize=False)
@@ -209,9 +214,8 @@ class MasterWeightAdamW:
             self.uncounted.add(i)
 
     def zero_grad(self) -> None:
-        for p, m in zip(self.params, self.masters):
+        for p in self.params:  # (the masters never hold a .grad: each chunk's update takes its fp32 list)
             p.grad = None
-            m.grad = None
         if self.main_grads is not None:
             for g in self.main_grads:
                 g.zero_()
@@ -279,21 +283,18 @@ def step_chunks(names: list[str], numels: list[int], join: bool) -> list[list[in
             for group in joined_units([sum(numels[i] for i in unit) for unit in units])]
 
 
-def _give_fp32_gradients(masters: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """Each master's .grad: its gradient in fp32, the fp32 ones themselves, the others copied into one buffer
-    by one foreach copy (a chunk's bf16 gradients: a multi-tensor kernel or a few, where a cast each took a
-    launch each, 272 for smollm2-135m). Nothing here outlives the call but the masters' .grad: the buffer is
-    freed once the chunk's step lets them go, before the next chunk's is made."""
-    low = [(m, g) for m, g in zip(masters, grads) if g.dtype != torch.float32]
-    for m, g in zip(masters, grads):
-        if g.dtype == torch.float32:
-            m.grad = g
-    if low:
-        flat = torch.empty(sum(g.numel() for _, g in low), dtype=torch.float32, device=low[0][1].device)
-        copies = [view.view(g.shape) for view, (_, g) in zip(flat.split([g.numel() for _, g in low]), low)]
-        torch._foreach_copy_(copies, [g for _, g in low])
-        for (m, _), copy in zip(low, copies):
-            m.grad = copy
+def _fp32_copies(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`grads` in fp32: the fp32 ones themselves, the others copied into one buffer by one foreach copy (a
+    chunk's bf16 gradients: a multi-tensor kernel or a few, where a cast each took a launch each, 272 for
+    smollm2-135m)."""
+    low = [g for g in grads if g.dtype != torch.float32]
+    if not low:
+        return grads
+    flat = torch.empty(sum(g.numel() for g in low), dtype=torch.float32, device=low[0].device)
+    copies = [view.view(g.shape) for view, g in zip(flat.split([g.numel() for g in low]), low)]
+    torch._foreach_copy_(copies, low)
+    made = iter(copies)
+    return [g if g.dtype == torch.float32 else next(made) for g in grads]
 
 
 def _dot_grad(p: nn.Parameter) -> torch.Tensor | None:
