@@ -259,26 +259,17 @@ class _Costs:
             out += self.bytes("combine", T * m.hidden_size)
         return out + self.bytes("swiglu" if m.activation == "swiglu" else "gelu", T * width / p.tp)
 
-    def head(self) -> tuple[float, float]:
-        """(forward, backward) seconds of the final norm, LM head and loss."""
-        matmul, loss = self.head_matmul(), self._head_traffic()
-        if self.cfg.train.loss_chunk:  # fused chunks: backward makes the logits again
-            return matmul + loss / 3, 3 * matmul + 2 * loss / 3
-        return matmul + loss / 3, 2 * matmul + 2 * loss / 3
-
-    def head_matmul(self) -> float:
-        """One product of the LM head (the logits; backward has two, three with the chunked loss)."""
-        m = self.cfg.model
-        return self.matmul(self.tokens, m.hidden_size, m.vocab_size / self.cfg.parallel.tp)
-
-    def head_backward_traffic(self) -> float:
-        """The memory-bound part of head()'s backward: the loss's and the final norm's gradients."""
-        return 2 * self._head_traffic() / 3
-
-    def _head_traffic(self) -> float:
+    def head(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(forward, backward) seconds of the final norm, LM head and loss, by kernel kind: the head's product
+        (backward has two, three with the chunked loss, which makes the logits again) and the loss's and the
+        norm's traffic (a third of it forward, two thirds backward)."""
         m, T = self.cfg.model, self.tokens
-        return (self.bytes("loss", T * m.vocab_size / self.cfg.parallel.tp, self.head_fused)
-                + self.bytes("norm", T * m.hidden_size, self.head_fused))
+        matmul = self.matmul(T, m.hidden_size, m.vocab_size / self.cfg.parallel.tp)
+        traffic = (self.bytes("loss", T * m.vocab_size / self.cfg.parallel.tp, self.head_fused)
+                   + self.bytes("norm", T * m.hidden_size, self.head_fused))
+        products = 3 if self.cfg.train.loss_chunk else 2
+        return ({"matmul": matmul, "elementwise": traffic / 3},
+                {"matmul": products * matmul, "elementwise": 2 * traffic / 3})
 
     def ops(self, layers: int) -> float:
         return OPS_PER_LAYER[self.fused] * layers * self.hw.op_overhead
@@ -343,11 +334,9 @@ def _pass_kinds(cfg: Config, costs: _Costs, layers: int, last: bool) -> dict[str
         recompute.update(matmul=layers * matmul * costs.recomputed_matmul_share(), elementwise=layers * elem,
                          attention=layers * attn_f if costs.eager_attention else 0.0, launches=ops)
     if last:
-        (head_f, head_b), head_matmul = costs.head(), costs.head_matmul()
-        forward["matmul"] += head_matmul
-        forward["elementwise"] += head_f - head_matmul
-        backward["matmul"] += head_b - costs.head_backward_traffic()
-        backward["elementwise"] += costs.head_backward_traffic()
+        for passed, head in zip((forward, backward), costs.head()):
+            for kind, seconds in head.items():
+                passed[kind] += seconds
     return {"forward": forward, "backward": backward, "recompute": recompute}
 
 
