@@ -177,6 +177,7 @@ OTHER_CASES = [
      "not UTF-8 text"),
     ("unknown-command", ["trian"], "invalid choice: 'trian'"),
     ("plan-cluster-unknown", ["plan", "--preset", "tiny", "--cluster", "dgx9"], "no hardware profile 'dgx9'"),
+    ("plan-gpus-zero", ["plan", "--preset", "tiny", "--cluster", "h200", "--gpus", "0"], "--gpus"),
     ("plan-cluster-not-toml", ["plan", "--preset", "tiny", "--cluster", "{bad_toml}"], "is not valid TOML"),
     ("hardware-unknown", ["hardware", "tpu-v9"], "no hardware profile 'tpu-v9'"),
     ("calibrate-nproc", ["calibrate", "--nproc", "0"], "argument --nproc: 0 must be at least 1"),

@@ -8,6 +8,7 @@ import copy
 import json
 import re
 
+from fivefold.commands.args import positive_int
 from fivefold.config import Config, ConfigError
 from fivefold.memory.units import human_bytes
 from fivefold.planner.plots import plot_breakdown
@@ -16,7 +17,7 @@ from fivefold.planner.speed import kernel_time, predict_step
 
 
 def add_arguments(plan) -> None:
-    plan.add_argument("--gpus", type=int, metavar="N",
+    plan.add_argument("--gpus", type=positive_int, metavar="N",
                       help="with --cluster: devices to plan for; parallel.dp grows to fill them (tp, pp, cp kept)")
     plan.add_argument("--global-batch", metavar="TOKENS",
                       help="tokens per optimizer step, e.g. 4M (4e6), 4Mi (2^22) or 1048576; default: the "
