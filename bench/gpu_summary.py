@@ -81,7 +81,8 @@ def train_lines(d: dict) -> list[str]:
         out.append(line)
     for name, p in d.get("profiles_bf16", {}).items():  # --profile: where a step's time goes
         kernels = f", kernels {1e3 * p['kernel_s']:.1f} ms in {p['kernels']} launches" if "kernel_s" in p else ""
-        out.append(f"profiled bf16 step, {name}: wall {1e3 * p['wall_s']:.1f} ms{kernels}")
+        precision = "fp8" if name.endswith("fp8") else "bf16"
+        out.append(f"profiled {precision} step, {name}: wall {1e3 * p['wall_s']:.1f} ms{kernels}")
         if "kernel_kinds_s" in p:  # measured by kernel name, with the planner's price beside where it made one
             predicted = p.get("predicted_kinds_s", {})
             out.append("  by kind: " + ", ".join(

@@ -8,8 +8,9 @@
 #                                         # COPY_TO=DIR packs the results and log into DIR/results.tgz
 #
 # torchao is not in the lent machines' image: carry its wheel (bench/README.md, "GPU sessions") or the fp8
-# steps are left out. Writes bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile,1b_profile}_<gpu>.json,
-# kernels_<gpu>.json, matmul_shapes_<gpu>.json and gpu_train_<gpu>.log.
+# steps are left out. Writes bench/results/train_throughput_<row>_<gpu>.json for the rows 1b, 1b_fit, 3b_fp8,
+# 1b_fp8, 3b_profile, 135m, 135m_profile and 1b_profile, kernels_<gpu>.json, matmul_shapes_<gpu>.json and
+# gpu_train_<gpu>.log.
 #
 # A dry run on a CPU checks the plumbing (tiny shapes; fp8 is left out there):
 #   DEVICE=cpu DEVICE_MEMORY=0.3 SEQ=64 M1B=tiny M135=tiny M3B=tiny GPU_SLUG=dry bash bench/gpu_train.sh
@@ -46,8 +47,13 @@ if [ "$DEVICE" = cuda ] && "$PY" -c "import torchao.float8" >/dev/null 2>&1; the
     bench "fp8-3b" 240 3b_fp8 --preset "$M3B" --batch 4 --precision bf16,fp8 --compile on --skip-hf
     # the issue's other fp8 shape, the 1B (1.10x on an H200 casting at each use); not in the lease plan's ONLY
     bench "fp8-1b" 150 1b_fp8 --preset "$M1B" --batch 4 --precision bf16,fp8 --compile on --skip-hf
+    # (d1) one profiled step of each side of (d), kernels by kind beside the planner's price of each: where fp8's
+    #      step keeps time that bf16's does not (the float8 casts and scales are elementwise kernels), and which
+    #      term of the model prices the 3B's bf16 row 9% slow
+    bench "3b-profile" 300 3b_profile --preset "$M3B" --batch 4 --precision bf16,fp8 --compile on --skip-hf \
+        --warmup 1 --steps 3 --profile
 else
-    echo "== fp8-3b, fp8-1b: left out (need --device cuda and torchao: carry its wheel)"
+    echo "== fp8-3b, fp8-1b, 3b-profile: left out (need --device cuda and torchao: carry its wheel)"
 fi
 # (e) smollm2-135m against HF compiled (target: >= 1.3x). Limits from the H100 lease of 2026-11-26: 1b took
 #     123 s, 1b-fit 35, fp8-3b 87; 135m overran 80 s with two cold compiles (64 s once inductor's cache was warm).
@@ -70,7 +76,7 @@ bench "135m-profile" 150 135m_profile --preset "$M135" --batch 8 --precision bf1
 #     optimizer) beside the planner's price of each (fivefold.planner.speed.kernel_time), to say which term of
 #     the model misses on the large shapes (the H200's 1B and 3B rows read 9-12% slow while their products run
 #     a median 36% faster than priced: bench/results/matmul_shapes_h200.json)
-bench "1b-profile" 150 1b_profile --preset "$M1B" --batch 4 --grad-accum 4 --precision bf16 --compile on --skip-hf \
+bench "1b-profile" 200 1b_profile --preset "$M1B" --batch 4 --grad-accum 4 --precision bf16 --compile on --skip-hf \
     --fit --warmup 1 --steps 2 --profile
 # (f2) fused projections on CUDA (train.fused_projections): compiled bf16 steps equal the separate ones', and
 #     a compiled bf16 block's gradients the separate block's, with no fused weight kept for backward (its CUDA
@@ -91,6 +97,6 @@ step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/
 step "optimizer-host" 30 "$PY" bench/optimizer_host.py --device "$DEVICE" --json "bench/results/optimizer_host_$gpu.json"
 
 print_steps
-"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,135m,135m_profile,1b_profile}_"$gpu".json
+"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,3b_profile,135m,135m_profile,1b_profile}_"$gpu".json
 
 copy_results  # the summary's lines are in the log: pack it once more

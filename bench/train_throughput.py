@@ -87,7 +87,8 @@ def parse_args(argv=None):
                         "before the optimizer, and for the gradient norm after it")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--profile", action="store_true",
-                   help="profile one bf16 step of ours and of HF (top ops; on CUDA kernel time against wall time)")
+                   help="profile one bf16 step of ours and of HF, and of ours in fp8 where timed (top ops; on CUDA "
+                        "kernel time against wall time, by kernel kind)")
     p.add_argument("--cluster", metavar="PROFILE",
                    help="hardware profile the planner predicts each row on (a shipped name or a file from `fivefold "
                         "calibrate --out FILE`); default on cuda: the shipped profile matching the device name")
@@ -541,7 +542,8 @@ def profile_runners(makers: dict, device: str) -> dict:
         release_memory(device)
         p = profiles[name]
         busy = f", kernels {1e3 * p['kernel_s']:.1f} ms ({p['kernels']} launches)" if "kernel_s" in p else ""
-        print(f"\n{name}, one profiled bf16-mixed step: wall {1e3 * p['wall_s']:.1f} ms{busy}; top ops by self "
+        kind = "fp8" if name.endswith("fp8") else "bf16-mixed"
+        print(f"\n{name}, one profiled {kind} step: wall {1e3 * p['wall_s']:.1f} ms{busy}; top ops by self "
               f"{'device' if 'kernel_s' in p else 'CPU'} time:\n{p['table']}")
         if "kernel_kinds_s" in p:
             print(f"{name}'s kernels by kind: " + ", ".join(f"{kind} {1e3 * v:.1f} ms" for kind, v in
@@ -549,13 +551,14 @@ def profile_runners(makers: dict, device: str) -> dict:
     return profiles
 
 
-def predicted_kinds(cfg, profile) -> dict | None:
+def predicted_kinds(cfg, profile, name: str = "ours") -> dict | None:
     """The planner's device time of one step of `cfg` by kernel kind (fivefold.planner.speed.kernel_time), beside
     the profile's measured kinds; None without a profile or with pipeline stages."""
     if profile is None or cfg.parallel.pp > 1:
         return None
     kinds = kernel_time(cfg, profile)
-    print("planner's kernel time by kind: " + ", ".join(f"{kind} {1e3 * v:.1f} ms" for kind, v in kinds.items())
+    print(f"planner's kernel time by kind, {name}: "
+          + ", ".join(f"{kind} {1e3 * v:.1f} ms" for kind, v in kinds.items())
           + " (launches: its per-kernel overhead, which a profile counts in no kernel)")
     return kinds
 
@@ -744,16 +747,20 @@ def main(argv=None) -> dict:
         print_predictions(results, planner, args.device)
 
     profiles = {}
-    if args.profile:  # our bf16 step and, unless skipped, HF's, compiled as the timed rows were
+    if args.profile:  # our bf16 step (and fp8's where it was timed) and, unless skipped, HF's, compiled as timed
         compiled = args.compile == "on"
-        cfg = configs.get(("bf16", compiled, "ours")) or make_config(args, "bf16", compiled, peaks["bf16"], tmp.name)
-        makers = {"ours": lambda: Ours(cfg, datasets)}
+        cfgs = {"ours": configs.get(("bf16", compiled, "ours"))
+                or make_config(args, "bf16", compiled, peaks["bf16"], tmp.name)}
+        if ("fp8", compiled, "ours") in configs:  # where fp8's step differs from bf16's, kind by kind
+            cfgs["ours_fp8"] = configs["fp8", compiled, "ours"]
+        makers = {name: lambda cfg=cfg: Ours(cfg, datasets) for name, cfg in cfgs.items()}
         if not args.skip_hf:
-            makers["hf"] = lambda: HF(cfg, datasets, initial, bf16=True, compiled=compiled)
+            makers["hf"] = lambda: HF(cfgs["ours"], datasets, initial, bf16=True, compiled=compiled)
         profiles = profile_runners(makers, args.device)
-        predicted = predicted_kinds(cfg, profile)
-        if predicted is not None:
-            profiles["ours"]["predicted_kinds_s"] = predicted
+        for name, cfg in cfgs.items():
+            predicted = predicted_kinds(cfg, profile, name)
+            if predicted is not None:
+                profiles[name]["predicted_kinds_s"] = predicted
     out = {"machine": info, "peak_flops": peaks, "peak_flops_samples": peak_samples, "datasheet_peak_flops": datasheet,
            "first_step_loss_fp32": check, "schedule": schedule, "results": results, "profiles_bf16": profiles,
            "planner": planner,
