@@ -9,7 +9,7 @@
 #
 # torchao is not in the lent machines' image: carry its wheel (bench/README.md, "GPU sessions") or the fp8
 # steps are left out. Writes bench/results/train_throughput_<row>_<gpu>.json for the rows 1b, 1b_fit, 3b_fp8,
-# 1b_fp8, 3b_profile, 135m, 135m_profile and 1b_profile, kernels_<gpu>.json, matmul_shapes_<gpu>.json and
+# 1b_fp8, 3b_profile, 135m, 135m_profile, 1b_profile, host_135m and host_1b, kernels_<gpu>.json, matmul_shapes_<gpu>.json and
 # gpu_train_<gpu>.log.
 #
 # A dry run on a CPU checks the plumbing (tiny shapes; fp8 is left out there):
@@ -95,8 +95,16 @@ step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/
 # (i) the optimizer step's host work against its device time over smollm2-135m's 272 parameters: what the
 #     device idled through while the step waited for the loss before queueing the update (it no longer does)
 step "optimizer-host" 30 "$PY" bench/optimizer_host.py --device "$DEVICE" --json "bench/results/optimizer_host_$gpu.json"
+# (j) the host's floor: smollm2-135m and the 1B at 128 tokens a step, where the device's work is a few ms and a
+#     step takes what the host takes to issue it (one profiled step each counts its launches): what the
+#     planner's host_launch_s prices (fivefold.planner.speed.host_seconds), apart from the rows it is checked on
+bench "host-135m" 120 host_135m --preset "$M135" --seq-len 128 --batch 1 --precision bf16 --compile on --skip-hf \
+    --warmup 3 --steps 12 --profile
+bench "host-1b" 120 host_1b --preset "$M1B" --seq-len 128 --batch 1 --precision bf16 --compile on --skip-hf \
+    --warmup 3 --steps 12 --profile
 
 print_steps
-"$PY" bench/gpu_summary.py train bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,3b_profile,135m,135m_profile,1b_profile}_"$gpu".json
+"$PY" bench/gpu_summary.py train \
+    bench/results/train_throughput_{1b,1b_fit,3b_fp8,1b_fp8,3b_profile,135m,135m_profile,1b_profile,host_135m,host_1b}_"$gpu".json
 
 copy_results  # the summary's lines are in the log: pack it once more

@@ -20,9 +20,15 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
                           costs, so its asymptote may lie above 1 (at most 4)
     matmul_knee           a matmul dimension d runs at d / (d + knee) of that: small or skinny shapes leave
                           tensor-core tiles idle (128)
-    attention_efficiency  fraction of the peak fused (flash) attention reaches, forward and backward (0.5)
+    attention_efficiency  fraction of the peak fused (flash) attention reaches, forward and backward, at head
+                          size 128 (0.5)
+    attention_knee        a head size d runs at d / (d + knee) of that, relative to 128's (0: every head size
+                          alike; fivefold.planner.speed.attention_efficiency)
     memory_efficiency     fraction of memory_bandwidth elementwise kernels (norms, activations, Adam) reach (0.8)
-    op_overhead           seconds of host time per kernel launched, which small models cannot hide (5e-6)
+    op_overhead           seconds of device time per kernel launched, the gap between dependent kernels (5e-6)
+    host_launch_s         seconds of host work per kernel a step launches (Python, dynamo's guards, autograd,
+                          the launchers): no step is shorter than its launches take the host, which a small
+                          model's step is not (0: no such floor; fivefold.planner.speed.host_seconds)
     overlap               fraction of overlappable communication that actually hides behind compute: 1 on
                           GPUs (copy engines, NCCL's own SMs); a CPU host's gloo threads share the cores (1)
     comm_interference     fraction of the compute rate lost while an overlapped collective is in flight:
@@ -68,8 +74,9 @@ from fivefold.config import ConfigError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
-EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5,
-              "memory_efficiency": 0.8, "op_overhead": 5e-6, "overlap": 1.0, "comm_interference": 0.0}
+EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5, "attention_knee": 0.0,
+              "memory_efficiency": 0.8, "op_overhead": 5e-6, "host_launch_s": 0.0, "overlap": 1.0,
+              "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 DTYPE_KERNELS = ("matmul_efficiency", "matmul_knee", "attention_efficiency")  # what [kernels.<dtype>] may hold
 SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s", "linear_flops_fp32", "linear_flops_bf16",
@@ -94,9 +101,11 @@ class HardwareProfile:
     source: str = ""
     matmul_efficiency: float = EFFICIENCY["matmul_efficiency"]
     matmul_knee: float = EFFICIENCY["matmul_knee"]
-    attention_efficiency: float = EFFICIENCY["attention_efficiency"]
+    attention_efficiency: float = EFFICIENCY["attention_efficiency"]  # at head size 128
+    attention_knee: float = EFFICIENCY["attention_knee"]  # in head sizes (fivefold.planner.speed.attention_efficiency)
     memory_efficiency: float = EFFICIENCY["memory_efficiency"]
     op_overhead: float = EFFICIENCY["op_overhead"]
+    host_launch_s: float = EFFICIENCY["host_launch_s"]
     overlap: float = EFFICIENCY["overlap"]
     comm_interference: float = EFFICIENCY["comm_interference"]
     serving: dict[str, float] = field(default_factory=dict)  # [serving]: measured engine step costs

@@ -29,8 +29,9 @@ Full and ops recomputation replay the forward's in-layer collectives too.
 The stages' F / B / W costs drive the pipeline's own action lists (fivefold.parallel.pipeline_schedules:
 AFAB, 1F1B, interleaved, zero-bubble) through the schedule simulator: the bubble is what the simulated
 schedule leaves idle, not a closed formula. After the last backward: the data-parallel gradient
-reduction beyond the backward it overlaps, the optimizer step (memory-bound: Adam reads and writes ~36
-bytes per local parameter), and ZeRO-1/2's parameter all-gather.
+reduction beyond the backward it overlaps, the optimizer step (memory-bound: the bytes fivefold's update
+moves per local parameter, 50 under bf16-mixed with clipping: optimizer_bytes_per_param), and ZeRO-1/2's
+parameter all-gather.
 
 MFU counts model FLOPs (fivefold.memory.formulas.flops_per_token: no recomputation, the PaLM convention)
 against the profile's peak for the compute dtype.
@@ -60,8 +61,8 @@ FUSED = {"norm": (3, 0), "residual": (0, 0), "rope": (3, 0), "heads": (0, 0), "s
 # by expert and unsorts the outputs (read, write each): 11. Fused, the weighting runs inside index_add's
 # read: 5 and 9. `combine`, per element of the layer's output: index_add's zeroed base and out-of-place copy.
 OPS_PER_LAYER = {False: 45, True: 12}  # kernels per layer forward (backward: twice), eager vs fused
-ADAM_BYTES_PER_PARAM = 36  # read weight, master, 2 moments, gradient; write weight, master, moments; norm
-BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer")
+OPTIMIZER_OPS = 20
+BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "host")
 
 
 @dataclass
@@ -104,7 +105,8 @@ class SpeedPlan:
 
 
 _LABELS = {"compute": "compute", "recompute": "recompute", "tp": "tp comm", "cp": "cp comm", "ep": "ep comm",
-           "pp": "pp comm", "dp": "dp comm", "bubble": "bubble", "optimizer": "optimizer"}
+           "pp": "pp comm", "dp": "dp comm", "bubble": "bubble", "optimizer": "optimizer",
+           "host": "waiting on the host"}
 
 
 def _seconds(t: float) -> str:
@@ -128,6 +130,16 @@ def recomputed_matmul_share(m: ModelConfig) -> float:
     for f in widths:
         sizes += [h * f] * (2 if m.activation == "swiglu" or m.num_experts else 1) + [f * h]
     return sum(sizes[1::2]) / sum(sizes)
+
+
+def attention_efficiency(hw: HardwareProfile, head_size: int) -> float:
+    """The fused attention's share of the peak at `head_size`: the profile's attention_efficiency holds at head
+    size 128, and each head's two products (scores, values) run with one dimension `head_size` wide, which
+    the profile's attention_knee scales as d / (d + knee) (0: any head size alike). On an H200 cuDNN's flash
+    kernels ran a 64-wide head's forward and backward at 31.5% of the peak (bench/results/kernels_h200.json),
+    FlashAttention-3's 128-wide ones at ~45% (the profile's figure): a knee of 96."""
+    knee = hw.attention_knee
+    return hw.attention_efficiency * (head_size / (head_size + knee)) / (128 / (128 + knee))
 
 
 def matmul_seconds(m: float, k: float, n: float, peak: float, efficiency: float, knee: float) -> float:
@@ -236,7 +248,7 @@ class _Costs:
             scores = t.micro_batch_size * heads * s_q * s_kv
             forward = full / (self.peak * self.hw.matmul_efficiency) + 6 * scores * self.p / self.bandwidth
             return forward, 2 * forward
-        forward = full / 2 / (self.peak * self.hw.attention_efficiency)
+        forward = full / 2 / (self.peak * attention_efficiency(self.hw, m.head_size))
         return forward, 2.5 * forward
 
     def layer_elementwise(self) -> float:
@@ -350,12 +362,35 @@ def _stage_costs(cfg: Config, costs: _Costs, layers: int, last: bool, comm: dict
     return _Stage(F, B, {"compute": weight})
 
 
+def optimizer_bytes_per_param(cfg: Config) -> int:
+    """Bytes one parameter's update moves in fivefold's optimizer (fivefold.train.optim.MasterWeightAdamW): the
+    gradient read by the norm; a bf16 gradient copied to fp32 (read, write); the clip's in-place scale (read,
+    write); the fused AdamW (master, gradient and both moments read, master and moments written); under bf16
+    parameters the master copied back (read, write). 50 under bf16-mixed with clipping: on an H200 the profiled
+    step's optimizer kernels moved the 1B's and the 3B's parameters at 56.5 bytes each at 80% of the bandwidth
+    (18.2 and 47.3 ms, bench/results/train_throughput_{1b,3b}_profile_h200.json), where Adam's own 36 said 30."""
+    t, p = cfg.train, cfg.parallel
+    grad = 4 if not t.mixed or t.fp32_grad_accum or p.zero >= 2 else 2  # ZeRO-2/3 keep fp32 gradient shards
+    out = grad + (grad == 2) * (2 + 4) + (t.grad_clip > 0) * 8 + 28
+    return out + t.mixed * (4 + 2)
+
+
+def host_seconds(cfg: Config, costs: _Costs, layers: int) -> float:
+    """The host's time to issue one step of `layers` layers: every micro-batch's kernels (forward, backward
+    twice the forward's, a replay's under full or op-level recomputation) and the optimizer's, at the profile's
+    host_launch_s each. A step the device finishes sooner waits for it (a small model's compiled step: its 30
+    blocks' guards, autograd nodes and launches)."""
+    replays = 1 if cfg.train.recompute in ("full", "ops") else 0
+    launches = cfg.train.grad_accum * OPS_PER_LAYER[costs.fused] * layers * (3 + replays) + OPTIMIZER_OPS
+    return launches * costs.hw.host_launch_s
+
+
 def _optimizer_seconds(cfg: Config, profile: HardwareProfile, costs: _Costs, shapes) -> float:
     """The optimizer step's device time on a rank holding `shapes`: Adam's traffic over its (ZeRO: its
     shard of the) parameters, and under fp8 with weights cast once a step the cast after the update."""
     p = cfg.parallel
     local = sum(n for _, n in shapes)
-    seconds = (local / (p.dp if p.zero >= 1 else 1)) * ADAM_BYTES_PER_PARAM / costs.bandwidth
+    seconds = (local / (p.dp if p.zero >= 1 else 1)) * optimizer_bytes_per_param(cfg) / costs.bandwidth
     if cfg.fp8_cast_once(profile.device):
         seconds += fp8_cast_seconds(cfg, shapes, costs, profile)
     return seconds
@@ -519,7 +554,7 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
     shapes = formulas.parameter_shapes(
         m, p.tp, formulas.rank_layers(m.num_layers, p.pp, busiest, p.pp_virtual_stages, p.pp_layers),
         busiest == 0, busiest == p.pp - 1, p.ep)
-    optimizer = _optimizer_seconds(cfg, profile, costs, shapes) + 20 * profile.op_overhead
+    optimizer = _optimizer_seconds(cfg, profile, costs, shapes) + OPTIMIZER_OPS * profile.op_overhead
     last_backward = sum(stages[busiest, c].B["compute"] for c in range(v)) / v
     for c in step_collectives(cfg, busiest):
         seconds = collective_seconds(c, profile, cfg) * c.count
@@ -528,6 +563,8 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         elif c.phase == "after_step":
             breakdown["dp"] += _exposed(profile, seconds, optimizer)
     breakdown["optimizer"] = optimizer
+    busiest_layers = sum(len(parts[c * p.pp + busiest]) for c in range(v))
+    breakdown["host"] = max(0.0, host_seconds(cfg, costs, busiest_layers) - sum(breakdown.values()))
     step = sum(breakdown.values())
     notes = []
     if p.tp > 1 and _link(profile, 1, p.tp)[2]:
