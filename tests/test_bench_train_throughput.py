@@ -235,26 +235,29 @@ def test_hf_accumulates_like_ours(bench, data_cache, tmp_path, monkeypatch):
 
 
 H100_ROWS = ["1b", "1b_fit", "3b_fp8", "135m"]
-# A reported miss of the +-10% target: the --fit row is predicted 11.4% slow. It ran q/k/v and gate/up as separate
-# products and is priced so; the model's knee prices the 512-column k and v products at half a wide one's rate,
-# which the measured step does not bear out (priced as one product it read -8.9%). The next lease's 135m rows,
-# fused beside separate (bench/gpu_train.sh), measure that term directly (docs/planner_validation.md).
-SPEED_TOLERANCE = {"1b_fit": 0.12}
+# The step-time model's error on each row one H100 measured, predicted / measured - 1 (docs/planner_validation.md):
+# reported misses of the +-10% target on the 1B and 3B bf16 rows, all pessimistic. The h100-sxm profile prices
+# products from the datasheet (0.755 x d / (d + 512)); on an H200, the same GH100 chip, our rows' products ran a
+# median 36% faster than that pricing (bench/results/matmul_shapes_h200.json), which the h200 profile now holds.
+# Before the optimizer was priced at the 50 bytes a parameter its update moves (36 before) the two errors hid
+# each other here (-11.4% to +2.0%).
+H100_SPEED = {("1b", False, "bf16"): -0.122, ("1b", True, "bf16"): -0.122, ("1b_fit", True, "bf16"): -0.123,
+              ("3b_fp8", True, "bf16"): -0.134, ("3b_fp8", True, "fp8"): -0.060, ("135m", True, "bf16"): -0.054}
 
 
 def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
     """Issue 32's check of the planner against fivefold's own GPU runs, on the rows one H100 measured
     (bench/results/train_throughput_*_h100.json), each row's Config rebuilt as the bench built it (and as it
-    ran: projections separate where the row does not say): the step-time model within 10% of the measured
-    median step's tokens/s (SPEED_TOLERANCE: one reported miss), the memory plan within 0.3% of
-    torch.cuda.max_memory_allocated (measured: -0.24% to -0.00%; the compiled rows were +1.1% to +2.6%
-    while the plan counted o_proj's input apart from the attention output it is a view of)."""
+    ran: projections separate where the row does not say): the step-time model's error where H100_SPEED
+    reports it (within a point), the memory plan within 0.3% of torch.cuda.max_memory_allocated (measured:
+    -0.24% to -0.00%; the compiled rows were +1.1% to +2.6% while the plan counted o_proj's input apart from
+    the attention output it is a view of)."""
     from fivefold.memory.plan import plan_memory
     from fivefold.planner.hardware import load_profile
     from fivefold.planner.speed import predict_step
 
     profile = load_profile("h100-sxm")
-    rows = 0
+    seen = set()
     for tag in H100_ROWS:
         d = json.loads((ROOT / f"bench/results/train_throughput_{tag}_h100.json").read_text())
         assert d["planner"]["profile"] == "h100-sxm" and "H100" in d["machine"]["gpu"]
@@ -262,22 +265,18 @@ def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
             if r["impl"] != "ours":
                 continue
             cfg = _stored_row_config(bench, tmp_path, d, r)
-            speed = predict_step(cfg, profile)
-            error = speed.tokens_per_s_per_gpu / r["tokens_per_s"] - 1
-            assert error == pytest.approx(0, abs=SPEED_TOLERANCE.get(tag, 0.10)), (tag, r["precision"], error)
+            key = (tag, r["compiled"], r["precision"])
+            error = predict_step(cfg, profile).tokens_per_s_per_gpu / r["tokens_per_s"] - 1
+            assert error == pytest.approx(H100_SPEED[key], abs=0.01), (key, error)
             planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
-            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.003), \
-                (tag, r["precision"], r["compiled"])
-            rows += 1
-    assert rows == 6
+            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.003), key
+            seen.add(key)
+    assert seen == set(H100_SPEED)
 
 
-# The H200 lease of 2026-11-27 (bench/results/train_throughput_{1b_fit,3b_fp8,135m}_h200.json): the model's error
-# on each of our rows, predicted / measured - 1, as docs/planner_validation.md reports it. The 1B --fit row and
-# the 135M rows are misses of the +-10% target, all pessimistic: their products run faster than the model prices
-# them (bench/results/matmul_shapes_h200.json: each linear's products a median 36% faster).
-H200_SPEED = {("1b_fit", "ours"): -0.119, ("3b_fp8", "ours", "bf16"): -0.090, ("3b_fp8", "ours", "fp8"): -0.017,
-              ("135m", "ours"): -0.145, ("135m", "ours-waiting"): -0.151}
+# The H200 leases of 2026-11-27 (bench/results/train_throughput_*_h200.json): every row of ours, the profiled
+# 1B and 3B rows and the two host-bound rows of 128 tokens a step that calibrated the profile's host figures.
+H200_ROWS = ("1b_fit", "3b_fp8", "135m", "1b_profile", "3b_profile", "host_135m", "host_1b")
 
 
 def _stored_row_config(bench, tmp_path, d, r):
@@ -296,30 +295,62 @@ def _stored_row_config(bench, tmp_path, d, r):
 
 
 def test_the_planner_against_our_stored_h200_rows(bench, tmp_path):
-    """Issue 32's planner check on the rows one H200 measured: the memory plan within 0.5% of
-    torch.cuda.max_memory_allocated on every row (measured -0.30% to -0.01%), and the step-time model's error
-    on each row where docs/planner_validation.md reports it (within a point): inside +-10% on the 3B rows,
-    pessimistic beyond it on the 1B --fit and 135M rows."""
+    """Issue 32's planner check on the rows one H200 measured: the step-time model within 8% of every row's
+    measured tokens/s (target 10%; measured -1.5% to +7.0%: the products as bench/matmul_shapes.py timed them, the
+    attention by head size, the optimizer's bytes as its update moves them, the host's floor), and the memory
+    plan within 3% of torch.cuda.max_memory_allocated (-0.30% to -0.01% at 2048 tokens a sequence; the 128-token
+    rows' few hundred MB -2.8%)."""
     from fivefold.memory.plan import plan_memory
     from fivefold.planner.hardware import load_profile
     from fivefold.planner.speed import predict_step
 
     profile = load_profile("h200")
-    seen = set()
-    for tag in ("1b_fit", "3b_fp8", "135m"):
+    rows = 0
+    for tag in H200_ROWS:
         d = json.loads((ROOT / f"bench/results/train_throughput_{tag}_h200.json").read_text())
         assert d["planner"]["profile"] == "h200" and d["machine"]["gpu"] == "NVIDIA H200"
         for r in d["results"]:
             if not r["impl"].startswith("ours"):
                 continue
             cfg = _stored_row_config(bench, tmp_path, d, r)
-            key = (tag, r["impl"], r["precision"]) if tag == "3b_fp8" else (tag, r["impl"])
             error = predict_step(cfg, profile).tokens_per_s_per_gpu / r["tokens_per_s"] - 1
-            assert error == pytest.approx(H200_SPEED[key], abs=0.01), (key, error)
+            assert abs(error) < 0.08, (tag, r["impl"], r["precision"], error)
             planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
-            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005), key
-            seen.add(key)
-    assert seen == set(H200_SPEED)
+            long = d["settings"]["seq_len"] >= 2048
+            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.005 if long else 0.03), tag
+            rows += 1
+    assert rows == 10
+
+
+# Kernel time by kind, the planner's (fivefold.planner.speed.kernel_time) against one profiled H200 step's kernels
+# sorted by name (bench/train_throughput.py --profile): how far each kind may lie from the measured one.
+KIND_TOLERANCE = {"matmul": 0.03, "attention": 0.10, "optimizer": 0.13, "elementwise": 0.15}
+
+
+def test_the_planners_kernel_kinds_against_profiled_h200_steps(bench, tmp_path):
+    """The 1B's --fit step and the 3B's bf16 and fp8 steps, profiled on an H200: each kernel kind the planner
+    prices within KIND_TOLERANCE of the kernels measured under that name (matmul -2.1% to +0.0%, attention -9.2%
+    to +0.0%, optimizer -11.6% to -7.7%, elementwise -13.1% to -6.6%), and the kinds together within 6% of the
+    step's kernels. With the datasheet pricing the matmuls read +33%, the 1B's attention -30% and the optimizer
+    -36%: the step's total was off by 9-13% while single kinds were off by a third."""
+    from fivefold.planner.hardware import load_profile
+    from fivefold.planner.speed import kernel_time
+
+    profile = load_profile("h200")
+    steps = 0
+    for tag in ("1b_profile", "3b_profile"):
+        d = json.loads((ROOT / f"bench/results/train_throughput_{tag}_h200.json").read_text())
+        for name, measured in d["profiles_bf16"].items():
+            precision = "fp8" if name.endswith("fp8") else "bf16"
+            row = next(r for r in d["results"] if r["impl"] == "ours" and r["precision"] == precision)
+            kinds = kernel_time(_stored_row_config(bench, tmp_path, d, row), profile)
+            for kind, tolerance in KIND_TOLERANCE.items():
+                seen = measured["kernel_kinds_s"][kind]
+                assert kinds[kind] / seen - 1 == pytest.approx(0, abs=tolerance), (tag, name, kind)
+            priced = sum(v for k, v in kinds.items() if k != "launches")
+            assert priced / measured["kernel_s"] - 1 == pytest.approx(0, abs=0.06), (tag, name)
+            steps += 1
+    assert steps == 3
 
 
 def test_the_memory_plan_holds_on_the_second_h100_leases_135m_rows(bench, tmp_path):

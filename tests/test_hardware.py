@@ -44,7 +44,8 @@ GOOD = load_profile("h200").to_toml()
     ("name = [", "is not valid TOML"),
     (GOOD.replace("attention_efficiency = 0.45", "attention_efficiency = 1.5"), "attention_efficiency=1.5 must be a "
                                                                                "fraction in (0, 1]"),
-    (GOOD.replace("matmul_efficiency = 0.755", "matmul_efficiency = 0"), "matmul_efficiency=0 must be in (0, 4]"),
+    (GOOD.replace("matmul_efficiency = 0.857", "matmul_efficiency = 0"), "matmul_efficiency=0 must be in (0, 4]"),
+    (GOOD.replace("host_step_s = 0.0068", "host_step_s = -1"), "host_step_s=-1 must be a number >= 0"),
     (GOOD.replace("comm_interference = 0.18", "comm_interference = 1"), "comm_interference=1 must be a fraction "
                                                                          "in [0, 1)"),
     (GOOD + "\n[kernels.int4]\nmatmul_knee = 1\n", "[kernels.<dtype>] tables are for bf16, fp16, fp8, fp32"),

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from fivefold.config_load import load_config
+from fivefold.memory import formulas
 from fivefold.memory.communication import Collective, step_collectives, step_communication
 from fivefold.memory.plan import plan_memory
 from fivefold.planner.hardware import load_profile, profile_from_dict
-from fivefold.planner.speed import collective_seconds, kernel_time, predict_step
+from fivefold.planner.speed import (OPS_PER_LAYER, attention_efficiency, collective_seconds, kernel_time,
+                                    optimizer_bytes_per_param, predict_step)
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_profile("h100-sxm")
@@ -57,6 +59,52 @@ def test_kernel_time_by_kind_is_the_step_the_model_prices(overrides):
     assert all(flash[k] == pytest.approx(kinds[k]) for k in kinds if k != "attention")
     with pytest.raises(ValueError, match="pp must be 1"):
         kernel_time(_cfg("parallel.pp=2", preset="llama3.2-1b"), H100)
+
+
+def test_a_step_waits_for_its_host_where_the_host_is_slower():
+    """host_bound: a step takes host_step_s plus the longer of the device's time and the host's issue of the
+    passes followed by the longer of the update's device and host time. A profile without host figures prices
+    the device alone; a host that issues slowly sets a small model's step, and a large one's device time
+    hides the same host (only host_step_s shows)."""
+    small = _cfg(preset="smollm2-135m")
+    device = predict_step(small, H100)
+    assert device.breakdown["host"] == 0.0  # the shipped H100 profile has no host figures
+    host = dataclasses.replace(H100, host_step_s=0.007, host_launch_s=30e-6, host_param_s=16e-6)
+    waiting = predict_step(small, host)
+    passes = OPS_PER_LAYER[True] * small.model.num_layers * 3 * 30e-6 * small.train.grad_accum
+    params = len(formulas.parameter_shapes(small.model, 1))
+    update = max(device.breakdown["optimizer"], params * 16e-6)
+    assert waiting.step_time_s == pytest.approx(0.007 + max(device.step_time_s, passes + update), rel=1e-9)
+    assert waiting.step_time_s > device.step_time_s + 0.007  # issuing the passes takes longer than running them
+    large = _cfg(preset="llama3.2-1b")
+    assert predict_step(large, host).step_time_s == pytest.approx(predict_step(large, H100).step_time_s + 0.007)
+    replayed = predict_step(dataclasses.replace(small, train=dataclasses.replace(small.train, recompute="full")), host)
+    assert replayed.breakdown["host"] > waiting.breakdown["host"]  # a replay's kernels are issued too
+
+
+def test_the_optimizer_moves_the_bytes_its_update_reads_and_writes():
+    """optimizer_bytes_per_param counts fivefold's update: 50 bytes under bf16-mixed with clipping (norm read 2,
+    fp32 copy 6, clip 8, fused AdamW 28, copy back 6), 40 in fp32, 46 with fp32 gradient accumulation, and 8
+    fewer without clipping; the optimizer's time follows it."""
+    base = _cfg(preset="llama3.2-1b")
+    t = base.train
+    assert optimizer_bytes_per_param(base) == 50
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, precision="fp32"))) == 40
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, fp32_grad_accum=True))) == 46
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, grad_clip=0.0))) == 42
+    params = sum(n for _, n in formulas.parameter_shapes(base.model, 1))
+    assert kernel_time(base, H100)["optimizer"] == pytest.approx(
+        params * 50 / (H100.memory_bandwidth * H100.memory_efficiency), rel=1e-9)
+
+
+def test_attention_efficiency_by_head_size():
+    """The profile's attention_efficiency holds at head size 128; attention_knee scales other head sizes as
+    d / (d + knee) relative to 128's (the H200's 96: 64-wide heads at 70% of 128-wide ones' rate, 31.5% of
+    the peak as bench/results/kernels_h200.json measured); a knee of 0 leaves every head size alike."""
+    h200 = load_profile("h200")
+    assert attention_efficiency(h200, 128) == pytest.approx(0.45)
+    assert attention_efficiency(h200, 64) == pytest.approx(0.315, abs=0.001)
+    assert attention_efficiency(H100, 64) == attention_efficiency(H100, 256) == H100.attention_efficiency
 
 
 def test_compute_scales_with_the_hardware_and_recompute_costs_a_forward():

@@ -26,9 +26,13 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
                           alike; fivefold.planner.speed.attention_efficiency)
     memory_efficiency     fraction of memory_bandwidth elementwise kernels (norms, activations, Adam) reach (0.8)
     op_overhead           seconds of device time per kernel launched, the gap between dependent kernels (5e-6)
-    host_launch_s         seconds of host work per kernel a step launches (Python, dynamo's guards, autograd,
-                          the launchers): no step is shorter than its launches take the host, which a small
-                          model's step is not (0: no such floor; fivefold.planner.speed.host_seconds)
+    host_step_s           seconds a step's host spends while the device idles (between reading the step's
+                          result and issuing the next step's first kernel: the loop, the data, the first
+                          guards) (0)
+    host_launch_s         seconds of host work per kernel a forward or backward issues (Python, dynamo's guards,
+                          autograd, the launchers) (0)
+    host_param_s          seconds of host work per parameter tensor the optimizer steps (0); with these three the
+                          step is never shorter than the host takes to issue it (fivefold.planner.speed.host_bound)
     overlap               fraction of overlappable communication that actually hides behind compute: 1 on
                           GPUs (copy engines, NCCL's own SMs); a CPU host's gloo threads share the cores (1)
     comm_interference     fraction of the compute rate lost while an overlapped collective is in flight:
@@ -75,7 +79,8 @@ from fivefold.config import ConfigError
 PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5, "attention_knee": 0.0,
-              "memory_efficiency": 0.8, "op_overhead": 5e-6, "host_launch_s": 0.0, "overlap": 1.0,
+              "memory_efficiency": 0.8, "op_overhead": 5e-6, "host_step_s": 0.0, "host_launch_s": 0.0,
+              "host_param_s": 0.0, "overlap": 1.0,
               "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 DTYPE_KERNELS = ("matmul_efficiency", "matmul_knee", "attention_efficiency")  # what [kernels.<dtype>] may hold
@@ -105,7 +110,9 @@ class HardwareProfile:
     attention_knee: float = EFFICIENCY["attention_knee"]  # in head sizes (fivefold.planner.speed.attention_efficiency)
     memory_efficiency: float = EFFICIENCY["memory_efficiency"]
     op_overhead: float = EFFICIENCY["op_overhead"]
+    host_step_s: float = EFFICIENCY["host_step_s"]
     host_launch_s: float = EFFICIENCY["host_launch_s"]
+    host_param_s: float = EFFICIENCY["host_param_s"]
     overlap: float = EFFICIENCY["overlap"]
     comm_interference: float = EFFICIENCY["comm_interference"]
     serving: dict[str, float] = field(default_factory=dict)  # [serving]: measured engine step costs

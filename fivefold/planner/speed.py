@@ -375,14 +375,19 @@ def optimizer_bytes_per_param(cfg: Config) -> int:
     return out + t.mixed * (4 + 2)
 
 
-def host_seconds(cfg: Config, costs: _Costs, layers: int) -> float:
-    """The host's time to issue one step of `layers` layers: every micro-batch's kernels (forward, backward
-    twice the forward's, a replay's under full or op-level recomputation) and the optimizer's, at the profile's
-    host_launch_s each. A step the device finishes sooner waits for it (a small model's compiled step: its 30
-    blocks' guards, autograd nodes and launches)."""
+def host_bound(cfg: Config, costs: _Costs, layers: int, params: int, device: float, optimizer: float) -> float:
+    """The step's time where its host sets it: the device starts a step only once the host has read the last
+    one's result and issued the first kernel (host_step_s), and cannot run the optimizer's update before the
+    host has issued every micro-batch's forward and backward (OPS_PER_LAYER kernels a layer forward, twice
+    that backward, once more for a replay under full or op-level recomputation, at host_launch_s each). So a
+    step takes host_step_s plus the longer of the device's own time and the host's issue of the passes
+    followed by the longer of the update's device time and its host time (host_param_s per parameter tensor).
+    A large model's step is the first (its device lags the host throughout), a small one's the second (the
+    135M's 30 blocks' kernels take the host about as long as the device)."""
+    hw = costs.hw
     replays = 1 if cfg.train.recompute in ("full", "ops") else 0
-    launches = cfg.train.grad_accum * OPS_PER_LAYER[costs.fused] * layers * (3 + replays) + OPTIMIZER_OPS
-    return launches * costs.hw.host_launch_s
+    passes = cfg.train.grad_accum * OPS_PER_LAYER[costs.fused] * layers * (3 + replays) * hw.host_launch_s
+    return hw.host_step_s + max(device, passes + max(optimizer, params * hw.host_param_s))
 
 
 def _optimizer_seconds(cfg: Config, profile: HardwareProfile, costs: _Costs, shapes) -> float:
@@ -563,8 +568,9 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         elif c.phase == "after_step":
             breakdown["dp"] += _exposed(profile, seconds, optimizer)
     breakdown["optimizer"] = optimizer
-    busiest_layers = sum(len(parts[c * p.pp + busiest]) for c in range(v))
-    breakdown["host"] = max(0.0, host_seconds(cfg, costs, busiest_layers) - sum(breakdown.values()))
+    device = sum(breakdown.values())
+    layers = sum(len(parts[c * p.pp + busiest]) for c in range(v))
+    breakdown["host"] = host_bound(cfg, costs, layers, len(shapes), device, optimizer) - device
     step = sum(breakdown.values())
     notes = []
     if p.tp > 1 and _link(profile, 1, p.tp)[2]:
