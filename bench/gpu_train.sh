@@ -9,8 +9,8 @@
 #
 # torchao is not in the lent machines' image: carry its wheel (bench/README.md, "GPU sessions") or the fp8
 # steps are left out. Writes bench/results/train_throughput_<row>_<gpu>.json for the rows 1b, 1b_fit, 3b_fp8,
-# 1b_fp8, 3b_profile, 135m, 135m_profile, 1b_profile, host_135m and host_1b, kernels_<gpu>.json, matmul_shapes_<gpu>.json and
-# gpu_train_<gpu>.log.
+# 1b_fp8, 3b_profile, 135m, 135m_profile, 1b_profile, host_135m and host_1b, and kernels_<gpu>.json,
+# matmul_shapes_<gpu>.json and gpu_train_<gpu>.log.
 #
 # A dry run on a CPU checks the plumbing (tiny shapes; fp8 is left out there):
 #   DEVICE=cpu DEVICE_MEMORY=0.3 SEQ=64 M1B=tiny M135=tiny M3B=tiny GPU_SLUG=dry bash bench/gpu_train.sh
@@ -97,7 +97,7 @@ step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/
 step "optimizer-host" 30 "$PY" bench/optimizer_host.py --device "$DEVICE" --json "bench/results/optimizer_host_$gpu.json"
 # (j) the host's floor: smollm2-135m and the 1B at 128 tokens a step, where the device's work is a few ms and a
 #     step takes what the host takes to issue it (one profiled step each counts its launches): what the
-#     planner's host_launch_s prices (fivefold.planner.speed.host_seconds), apart from the rows it is checked on
+#     planner's host figures price (fivefold.planner.speed.host_bound), apart from the rows they are checked on
 bench "host-135m" 120 host_135m --preset "$M135" --seq-len 128 --batch 1 --precision bf16 --compile on --skip-hf \
     --warmup 3 --steps 12 --profile
 bench "host-1b" 120 host_1b --preset "$M1B" --seq-len 128 --batch 1 --precision bf16 --compile on --skip-hf \

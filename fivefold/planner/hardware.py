@@ -80,8 +80,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5, "attention_knee": 0.0,
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "host_step_s": 0.0, "host_launch_s": 0.0,
-              "host_param_s": 0.0, "overlap": 1.0,
-              "comm_interference": 0.0}
+              "host_param_s": 0.0, "overlap": 1.0, "comm_interference": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 DTYPE_KERNELS = ("matmul_efficiency", "matmul_knee", "attention_efficiency")  # what [kernels.<dtype>] may hold
 SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s", "linear_flops_fp32", "linear_flops_bf16",
