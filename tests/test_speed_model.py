@@ -64,8 +64,8 @@ def test_kernel_time_by_kind_is_the_step_the_model_prices(overrides):
 def test_a_step_waits_for_its_host_where_the_host_is_slower():
     """host_bound: a step takes host_step_s plus the longer of the device's time and the host's issue of the
     passes followed by the longer of the update's device and host time. A profile without host figures (a
-    calibrated one, the A100s') prices the device alone; a host that issues slowly sets a small model's step, and a large one's device time
-    hides the same host (only host_step_s shows)."""
+    calibrated one, the A100s') prices the device alone; a host that issues slowly sets a small model's step,
+    and a large one's device time hides the same host (only host_step_s shows)."""
     small = _cfg(preset="smollm2-135m")
     bare = dataclasses.replace(H100, host_step_s=0.0, host_launch_s=0.0, host_param_s=0.0)
     device = predict_step(small, bare)
@@ -91,7 +91,8 @@ def test_the_optimizer_moves_the_bytes_its_update_reads_and_writes():
     t = base.train
     assert optimizer_bytes_per_param(base) == 50
     assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, precision="fp32"))) == 40
-    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, fp32_grad_accum=True))) == 46
+    accumulated = dataclasses.replace(base, train=dataclasses.replace(t, fp32_grad_accum=True))
+    assert optimizer_bytes_per_param(accumulated) == 46
     assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, grad_clip=0.0))) == 42
     params = sum(n for _, n in formulas.parameter_shapes(base.model, 1))
     assert kernel_time(base, H100)["optimizer"] == pytest.approx(
