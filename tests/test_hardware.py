@@ -71,6 +71,12 @@ def test_plan_takes_device_memory_and_kind_from_the_cluster(capsys):
     assert json.loads(capsys.readouterr().out)["device_memory"] == 24e9  # an explicit figure wins
     assert cli.main(["hardware"]) == 0
     assert capsys.readouterr().out.count("NVIDIA") == 5
+    assert cli.main(["hardware", "h200"]) == 0  # one profile's figures, the measured ones the planner prices with
+    shown = capsys.readouterr().out
+    assert "knee 216, efficiency 0.857, attention 0.45 at head size 128 (knee 96)" in shown
+    assert "host: 6.8 ms a step, 30.4 us a kernel, 16 us a parameter tensor" in shown
+    assert cli.main(["hardware", "a100-80gb"]) == 0
+    assert "host:" not in capsys.readouterr().out  # no host figures: the planner prices the device alone
 
 
 def test_calibrate_measures_this_machine_into_a_profile(tmp_path, data_cache):

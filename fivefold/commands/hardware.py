@@ -78,7 +78,10 @@ def _summary(p) -> str:
             if p.intra_node_bandwidth else "links not measured")
     kernels = "; ".join(
         f"{label}knee {k.matmul_knee:.3g}, efficiency {k.matmul_efficiency:.3g}, attention {k.attention_efficiency:.3g}"
+        + (f" at head size 128 (knee {k.attention_knee:.3g})" if k.attention_knee else "")
         for label, k in [("", p)] + [(f"{dtype}: ", p.for_dtype(dtype)) for dtype in p.kernels])
-    return (f"{p.name}: {p.description}\n  matmul: {flops}\n  kernels: {kernels}\n  memory: "
+    host = (f"\n  host: {p.host_step_s * 1e3:.3g} ms a step, {p.host_launch_s * 1e6:.3g} us a kernel, "
+            f"{p.host_param_s * 1e6:.3g} us a parameter tensor" if p.host_launch_s or p.host_step_s else "")
+    return (f"{p.name}: {p.description}\n  matmul: {flops}\n  kernels: {kernels}{host}\n  memory: "
             f"{p.memory_bytes / 1e9:.3g} GB at {p.memory_bandwidth / 1e9:.3g} GB/s\n  {p.gpus_per_node} per node; "
             f"{link}\n  source: {p.source}")
