@@ -283,8 +283,12 @@ class _Costs:
         return ({"matmul": matmul, "elementwise": traffic / 3},
                 {"matmul": products * matmul, "elementwise": 2 * traffic / 3})
 
+    def kernels(self, layers: int) -> int:
+        """Kernels one forward of `layers` layers launches (a backward twice as many)."""
+        return OPS_PER_LAYER[self.fused] * layers
+
     def ops(self, layers: int) -> float:
-        return OPS_PER_LAYER[self.fused] * layers * self.hw.op_overhead
+        return self.kernels(layers) * self.hw.op_overhead
 
 
 def _link(profile: HardwareProfile, stride: int, size: int) -> tuple[float, float, bool]:
@@ -386,7 +390,7 @@ def host_bound(cfg: Config, costs: _Costs, layers: int, params: int, device: flo
     135M's 30 blocks' kernels take the host about as long as the device)."""
     hw = costs.hw
     replays = 1 if cfg.train.recompute in ("full", "ops") else 0
-    passes = cfg.train.grad_accum * OPS_PER_LAYER[costs.fused] * layers * (3 + replays) * hw.host_launch_s
+    passes = cfg.train.grad_accum * costs.kernels(layers) * (3 + replays) * hw.host_launch_s
     return hw.host_step_s + max(device, passes + max(optimizer, params * hw.host_param_s))
 
 
