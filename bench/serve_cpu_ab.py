@@ -1,7 +1,9 @@
 """The CPU engine's choices, A/B in one process: each against the engine without it.
 
-- `layout`: block weights laid out input-major where oneDNN runs them faster (fivefold/serve/cpu_linear.py,
-  `input_major_pays`) against the plain layout;
+- `products`: each linear's product chosen per shape among oneDNN's and F.linear's, each in both layouts
+  (fivefold/serve/cpu_linear.py, serve.linear=auto) against oneDNN's alone (serve.linear=onednn);
+- `layout`: block weights laid out input-major where the chosen product runs them faster
+  (`chosen_product`) against the plain layout;
 - `lean`: the blocks as one loop of tensor ops (fivefold/serve/lean_forward.py, serve.fuse_launches=true)
   against the model's modules step by step;
 - `huge-pages`: weights and KV pool in transparent huge pages (fivefold/serve/huge_pages.py,
@@ -30,7 +32,7 @@ from machine import write_results
 from fivefold.model import build_model
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
-from fivefold.serve.cpu_linear import use_onednn
+import fivefold.serve.cpu_linear as cpu_linear
 
 
 def parse_args(argv=None):
@@ -46,6 +48,7 @@ def parse_args(argv=None):
 # Per comparison, (name, options) of the side with the choice and of the side without: serve.* options, and
 # "input_major" (whether block weights may take the input-major layout).
 SIDES = {
+    "products": (("chosen per shape", {}), ("oneDNN", {"linear": "onednn"})),
     "layout": (("input-major", {}), ("plain", {"input_major": False})),
     "lean": (("lean loop", {}), ("modules", {"fuse_launches": False})),
     "huge-pages": (("huge pages", {"huge_pages": "true"}), ("4 KiB pages", {"huge_pages": "false"})),
@@ -57,14 +60,14 @@ SIDES = {
 def make_llm(cfg, options: dict) -> LLM:
     """An engine with these serve.* options; its block weights stay plain unless `input_major` (default)."""
     options = dict(options)
-    chosen = use_onednn.__defaults__
+    chosen = cpu_linear.chosen_product
     if not options.pop("input_major", True):
-        use_onednn.__defaults__ = (lambda shape, dtype: False,)
+        cpu_linear.chosen_product = lambda shape, dtype, mode="auto", layouts=True: chosen(shape, dtype, mode, False)
     try:
         return LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=400, max_num_seqs=64,
                    **options)
     finally:
-        use_onednn.__defaults__ = chosen
+        cpu_linear.chosen_product = chosen
 
 
 def main(argv=None) -> dict:

@@ -42,11 +42,12 @@ def instrument(llm: LLM, times: dict) -> None:
     attention and its core, the forward and the engine step; on the modules' path (`--modules`) also the
     norms, RoPE and each layer, which the lean loop (fivefold.serve.lean_forward) runs inline."""
     model, engine = llm.engine.model, llm.engine
-    product = timed(times, "products", engine_linear(model))
     for module in model.modules():
-        if "linear_fn" in module.__dict__ or hasattr(type(module), "linear_fn"):
-            module.linear_fn = product
-        elif isinstance(module, torch.nn.Linear) and module is not model.lm_head:
+        if module is model.lm_head:
+            continue
+        if hasattr(module, "linear_fn"):  # the product chosen for its shape (fivefold.serve.cpu_linear)
+            module.linear_fn = timed(times, "products", module.linear_fn)
+        elif isinstance(module, torch.nn.Linear):
             module.forward = (lambda m: timed(times, "products", m.forward))(module)
     model.lm_head.forward = timed(times, "lm_head", model.lm_head.forward)
     for layer in model.layers:
@@ -59,12 +60,6 @@ def instrument(llm: LLM, times: dict) -> None:
     PagedBatch.attend_heads = timed(times, "attention (store, gather, core)", PagedBatch.attend_heads)
     engine._forward = timed(times, "forward", engine._forward)
     engine.step = timed(times, "step", engine.step)
-
-
-def engine_linear(model):
-    """The product function the engine put on the fused projections (oneDNN's or F.linear)."""
-    fused = next(m for m in model.modules() if "linear_fn" in m.__dict__ or hasattr(type(m), "linear_fn"))
-    return fused.linear_fn
 
 
 def call_overhead(reps: int = 4000) -> dict:

@@ -11,7 +11,7 @@ from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.batch import StepInputs
-from fivefold.serve.cpu_linear import OneDNNLinear, onednn_available, use_onednn
+from fivefold.serve.cpu_linear import Product, RoutedLinear, onednn_available, onednn_linear, route_linears
 from fivefold.serve.cuda_graphs import DecodeGraphs, batch_ladder
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.sampling import _penalise, apply_penalties, slot_params
@@ -61,44 +61,62 @@ def test_engine_update_weights_reaches_the_fused_weights():
     assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in LLM(new).generate(ps, params)]
 
 
-@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+ONEDNN = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+
+
+@ONEDNN
+@pytest.mark.parametrize("library", ["oneDNN", "F.linear"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2", "tiny-moe"])  # SwiGLU, GELU with biases and a tied head, MoE
-def test_cpu_linears_on_onednn_compute_what_f_linear_does(preset):
-    """serve.linear=onednn (auto on a CPU): every linear and fused product routed, logits within fp32
-    rounding of F.linear's, and a batch of greedy requests gives the tokens serve.linear=torch gives."""
+def test_cpu_linears_routed_to_either_library_compute_what_f_linear_does(preset, library):
+    """Every linear and fused product routed to the library chosen for its shape, logits within fp32 rounding
+    of F.linear's, in float32 and bfloat16."""
     model = tiny(preset)
     ids = torch.randint(0, model.cfg.vocab_size, (3, 21), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         reference = model(ids)
         fuse_projections(model)
-        routed = use_onednn(model)
-        assert routed and isinstance(model.lm_head, OneDNNLinear)
+        routed = route_linears(model, choose=lambda shape, dtype, layouts: Product(library, layouts))
+        assert set(routed) == {library} and isinstance(model.lm_head, RoutedLinear)
+        expected = onednn_linear if library == "oneDNN" else torch.nn.functional.linear
+        assert model.lm_head.linear_fn is expected and model.layers[0].attn.linear_fn is expected
         torch.testing.assert_close(model(ids), reference, rtol=1e-5, atol=1e-5)
-    ps, params = prompts(6, model.cfg.vocab_size, seed=3), SamplingParams(max_tokens=8, **GREEDY)
-    ours, plain = LLM(tiny(preset)), LLM(tiny(preset), linear="torch")
-    assert ours.engine.onednn and "linears: oneDNN, 0 of " in ours.engine.path  # tiny weights: not re-laid
-    assert not plain.engine.onednn and "linears: torch" in plain.engine.path
-    assert [o.token_ids for o in ours.generate(ps, params)] == [o.token_ids for o in plain.generate(ps, params)]
     bf16 = tiny(preset).to(torch.bfloat16)
     with torch.no_grad():
         reference = bf16(ids).float()
-        use_onednn(bf16)
+        route_linears(bf16, choose=lambda shape, dtype, layouts: Product(library, layouts))
         torch.testing.assert_close(bf16(ids).float(), reference, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2", "tiny-moe"])
+def test_the_engine_routes_its_cpu_linears_and_gives_serve_linear_torchs_tokens(preset, monkeypatch, tmp_path):
+    """serve.linear=auto on a CPU: each product chosen (and said in the path); a batch of greedy requests gives
+    the tokens serve.linear=torch gives."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    ps, params = prompts(6, PRESETS[preset].vocab_size, seed=3), SamplingParams(max_tokens=8, **GREEDY)
+    ours, plain = LLM(tiny(preset)), LLM(tiny(preset), linear="torch")
+    assert sum(ours.engine.linears.values()) > 0 and "the faster product on this CPU: " in ours.engine.path
+    assert "; 0 of " in ours.engine.path  # tiny weights: below LAYOUT_MIN_BYTES, not re-laid
+    assert not plain.engine.linears and "linears: torch" in plain.engine.path
+    assert [o.token_ids for o in ours.generate(ps, params)] == [o.token_ids for o in plain.generate(ps, params)]
+
+
+@pytest.mark.parametrize("library", ["oneDNN", "F.linear"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])  # untied head; tied head with biases
-def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
-    """Where the layout pays, the block products' weights become the transpose of an (in, out) contiguous tensor, same names, shapes
-    and values; the fused parts stay views into their fused weight; the embedding and LM head keep their
-    layout; the parameters take the same bytes as before; new weights still reach the fused product."""
+def test_input_major_block_weights_hold_nothing_twice(preset, library):
+    """Where the layout pays, the block products' weights become the transpose of an (in, out) contiguous
+    tensor, same names, shapes and values; the fused parts stay views into their fused weight; the embedding
+    and LM head keep their layout; the parameters take the same bytes as before; new weights still reach the
+    fused product; routing the model again changes nothing."""
+    if library == "oneDNN" and not onednn_available():
+        pytest.skip("this torch has no oneDNN")
     model = tiny(preset)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     storage = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p
                                                           for p in model.parameters()}.values())
     with torch.no_grad():
         fuse_projections(model)
-        use_onednn(model, pays=lambda shape, dtype: True)  # on a machine where every shape is faster so
+        for _ in range(2):  # on a machine where every shape is faster so; a second engine on the same model
+            route_linears(model, choose=lambda shape, dtype, layouts: Product(library, layouts))
     params = dict(model.named_parameters())
     assert list(params) == list(before)
     for name, p in params.items():
@@ -121,37 +139,49 @@ def test_onednn_lays_block_weights_input_major_holding_nothing_twice(preset):
         torch.testing.assert_close(model(ids), new(ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("faster", ["input-major", "plain"])
-def test_each_weight_shape_takes_the_layout_that_times_faster_once_per_machine(monkeypatch, tmp_path, faster):
+@pytest.mark.parametrize("fastest", ["oneDNN plain", "oneDNN input-major", "F.linear plain", "F.linear input-major"])
+def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine(monkeypatch, tmp_path, fastest):
     import json
     import time
 
     import fivefold.serve.cpu_linear as cl
-    assert not cl.input_major_pays((64, 64), torch.float32)  # too small to matter: not timed, left as it is
-    calls = []
+    calls, shape, expected = [], (1024, 256), cl.Product.parse(fastest)
 
-    def product(x, weight, bias=None):  # the slow layout sleeps
-        calls.append(1)
-        time.sleep(2e-3 if weight.is_contiguous() == (faster == "input-major") else 0)
-        return x @ weight.t()
+    def library(name):
+        def product(x, weight, bias=None):  # the other library sleeps, and longer the other layout
+            calls.append(1)
+            layout = "input-major" if cl.is_input_major(weight) else "plain"
+            time.sleep(1e-3 * (name != expected.library) + 2e-3 * (layout != fastest.split()[-1]))
+            return x @ weight.t()
+        return product
 
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
-    monkeypatch.setattr(cl, "onednn_linear", product)
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": library("oneDNN"), "F.linear": library("F.linear")})
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)  # one copy of a 1 MiB weight
-    shape, expected = (1024, 256), faster == "input-major"
-    assert cl.input_major_pays(shape, torch.float32) == expected
+    assert cl.chosen_product(shape, torch.float32) == expected
     timed = len(calls)
-    assert timed and cl.input_major_pays(shape, torch.float32) == expected and len(calls) == timed
+    assert timed and cl.chosen_product(shape, torch.float32) == expected and len(calls) == timed
     # Kept for the next start: a new process (no choices in memory) reads it instead of timing again.
     saved = json.loads((tmp_path / cl.LAYOUTS_FILE).read_text())
-    assert saved == {cl._machine(): {"1024x256 float32": expected}}
+    assert saved == {cl._machine(): {"1024x256 float32 auto": fastest}}
     monkeypatch.setattr(cl, "_chosen", {})
-    assert cl.input_major_pays(shape, torch.float32) == expected and len(calls) == timed
+    assert cl.chosen_product(shape, torch.float32) == expected and len(calls) == timed
     (tmp_path / cl.LAYOUTS_FILE).write_text("{not json")  # damaged: timed again, and rewritten
     monkeypatch.setattr(cl, "_chosen", {})
-    assert cl.input_major_pays(shape, torch.float32) == expected and len(calls) > timed
+    assert cl.chosen_product(shape, torch.float32) == expected and len(calls) > timed
     assert json.loads((tmp_path / cl.LAYOUTS_FILE).read_text()) == saved
+    # serve.linear=onednn chooses among oneDNN's layouts only; a weight too small to lay out, the library only.
+    assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN"
+    assert cl.chosen_product((64, 64), torch.float32) == cl.Product(expected.library)
+    assert cl.chosen_product((64, 64), torch.float32, "onednn") == cl.Product("oneDNN")
+    # An entry for a product this mode does not choose among (or an older file's) is timed again.
+    calls.clear()
+    saved[cl._machine()]["1024x256 float32 onednn"] = "F.linear plain"
+    (tmp_path / cl.LAYOUTS_FILE).write_text(json.dumps(saved))
+    monkeypatch.setattr(cl, "_chosen", {})
+    assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN" and calls
 
 
 def test_a_bad_serve_linear_is_refused():
@@ -162,7 +192,7 @@ def test_a_bad_serve_linear_is_refused():
 def test_without_onednn_auto_falls_back_and_onednn_is_refused(monkeypatch):
     import fivefold.serve.cpu_linear as cpu_linear
     monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
-    assert not LLM(tiny()).engine.onednn  # auto: F.linear
+    assert set(LLM(tiny()).engine.linears) == {"F.linear"}  # auto: F.linear, its layout chosen
     with pytest.raises(ConfigError, match="serve.linear=onednn cannot be used here: this torch has no oneDNN; set "
                                           "serve.linear=auto or torch"):
         LLM(tiny(), linear="onednn")

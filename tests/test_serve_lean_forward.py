@@ -9,7 +9,7 @@ import torch
 from fivefold.model import ForwardContext, build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
-from fivefold.serve.cpu_linear import onednn_available, use_onednn
+from fivefold.serve.cpu_linear import Product, onednn_available, route_linears
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
 from fivefold.serve.lean_forward import LeanTransformer, lean_blocks, use_lean_forward
@@ -36,7 +36,7 @@ def served(model, onednn: bool):
     laid out input-major, the layout the 576-wide products take), then the lean loop."""
     assert fuse_projections(model) == 2 * model.cfg.num_layers
     if onednn:
-        use_onednn(model, pays=lambda shape, dtype: True)
+        route_linears(model, choose=lambda shape, dtype, layouts: Product("oneDNN", layouts))
     assert use_lean_forward(model) and type(model) is LeanTransformer
     return model
 

@@ -1,21 +1,25 @@
-"""The serving model's linears on a CPU through oneDNN (serve.linear).
+"""The serving model's linears on a CPU: for each weight shape, the faster of torch's two CPU products in
+the faster layout, timed once per machine (serve.linear).
 
-F.linear on a CPU runs MKL: at a decode's few rows its sgemv reads the weights on one thread, 17 GB/s on
-this project's 2-vCPU machine where a sum over the same tensors reads 45-48 GB/s, and its GEMMs of a few
-dozen rows are little better. oneDNN's inner product (`mkldnn._linear_pointwise`, the op torch.compile's CPU
-backend emits for a linear) spreads both over the threads: on the same machine it reads ~24-37 GB/s at one
-row, and `bench/serve.py` measures what that gives a whole engine.
+torch has two products a CPU linear can run on, and which one streams a decode's weights faster depends on
+the CPU: F.linear (MKL's sgemv / sgemm on an x86 wheel) and oneDNN's inner product
+(`mkldnn._linear_pointwise`, the op torch.compile's CPU backend emits for a linear). On the project's
+2-vCPU AMD EPYC host MKL read the weights on one thread at one row, 17 GB/s where a sum over the same
+tensors read 45-48, and oneDNN 24-37 GB/s; on its 2-vCPU Intel Xeon host the order reversed: over
+`smollm2-135m`'s block products at one row MKL took 17.4 ms a token and oneDNN 25.0 (each in its better
+layout), and oneDNN's call cost 32 us against F.linear's 4 (bench/serve_decode_breakdown.py).
 
-A block product's weight is also laid out input-major (the same (out, in) parameter, stored as the
-transpose of an (in, out) contiguous tensor) where oneDNN runs that layout faster at decode sizes, which
-depends on the shape and the machine: on the 2-vCPU machine `smollm2-135m`'s 576-wide products ran 10-70%
-faster at 1-32 rows (o_proj 24 -> 41 GB/s at one row, down_proj 28 -> 40) and a 2048 x 2048 one 20-40%
-slower. So each distinct shape is timed once per machine in both layouts (`input_major_pays`; the choice is
-kept in the cache directory, so every start of a server sums in the same order) and the faster kept. The LM
-head keeps its layout: it is the embedding too where they are tied, whose lookups read rows. Nothing is held
-twice (each weight is re-laid one at a time), names and shapes are unchanged, and
-`Engine.update_weights` still copies into the same parameters; this is a choice of kernel and layout only:
-the same product, summed in another order.
+A weight may also be laid out input-major (the same (out, in) parameter, stored as the transpose of an
+(in, out) contiguous tensor), which each product runs faster or slower depending on the shape and the
+machine: on the AMD host oneDNN ran `smollm2-135m`'s 576-wide products 10-70% faster so at 1-32 rows and a
+2048 x 2048 one 20-40% slower; on the Intel host MKL ran them 0-38% faster at 4 and 16 rows.
+
+So each distinct shape's candidates (each product in each layout) are timed once per machine
+(`chosen_product`), alternately over copies of random weights larger than a cache, and the fastest kept in
+the cache directory, so that every start of a server sums in the same order. The LM head keeps its layout:
+it is the embedding too where they are tied, whose lookups read rows. Nothing is held twice (each weight
+is re-laid one at a time), names and shapes are unchanged, and `Engine.update_weights` still copies into
+the same parameters; this is a choice of kernel and layout only: the same product, summed in another order.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import json
 import os
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +51,42 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class OneDNNLinear(nn.Linear):
-    """An nn.Linear whose product runs on oneDNN; parameters, names and hooks (LoRA adapters) unchanged."""
+# The products a CPU linear can run on, by the name a choice is kept under; looked up at each use, so that
+# the tests can stand in for them.
+LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear}
+
+
+@dataclass(frozen=True)
+class Product:
+    """A linear's product on a CPU: which library, over which weight layout."""
+    library: str  # a key of LIBRARIES
+    input_major: bool = False
+
+    @property
+    def fn(self) -> Callable:
+        return LIBRARIES[self.library]
+
+    def __str__(self) -> str:
+        return f"{self.library} {'input-major' if self.input_major else 'plain'}"
+
+    @classmethod
+    def parse(cls, text: object) -> Product | None:
+        """The Product `str()` wrote, or None for anything else (a damaged or older cache entry)."""
+        if not isinstance(text, str) or " " not in text:
+            return None
+        library, layout = text.rsplit(" ", 1)
+        if library not in LIBRARIES or layout not in ("plain", "input-major"):
+            return None
+        return cls(library, layout == "input-major")
+
+
+class RoutedLinear(nn.Linear):
+    """An nn.Linear whose product is the one chosen for its shape; parameters, names and hooks (LoRA adapters)
+    unchanged."""
+    linear_fn = staticmethod(F.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.weight, self.bias)
+        return self.linear_fn(x, self.weight, self.bias)
 
 
 def input_major(weight: torch.Tensor) -> torch.Tensor:
@@ -57,16 +94,20 @@ def input_major(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous().t()
 
 
-# Decode sizes a layout is chosen at; the bytes of weights it is timed over (beyond a server CPU's last-level
-# cache, as a served model's weights are); how much faster input-major must time to be taken; and the
-# smallest weight worth timing (below it a product is its call's overhead, whatever the layout).
-LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_GAIN, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 1.05, 2**20
-LAYOUTS_FILE = "cpu_layouts.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
-_chosen: dict[str, bool] = {}
+def is_input_major(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[0] > 1 and weight.stride()[0] == 1
+
+
+# Decode sizes a product is chosen at; the bytes of weights it is timed over (beyond a server CPU's last-level
+# cache, as a served model's weights are); and the smallest weight whose layout is worth timing (below it a
+# product is its call's cost, whatever the layout, and only the library is chosen).
+LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 2**20
+LAYOUTS_FILE = "cpu_products.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
+_chosen: dict[str, Product] = {}
 
 
 def _machine() -> str:
-    """What a layout choice holds for: this CPU model, the thread count and torch's version."""
+    """What a choice holds for: this CPU model, the thread count and torch's version."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -76,7 +117,7 @@ def _machine() -> str:
     return f"{model} | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
-def _saved() -> dict[str, dict[str, bool]]:
+def _saved() -> dict[str, dict[str, str]]:
     try:
         data = json.loads((cache_dir() / LAYOUTS_FILE).read_text())
         return data if isinstance(data, dict) else {}
@@ -84,58 +125,75 @@ def _saved() -> dict[str, dict[str, bool]]:
         return {}
 
 
-def _save(key: str, choice: bool) -> None:
+def _save(key: str, choice: Product) -> None:
     data = _saved()
-    data.setdefault(_machine(), {})[key] = choice
+    data.setdefault(_machine(), {})[key] = str(choice)
     path = cache_dir() / LAYOUTS_FILE
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 
-def _time_layouts(shape: tuple[int, int], dtype: torch.dtype, size: int) -> dict[str, float]:
-    """Seconds of oneDNN's product at LAYOUT_ROWS rows over copies of random `shape` weights, per layout."""
-    out, inp = shape
-    copies = min(64, -(-LAYOUT_BYTES // size))
-    plain = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
-    seconds = {}
-    for name, weights in (("plain", plain), ("input-major", [input_major(w) for w in plain])):
-        xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
-        for x in xs:
-            onednn_linear(x, weights[0])
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            for x in xs:
-                for w in weights:
-                    onednn_linear(x, w)
-            times.append(time.perf_counter() - start)
-        seconds[name] = min(times)
-    return seconds
+def candidates(mode: str, layouts: bool) -> list[Product]:
+    """The products serve.linear=`mode` chooses among on this CPU: "auto" both libraries (oneDNN where this
+    torch has it), "onednn" oneDNN only; each in both layouts where `layouts`, else plain."""
+    libraries = ["oneDNN", "F.linear"] if mode == "auto" else ["oneDNN"]
+    if not onednn_available():
+        libraries.remove("oneDNN")
+    return [Product(lib, major) for lib in libraries for major in ((False, True) if layouts else (False,))]
 
 
-def input_major_pays(shape: tuple[int, int], dtype: torch.dtype) -> bool:
-    """Whether oneDNN's product over (out, in) = `shape` weights runs faster (by LAYOUT_GAIN) laid out
-    input-major, at LAYOUT_ROWS rows together. Timed once per machine and shape, on random weights, and kept
-    in the cache directory: each layout sums in its own order, so a close call that fell one way at one start
-    and the other way at the next would change the last bits of the logits between two starts of a server."""
+def _time_products(shape: tuple[int, int], dtype: torch.dtype, options: list[Product]) -> dict[Product, float]:
+    """Each product's time over copies of random `shape` weights at each of LAYOUT_ROWS rows, against the
+    fastest product's at that many rows, summed over the row counts (so that one row counts as much as
+    sixteen, whose products take longer); the best of 3 rounds that take the products in turn (so that a
+    change in the host's speed falls on all of them)."""
     out, inp = shape
     size = out * inp * torch.empty((), dtype=dtype).element_size()
-    if size < LAYOUT_MIN_BYTES:
-        return False
-    key = f"{out}x{inp} {str(dtype).removeprefix('torch.')}"
+    plain = [torch.randn(out, inp).to(dtype) for _ in range(min(64, -(-LAYOUT_BYTES // size)))]
+    laid = {False: plain, True: [input_major(w) for w in plain] if any(p.input_major for p in options) else []}
+    xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
+    seconds = {(p, i): float("inf") for p in options for i in range(len(xs))}
+    for p in options:  # warm up each (a library's first call sets up its kernels)
+        for x in xs:
+            p.fn(x, laid[p.input_major][0])
+    for _ in range(3):
+        for p in options:
+            for i, x in enumerate(xs):
+                start = time.perf_counter()
+                for w in laid[p.input_major]:
+                    p.fn(x, w)
+                seconds[p, i] = min(seconds[p, i], time.perf_counter() - start)
+    best = [min(seconds[p, i] for p in options) for i in range(len(xs))]
+    return {p: sum(seconds[p, i] / best[i] for i in range(len(xs))) for p in options}
+
+
+def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto", layouts: bool = True) -> Product:
+    """The fastest of `candidates(mode, layouts)` for (out, in) = `shape` weights (only the library below
+    LAYOUT_MIN_BYTES). Timed once per machine and shape, on random weights, and kept in the cache directory:
+    each product sums in its own order, so a close call that fell one way at one start and the other way at
+    the next would change the last bits of the logits between two starts of a server."""
+    out, inp = shape
+    layouts = layouts and out * inp * torch.empty((), dtype=dtype).element_size() >= LAYOUT_MIN_BYTES
+    options = candidates(mode, layouts)
+    if len(options) == 1:
+        return options[0]
+    key = f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}{'' if layouts else ' plain'}"
     if key not in _chosen:
-        saved = _saved().get(_machine(), {})
-        if isinstance(saved.get(key), bool):
-            _chosen[key] = saved[key]
+        saved = Product.parse(_saved().get(_machine(), {}).get(key))
+        if saved in options:
+            _chosen[key] = saved
         else:
-            seconds = _time_layouts((out, inp), dtype, size)
-            _chosen[key] = seconds["plain"] > LAYOUT_GAIN * seconds["input-major"]
+            slowdown = _time_products((out, inp), dtype, options)
+            _chosen[key] = min(options, key=slowdown.__getitem__)
             try:
                 _save(key, _chosen[key])
             except OSError:  # a read-only cache: the choice holds for this process, and is timed again next start
                 pass
     return _chosen[key]
+
+
+Chooser = Callable[[tuple[int, int], torch.dtype, bool], Product]
 
 
 def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
@@ -150,49 +208,59 @@ def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
         start += rows
 
 
-def use_onednn(model: nn.Module, pays: Callable[[tuple[int, int], torch.dtype], bool] = input_major_pays) -> int:
+def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None = None) -> Counter:
     """Route every plain linear of `model` (on a CPU, in float32 or bfloat16), its fused q/k/v and gate/up
-    products and its quantized linears' dequantized products through oneDNN, in place, laying out
-    input-major each block product's weight whose shape `pays` says runs faster so; the number of products
-    routed."""
-    routed = 0
-    # Left as they are: the embedding and LM head, and the fused products' parts (views into their fused
-    # weight, laid out with it).
+    products and its quantized linears' dequantized products through the product `choose` picks for their
+    shape (by default `chosen_product` for serve.linear=`mode`), in place, laying each block product's
+    weight out input-major where that product runs it faster so; how many products each library runs."""
+    if choose is None:
+        def choose(shape, dtype, layouts):
+            return chosen_product(shape, dtype, mode, layouts)
+    routed = Counter()
+    # Kept in their layout: the embedding and LM head, and the fused products' parts (views into their fused
+    # weight, laid out with it; routed too, for a model unfused later, but not counted: they do not run).
     keep = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         keep.add(id(model.lm_head.weight))
+    parts = set()
     with torch.no_grad():
-        for module in model.modules():
+        for module in model.modules():  # a fused module comes before its parts
             quantized = module.__dict__.get("qkv_quant", module.__dict__.get("gate_up_quant"))
             fused = ("qkv_weight", ("q_proj", "k_proj", "v_proj")) if isinstance(module, FusedAttention) else \
                 ("gate_up_weight", ("gate_proj", "up_proj")) if hasattr(module, "gate_up_weight") else None
-            if quantized is not None:  # a fused QuantLinear (fivefold.serve.fused), not among the modules
-                quantized.linear_fn = onednn_linear
-                routed += 1
+            if quantized is not None or (isinstance(module, QuantLinear) and module.qweight.device.type == "cpu"):
+                # its dequantized products (more rows than it reads codes for), over a weight made each call
+                linear = quantized if quantized is not None else module
+                product = choose((linear.out_features, linear.in_features), linear.dtype, False)
+                linear.linear_fn = product.fn
             elif fused:
-                module.linear_fn = onednn_linear
+                parts.update(id(getattr(module, name).weight) for name in fused[1])
                 weight = getattr(module, fused[0])
-                keep.update(id(getattr(module, name).weight) for name in fused[1])
-                if pays(tuple(weight.shape), weight.dtype):
+                if weight.device.type != "cpu":
+                    continue
+                product = choose(tuple(weight.shape), weight.dtype, True)
+                module.linear_fn = product.fn
+                if product.input_major and not is_input_major(weight):
                     _relay(module, *fused)
-                routed += 1
-            elif isinstance(module, QuantLinear) and module.qweight.device.type == "cpu":
-                module.linear_fn = onednn_linear  # its dequantized products (more rows than it reads codes for)
-                routed += 1
-            elif isinstance(module, OneDNNLinear):  # routed by an earlier engine on this model
-                routed += 1
-            elif type(module) is nn.Linear and module.weight.device.type == "cpu":
-                module.__class__ = OneDNNLinear
+            elif type(module) in (nn.Linear, RoutedLinear) and module.weight.device.type == "cpu":
                 w = module.weight
-                if id(w) not in keep and pays(tuple(w.shape), w.dtype):
+                product = choose(tuple(w.shape), w.dtype, id(w) not in keep | parts)
+                module.__class__ = RoutedLinear
+                module.linear_fn = product.fn
+                if product.input_major and not is_input_major(w):
                     w.data = input_major(w)
-                routed += 1
+                if id(w) in parts:
+                    continue
+            else:
+                continue
+            routed[product.library] += 1
     return routed
 
 
-def serving_linear(device: torch.device, choice: str = "auto"):
-    """(the linear function, the weight layout) the engine runs a block product with on `device` for
-    serve.linear=`choice`: what calibration times."""
-    if device.type == "cpu" and choice != "torch" and onednn_available():
-        return onednn_linear, lambda w: input_major(w) if input_major_pays(tuple(w.shape), w.dtype) else w
+def serving_product(device: torch.device, shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto"):
+    """(the linear function, the weight layout) the engine runs a block product of `shape` with on `device`
+    for serve.linear=`mode`: what calibration times."""
+    if device.type == "cpu" and mode != "torch" and candidates(mode, False):
+        product = chosen_product(shape, dtype, mode)
+        return product.fn, (input_major if product.input_major else lambda weight: weight)
     return F.linear, lambda weight: weight

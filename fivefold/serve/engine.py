@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -30,7 +30,7 @@ from fivefold.serve.adapters import AdapterSet, load_adapter, take_model
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
-from fivefold.serve.cpu_linear import onednn_linear, serving_linear, use_onednn
+from fivefold.serve.cpu_linear import candidates, is_input_major, route_linears
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
@@ -122,7 +122,7 @@ class Engine:
         # projections, so an engine serving LoRA keeps them apart. Before the KV pool is sized: the fused
         # weights' concatenation and the CPU layout timing hold memory only until they are done.
         self.fused = 0 if self.adapters else fuse_projections(model)
-        self.onednn = self._use_onednn()
+        self.linears = self._route_linears()
         # The torch path's blocks as one loop of tensor ops (fivefold.serve.lean_forward), bit for bit the modules'.
         self.lean = not self.kernel and self.cfg.fuse_launches and use_lean_forward(model)
         self.huge_pages = self._use_huge_pages()
@@ -204,14 +204,19 @@ class Engine:
             done = "compiled" if why is None else f"not compiled ({why})"
             print(f"quantized products reading the codes: {done} in {seconds:.1f} s", flush=True)
 
-    def _use_onednn(self) -> bool:
-        """serve.linear: whether the linears run on oneDNN (a CPU), after the projections are fused."""
-        choice = self.cfg.linear
-        onednn = serving_linear(self.device, choice)[0] is onednn_linear
-        if choice == "onednn" and not onednn:
-            why = "the device is not a CPU" if self.device.type != "cpu" else "this torch has no oneDNN"
+    def _route_linears(self) -> Counter:
+        """serve.linear: on a CPU, each linear's product chosen for its shape (fivefold.serve.cpu_linear), after
+        the projections are fused; how many products each library runs (none: F.linear as the model has it)."""
+        mode = self.cfg.linear
+        if mode == "torch" or self.device.type != "cpu":
+            why = "the device is not a CPU" if self.device.type != "cpu" else None
+        else:
+            why = None if candidates(mode, False) else "this torch has no oneDNN"
+        if mode == "onednn" and why:
             raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
-        return onednn and use_onednn(self.model) > 0
+        if mode == "torch" or why:
+            return Counter()
+        return route_linears(self.model, mode)
 
     def _use_huge_pages(self) -> bool:
         """serve.huge_pages: whether the weights (moved here, once) and the KV pool live in transparent huge
@@ -263,10 +268,12 @@ class Engine:
         decode = "CUDA graphs" if self.graphs else "eager"
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"
         linears = "torch (F.linear)"
-        if self.onednn:
+        if self.linears:
             blocks = [p for n, p in self.model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
-            laid = sum(p.stride()[0] == 1 and p.shape[0] > 1 for p in blocks)
-            linears = f"oneDNN, {laid} of {len(blocks)} block weights input-major"
+            laid = sum(is_input_major(p) for p in blocks)
+            libraries = ", ".join(f"{name} {n}" for name, n in sorted(self.linears.items()))
+            linears = f"per shape, the faster product on this CPU: {libraries}; {laid} of {len(blocks)} block " \
+                      f"weights input-major"
         if self.huge_pages:
             linears += "; weights and KV pool in huge pages"
         quantized = sum(isinstance(m, QuantLinear) for m in self.model.modules())

@@ -31,7 +31,7 @@ from fivefold.model import build_model
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.presets import PRESETS
-from fivefold.serve.cpu_linear import serving_linear
+from fivefold.serve.cpu_linear import serving_product
 from fivefold.serve.engine import LLM
 from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import SamplingParams
@@ -186,12 +186,12 @@ class StepCostModel:
 
 
 def _linear_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(the square-product rate, the skinny knee) of the linear the engine runs (serve.linear: oneDNN on a
-    CPU). The rate: m = 2048 rows; the knee: products of m rows by weights larger than any cache (as a served
-    model's are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving
-    knee = m (rate / measured - 1); their median."""
+    """(the square-product rate, the skinny knee) of the linear the engine runs (serve.linear: on a CPU the
+    product chosen for this shape). The rate: m = 2048 rows; the knee: products of m rows by weights larger
+    than any cache (as a served model's are), timed at m = 2, 8 and 32 (a decode tail, a small and a full
+    batch), each giving knee = m (rate / measured - 1); their median."""
     k = n = 2048
-    linear, layout = serving_linear(device)
+    linear, layout = serving_product(device, (n, k), dtype)
     weights = [layout(torch.randn(n, k, device=device).to(dtype)) for _ in range(8 if device.type == "cpu" else 64)]
 
     def flops(m: int, reps: int = 3) -> float:
