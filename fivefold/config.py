@@ -239,9 +239,10 @@ class ServeConfig:
     # Schedule and launch step n+1 while step n's tokens are still on the device, so the host's work
     # overlaps the device's: "auto" = on CUDA with tp=1 (on a CPU the device is the host: nothing to overlap).
     async_scheduling: Literal["auto", "true", "false"] = "auto"
-    # The linears on a CPU: "onednn" = torch's oneDNN inner product, which spreads a decode's few rows over
-    # the threads where MKL's sgemv reads the weights on one (fivefold.serve.cpu_linear); "torch" = F.linear;
-    # "auto" = onednn on a CPU whose torch has it. On CUDA the linears are cuBLAS's either way.
+    # The linears on a CPU (fivefold.serve.cpu_linear): "auto" = for each weight shape, the faster of F.linear
+    # (MKL on x86) and oneDNN's inner product, each in the faster layout, timed once per machine (which wins
+    # depends on the CPU); "onednn" = oneDNN's, its layout chosen; "torch" = F.linear as the model has it.
+    # On CUDA the linears are cuBLAS's either way.
     linear: Literal["auto", "onednn", "torch"] = "auto"
     # On the Triton path, fewer launches a layer: RoPE inside the KV store's kernel, reading q/k/v in place
     # from the fused product, and each residual add inside the next RMSNorm's kernel (fivefold.serve.residual);
