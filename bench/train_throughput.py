@@ -85,6 +85,9 @@ def parse_args(argv=None):
                    help="both: beside ours (one read from the device a step, after the update is queued), "
                         "\"ours-waiting\", the same Trainer made to wait as it did before 2026-11-27: for the loss "
                         "before the optimizer, and for the gradient norm after it")
+    p.add_argument("--optimizer-impl", choices=["fused", "foreach", "compiled"], default="fused",
+                   help="our train.optimizer_impl (compiled: the whole update as one kernel a tensor, 30 bytes a "
+                        "parameter where fused moves 50)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--profile", action="store_true",
                    help="profile one bf16 step of ours and of HF, and of ours in fp8 where timed (top ops; on CUDA "
@@ -233,7 +236,7 @@ def make_config(args, precision: str, compiled: bool, peak: float, out_dir: str,
     row's, under both)."""
     fused = fused or (args.fused_projections if args.fused_projections != "both" else "true")
     overrides = {"train.seq_len": seq_len or args.seq_len, "train.micro_batch_size": batch or args.batch,
-                 "train.fused_projections": fused,
+                 "train.fused_projections": fused, "train.optimizer_impl": args.optimizer_impl,
                  "train.grad_accum": 1 if batch else args.grad_accum,
                  "train.precision": PRECISIONS[precision][0], "train.compile": compiled, "train.peak_flops": peak,
                  "train.progress": False, "train.tensorboard": False, "train.eval_every": 0,
@@ -768,6 +771,7 @@ def main(argv=None) -> dict:
                         "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
                         "grad_accum": args.grad_accum, "fit": args.fit, "skip_hf": args.skip_hf,
                         "sequential": args.sequential, "fused_projections": args.fused_projections, "waits": args.waits,
+                        "optimizer_impl": args.optimizer_impl,
                         "tokens_per_step": tokens, "flops_per_token": fpt, "params": count_params(base.model)}}
     if args.json:
         write_results(json_path(args.json, device_slug(args.device)), out)

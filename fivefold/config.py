@@ -130,7 +130,10 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    optimizer_impl: Literal["foreach", "fused"] = "fused"  # fused: one kernel, no per-group temporaries
+    # fused: torch's fused AdamW, one kernel, no per-group temporaries; compiled: the whole update (bf16 gradient
+    # read as it is, clipped, AdamW, bf16 parameter written) as one compiled kernel a tensor, 30 bytes a
+    # parameter where fused moves 50 (fivefold.train.compiled_adamw; ZeRO off)
+    optimizer_impl: Literal["foreach", "fused", "compiled"] = "fused"
     # torch.compile each block, and the final norm and the loss: "auto" = on CUDA (compiled graphs, fused
     # kernels), off elsewhere (a CPU gains little and pays the compile time); "blocks": the blocks only, the
     # final norm and the loss eager (Config.compiled_loss says where the loss compiles). Every layout compiles.
@@ -520,6 +523,9 @@ def validate(cfg: Config) -> None:
     parse_batch_schedule(t.batch_schedule)
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={p.zero} is not valid; choose one of 0, 1, 2, 3")
+    if t.optimizer_impl == "compiled" and p.zero:
+        raise ConfigError(f"train.optimizer_impl=compiled steps whole tensors, and parallel.zero={p.zero} shards "
+                          f"them; set train.optimizer_impl=fused, or parallel.zero=0")
     if p.tp > 1:
         # Whole heads per rank, and vocabulary / FFN rows split evenly.
         sizes = (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),

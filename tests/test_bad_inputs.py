@@ -79,6 +79,8 @@ TRAIN_CASES = [
      "model.experts_per_token=5 must be in 1..model.num_experts=4"),
     ("dp-zero", ["--set", "parallel.dp=0"], "parallel.dp=0 must be at least 1"),
     ("zero-stage", ["--set", "parallel.zero=4"], "parallel.zero=4 is not valid; choose one of 0, 1, 2, 3"),
+    ("compiled-update-zero", ["--set", "train.optimizer_impl=compiled", "--set", "parallel.zero=2"],
+     "train.optimizer_impl=compiled steps whole tensors, and parallel.zero=2 shards them"),
     ("tp-heads", ["--set", "parallel.tp=3"], "parallel.tp=3 does not divide model.num_heads=4"),
     ("tp-world", ["--set", "parallel.tp=2"], "world size 1 != dp*tp*pp*cp"),
     ("tp-world-hint", ["--set", "parallel.tp=2", "--set", "parallel.dp=2"], "launch 4 processes (any multiple of tp*pp*cp = 2"),

@@ -86,7 +86,8 @@ def test_a_step_waits_for_its_host_where_the_host_is_slower():
 def test_the_optimizer_moves_the_bytes_its_update_reads_and_writes():
     """optimizer_bytes_per_param counts fivefold's update: 50 bytes under bf16-mixed with clipping (norm read 2,
     fp32 copy 6, clip 8, fused AdamW 28, copy back 6), 40 in fp32, 46 with fp32 gradient accumulation, and 8
-    fewer without clipping; the optimizer's time follows it."""
+    fewer without clipping; the compiled update 30 (norm read 2, then 2 + 12 read, 12 + 2 written), 32 in fp32,
+    34 with fp32 accumulation, clipped or not; the optimizer's time follows it."""
     base = _cfg(preset="llama3.2-1b")
     t = base.train
     assert optimizer_bytes_per_param(base) == 50
@@ -94,6 +95,11 @@ def test_the_optimizer_moves_the_bytes_its_update_reads_and_writes():
     accumulated = dataclasses.replace(base, train=dataclasses.replace(t, fp32_grad_accum=True))
     assert optimizer_bytes_per_param(accumulated) == 46
     assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(t, grad_clip=0.0))) == 42
+    compiled = dataclasses.replace(t, optimizer_impl="compiled")
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=compiled)) == 30
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(compiled, grad_clip=0.0))) == 30
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(compiled, precision="fp32"))) == 32
+    assert optimizer_bytes_per_param(dataclasses.replace(base, train=dataclasses.replace(compiled, fp32_grad_accum=True))) == 34
     params = sum(n for _, n in formulas.parameter_shapes(base.model, 1))
     assert kernel_time(base, H100)["optimizer"] == pytest.approx(
         params * 50 / (H100.memory_bandwidth * H100.memory_efficiency), rel=1e-9)

@@ -127,7 +127,7 @@ def optimizer_state(trainer, parameters=True):
             + [v.clone() for state in inner.state.values() for v in state.values()])
 
 
-@pytest.mark.parametrize("impl", ["fused", "foreach"])
+@pytest.mark.parametrize("impl", ["fused", "foreach", "compiled"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_a_nan_loss_is_reported_with_the_step_and_its_update_is_not_applied(tiny_config, impl, precision):
     trainer = Trainer(tiny_config(**{"train.optimizer_impl": impl, "train.precision": precision}), quiet=True)
@@ -143,7 +143,7 @@ def test_a_nan_loss_is_reported_with_the_step_and_its_update_is_not_applied(tiny
     assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(after, before))
 
 
-@pytest.mark.parametrize("impl", ["fused", "foreach"])
+@pytest.mark.parametrize("impl", ["fused", "foreach", "compiled"])
 def test_an_infinite_gradient_with_a_finite_loss_changes_no_weight(tiny_config, impl):
     trainer = Trainer(tiny_config(**{"train.optimizer_impl": impl}), quiet=True)
     trainer.fit(until=2)
@@ -187,6 +187,51 @@ def test_the_chunked_update_is_torch_adamw_step_bit_for_bit(tiny_config, impl):
     for ours, ref in zip(opt.masters, masters):
         mine, theirs = opt.inner.state[ours], reference.state[ref]
         assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_the_compiled_update_is_torch_adamw_within_fp32_rounding(tiny_config, precision):
+    """train.optimizer_impl=compiled (one compiled kernel a tensor, reading the bf16 gradients as they are):
+    over three clipped steps with a changing learning rate, masters and moments within fp32 rounding of
+    torch.optim.AdamW.step's over the same clipped fp32 gradients, step counts equal, the bf16 parameters the
+    masters' rounding, and no fp32 copy of any gradient made."""
+    from fivefold.memory.formulas import is_no_decay
+
+    trainer = Trainer(tiny_config(**{"train.optimizer_impl": "compiled", "train.precision": precision}), quiet=True)
+    opt, t = trainer.optimizer, trainer.cfg.train
+    masters = [m.detach().clone() for m in opt.masters]
+    groups = [{"params": [m for n, m in zip(opt.names, masters) if not is_no_decay(n)], "weight_decay": t.weight_decay},
+              {"params": [m for n, m in zip(opt.names, masters) if is_no_decay(n)], "weight_decay": 0.0}]
+    reference = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+    import fivefold.train.optim as optim
+    copies = []
+    real_copies = optim._fp32_copies
+    optim._fp32_copies = lambda grads: copies.append(1) or real_copies(grads)
+    try:
+        for step in range(3):
+            trainer.accumulate_gradients(*trainer.global_batch(1))
+            grads = [p.grad.float() for p in trainer.model.parameters()]
+            norm = opt.step(1e-3 * (step + 1), 0.5)
+            coef = min(1.0, 0.5 / (float(norm) + 1e-6))
+            for m, g in zip(masters, grads):
+                m.grad = g * coef
+            opt.zero_grad()
+            for group in reference.param_groups:
+                group["lr"] = 1e-3 * (step + 1)
+            reference.step()
+            reference.zero_grad()
+            assert coef < 1  # the clip took part
+    finally:
+        optim._fp32_copies = real_copies
+    assert not copies
+    for ours, ref in zip(opt.masters, masters):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+        mine, theirs = opt.inner.state[ours], reference.state[ref]
+        torch.testing.assert_close(mine["exp_avg"], theirs["exp_avg"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(mine["exp_avg_sq"], theirs["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+        assert torch.equal(mine["step"].cpu(), theirs["step"].cpu()) and float(mine["step"]) == 3
+    for p, m in zip(trainer.model.parameters(), opt.masters):
+        assert torch.equal(p, m.to(p.dtype))
 
 
 def test_a_step_reads_nothing_back_before_its_update_is_queued(tiny_config, monkeypatch):

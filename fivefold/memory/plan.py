@@ -337,7 +337,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     tied_pending = head_grad if m.tie_embeddings and first and last else 0.0
     # The optimizer steps one unit (a block, the embedding, the head; unsharded, neighbours joined up to the
     # largest unit's size) at a time; within a unit, foreach AdamW makes sqrt(exp_avg_sq) per param group,
-    # and bf16-mixed an fp32 copy of the unit's gradients.
+    # and bf16-mixed an fp32 copy of the unit's gradients (not the compiled update, which reads them as bf16).
     # Without a gradient reducer or fp32 buffers the step takes the .grad tensors over (then they are
     # temporaries), and releases a unit's bf16 gradients once one foreach copy has made their fp32 copies:
     # a unit then adds 4 bytes per parameter while it copies, 2 after.
@@ -350,7 +350,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     for decay, rest in (inv.units if zero and dp > 1 else inv.joined):  # (the optimizer's step_chunks)
         foreach = 4 * max(shard(decay, 1), shard(rest, 1)) if t.optimizer_impl == "foreach" else 0
         size = shard(decay + rest, 1)
-        if not mixed or accum32:
+        if t.optimizer_impl == "compiled":  # one kernel a tensor reads the gradients as they are: no copies
+            unit = 0
+        elif not mixed or accum32:
             unit = foreach
         elif handed:  # the copies made, then either their bf16 sources or foreach's temporaries
             unit = 2 * size + max(2 * size, foreach)

@@ -372,9 +372,13 @@ def optimizer_bytes_per_param(cfg: Config) -> int:
     write); the fused AdamW (master, gradient and both moments read, master and moments written); under bf16
     parameters the master copied back (read, write). 50 under bf16-mixed with clipping: on an H200 the profiled
     step's optimizer kernels moved the 1B's and the 3B's parameters at 56.5 bytes each at 80% of the bandwidth
-    (18.2 and 47.3 ms, bench/results/train_throughput_{1b,3b}_profile_h200.json), where Adam's own 36 said 30."""
+    (18.2 and 47.3 ms, bench/results/train_throughput_{1b,3b}_profile_h200.json), where Adam's own 36 said 30.
+    The compiled update (train.optimizer_impl=compiled, fivefold.train.compiled_adamw) moves 30: the norm's
+    read, then one pass reading gradient, master and moments and writing master, moments and parameter."""
     t, p = cfg.train, cfg.parallel
     grad = 4 if not t.mixed or t.fp32_grad_accum or p.zero >= 2 else 2  # ZeRO-2/3 keep fp32 gradient shards
+    if t.optimizer_impl == "compiled":  # one kernel a tensor: the gradient read as it is, the parameter written
+        return 2 * grad + 24 + t.mixed * 2
     out = grad + (grad == 2) * (2 + 4) + (t.grad_clip > 0) * 8 + 28
     return out + t.mixed * (4 + 2)
 

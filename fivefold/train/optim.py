@@ -18,6 +18,7 @@ from torch.optim.adam import adam
 from fivefold.checkpoint.pieces import Piece
 from fivefold.config import TrainConfig, parse_batch_schedule
 from fivefold.memory.formulas import is_no_decay, joined_units, step_chunk_key
+from fivefold.train.compiled_adamw import compiled_adamw
 
 
 class MasterWeightAdamW:
@@ -62,8 +63,9 @@ class MasterWeightAdamW:
         groups = [{"params": [m for m, d in zip(self.masters, decays) if d], "weight_decay": cfg.weight_decay},
                   {"params": [m for m, d in zip(self.masters, decays) if not d], "weight_decay": 0.0}]
         self.chunks = step_chunks(self.names, [m.numel() for m in self.masters], join=sharding is None)
+        self.compiled = cfg.optimizer_impl == "compiled"  # one compiled kernel a tensor (no ZeRO: validated)
         self.fused = cfg.optimizer_impl == "fused"
-        impl = {"fused": True} if self.fused else {"foreach": True}
+        impl = {"fused": True} if self.fused or self.compiled else {"foreach": True}
         # Holds the moments and step counts (checkpoints read them through it); the update itself calls the
         # functional AdamW on each chunk's own parameters, where AdamW.step would walk every parameter of
         # both groups once per chunk to find the few with a gradient (bench/optimizer_host.py).
@@ -90,7 +92,8 @@ class MasterWeightAdamW:
         so this method never waits for the device: on a GPU the host queues the whole update while the
         backward still runs, and the update's launches (a few hundred for a small model's ~270 parameters,
         bench/optimizer_host.py) overlap the backward instead of following it. The foreach AdamW has no such
-        input; it reads the verdict first."""
+        input; it reads the verdict first. The compiled update (train.optimizer_impl=compiled) decides on the
+        device as the fused one does."""
         grads = self.gradient_source() if self.gradient_source is not None else self._own_gradients()
         for i, group in self.syncs:
             if grads[i] is not None:
@@ -99,8 +102,8 @@ class MasterWeightAdamW:
                 dist.all_reduce(grads[i], group=group)
         norm = self._global_norm(grads)
         finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
-        found_inf = (~finite).float() if self.fused else None
-        if not self.fused and not bool(finite):
+        found_inf = (~finite).float() if self.fused else ~finite if self.compiled else None
+        if found_inf is None and not bool(finite):
             return norm
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
         for group in self.inner.param_groups:
@@ -118,7 +121,12 @@ class MasterWeightAdamW:
         """One chunk's update: the gradients at `stepped` in fp32 (taken out of `grads`, which lets them go),
         clipped by `coef`, AdamW by decay group, the parameters made to follow. A method of its own so that the
         chunk's fp32 copies are freed when it returns, before the next chunk makes its own (the plan's step peak
-        holds one chunk's), and so that no master's .grad is set: the functional AdamW takes the list."""
+        holds one chunk's), and so that no master's .grad is set: the functional AdamW takes the list.
+        Compiled, all of it is one kernel a tensor that reads the gradients as they are (no copies)."""
+        if self.compiled:
+            if stepped:
+                self._compiled_step(stepped, grads, coef, lr, found_inf)
+            return
         fp32 = _fp32_copies([grads[i] for i in stepped])
         for i in stepped:
             grads[i] = None
@@ -131,6 +139,23 @@ class MasterWeightAdamW:
             self.sharding.publish(stepped)
         elif self.mixed and stepped:
             torch._foreach_copy_([self.params[i] for i in stepped], [self.masters[i] for i in stepped])
+
+    def _compiled_step(self, stepped: list[int], grads: list[torch.Tensor | None], coef: torch.Tensor | None,
+                       lr: float, skip: torch.Tensor) -> None:
+        taken = [grads[i] for i in stepped]
+        for i in stepped:
+            grads[i] = None
+        masters = [self.masters[i] for i in stepped]
+        for m in masters:
+            self.moment(m, "exp_avg")
+        states = [self.inner.state[m] for m in masters]
+        if coef is None:
+            coef = torch.ones((), device=masters[0].device)
+        beta1, beta2 = self.inner.defaults["betas"]
+        compiled_adamw([self.params[i] for i in stepped], masters, taken, [s["exp_avg"] for s in states],
+                       [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                       [self.weight_decay[i] for i in stepped], coef, skip, lr, beta1, beta2,
+                       self.inner.defaults["eps"])
 
     def _adamw(self, masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float, weight_decay: float,
                found_inf: torch.Tensor | None) -> None:
