@@ -208,15 +208,13 @@ class Engine:
         """serve.linear: on a CPU, each linear's product chosen for its shape (fivefold.serve.cpu_linear), after
         the projections are fused; how many products each library runs (none: F.linear as the model has it)."""
         mode = self.cfg.linear
-        if mode == "torch" or self.device.type != "cpu":
-            why = "the device is not a CPU" if self.device.type != "cpu" else None
-        else:
-            why = None if candidates(mode, False) else "this torch has no oneDNN"
+        if mode == "torch":
+            return Counter()
+        why = "the device is not a CPU" if self.device.type != "cpu" else \
+            None if candidates(mode, False) else "this torch has no oneDNN"
         if mode == "onednn" and why:
             raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
-        if mode == "torch" or why:
-            return Counter()
-        return route_linears(self.model, mode)
+        return Counter() if why else route_linears(self.model, mode)
 
     def _use_huge_pages(self) -> bool:
         """serve.huge_pages: whether the weights (moved here, once) and the KV pool live in transparent huge
