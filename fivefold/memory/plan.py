@@ -737,6 +737,9 @@ def _candidates(cfg: Config) -> list[tuple[str, dict[str, object]]]:
     if t.optimizer_impl == "foreach":
         out.append(("train.optimizer_impl=fused (no per-group sqrt(exp_avg_sq) temporaries)",
                     {"train.optimizer_impl": "fused"}))
+    if t.optimizer_impl != "compiled" and t.mixed and not par.zero:
+        out.append(("train.optimizer_impl=compiled (no fp32 copies of a unit's gradients)",
+                    {"train.optimizer_impl": "compiled"}))
     if par.dp > 1:
         for z in range(par.zero + 1, 4):
             out.append((f"parallel.zero={z}", {"parallel.zero": z}))
