@@ -164,14 +164,14 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
     timed = len(calls)
     assert timed and cl.chosen_product(shape, torch.float32) == expected and len(calls) == timed
     # Kept for the next start: a new process (no choices in memory) reads it instead of timing again.
-    saved = json.loads((tmp_path / cl.LAYOUTS_FILE).read_text())
+    saved = json.loads((tmp_path / cl.PRODUCTS_FILE).read_text())
     assert saved == {cl._machine(): {"1024x256 float32 auto": fastest}}
     monkeypatch.setattr(cl, "_chosen", {})
     assert cl.chosen_product(shape, torch.float32) == expected and len(calls) == timed
-    (tmp_path / cl.LAYOUTS_FILE).write_text("{not json")  # damaged: timed again, and rewritten
+    (tmp_path / cl.PRODUCTS_FILE).write_text("{not json")  # damaged: timed again, and rewritten
     monkeypatch.setattr(cl, "_chosen", {})
     assert cl.chosen_product(shape, torch.float32) == expected and len(calls) > timed
-    assert json.loads((tmp_path / cl.LAYOUTS_FILE).read_text()) == saved
+    assert json.loads((tmp_path / cl.PRODUCTS_FILE).read_text()) == saved
     # serve.linear=onednn chooses among oneDNN's layouts only; a weight too small to lay out, the library only.
     assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN"
     assert cl.chosen_product((64, 64), torch.float32) == cl.Product(expected.library)
@@ -179,7 +179,7 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
     # An entry for a product this mode does not choose among (or an older file's) is timed again.
     calls.clear()
     saved[cl._machine()]["1024x256 float32 onednn"] = "F.linear plain"
-    (tmp_path / cl.LAYOUTS_FILE).write_text(json.dumps(saved))
+    (tmp_path / cl.PRODUCTS_FILE).write_text(json.dumps(saved))
     monkeypatch.setattr(cl, "_chosen", {})
     assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN" and calls
 

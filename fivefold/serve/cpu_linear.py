@@ -102,7 +102,7 @@ def is_input_major(weight: torch.Tensor) -> bool:
 # cache, as a served model's weights are); and the smallest weight whose layout is worth timing (below it a
 # product is its call's cost, whatever the layout, and only the library is chosen).
 LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 2**20
-LAYOUTS_FILE = "cpu_products.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
+PRODUCTS_FILE = "cpu_products.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
 _chosen: dict[str, Product] = {}
 
 
@@ -119,7 +119,7 @@ def _machine() -> str:
 
 def _saved() -> dict[str, dict[str, str]]:
     try:
-        data = json.loads((cache_dir() / LAYOUTS_FILE).read_text())
+        data = json.loads((cache_dir() / PRODUCTS_FILE).read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):  # none yet, or unreadable: time again
         return {}
@@ -128,7 +128,7 @@ def _saved() -> dict[str, dict[str, str]]:
 def _save(key: str, choice: Product) -> None:
     data = _saved()
     data.setdefault(_machine(), {})[key] = str(choice)
-    path = cache_dir() / LAYOUTS_FILE
+    path = cache_dir() / PRODUCTS_FILE
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)
