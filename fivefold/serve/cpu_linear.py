@@ -143,14 +143,17 @@ def candidates(mode: str, layouts: bool) -> list[Product]:
     return [Product(lib, major) for lib in libraries for major in ((False, True) if layouts else (False,))]
 
 
+def _nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
+    return shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+
+
 def _time_products(shape: tuple[int, int], dtype: torch.dtype, options: list[Product]) -> dict[Product, float]:
     """Each product's time over copies of random `shape` weights at each of LAYOUT_ROWS rows, against the
     fastest product's at that many rows, summed over the row counts (so that one row counts as much as
     sixteen, whose products take longer); the best of 3 rounds that take the products in turn (so that a
     change in the host's speed falls on all of them)."""
     out, inp = shape
-    size = out * inp * torch.empty((), dtype=dtype).element_size()
-    plain = [torch.randn(out, inp).to(dtype) for _ in range(min(64, -(-LAYOUT_BYTES // size)))]
+    plain = [torch.randn(out, inp).to(dtype) for _ in range(min(64, -(-LAYOUT_BYTES // _nbytes(shape, dtype))))]
     laid = {False: plain, True: [input_major(w) for w in plain] if any(p.input_major for p in options) else []}
     xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
     seconds = {(p, i): float("inf") for p in options for i in range(len(xs))}
@@ -174,7 +177,7 @@ def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto
     each product sums in its own order, so a close call that fell one way at one start and the other way at
     the next would change the last bits of the logits between two starts of a server."""
     out, inp = shape
-    layouts = layouts and out * inp * torch.empty((), dtype=dtype).element_size() >= LAYOUT_MIN_BYTES
+    layouts = layouts and _nbytes(shape, dtype) >= LAYOUT_MIN_BYTES
     options = candidates(mode, layouts)
     if len(options) == 1:
         return options[0]
@@ -217,8 +220,9 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
         def choose(shape, dtype, layouts):
             return chosen_product(shape, dtype, mode, layouts)
     routed = Counter()
-    # Kept in their layout: the embedding and LM head, and the fused products' parts (views into their fused
-    # weight, laid out with it; routed too, for a model unfused later, but not counted: they do not run).
+    # Kept in their layout: the embedding and LM head. Left alone: the fused products' parts (views into their
+    # fused weight, laid out with it), which do not run; a model unfused later runs them on F.linear, and the
+    # next engine routes them.
     keep = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         keep.add(id(model.lm_head.weight))
@@ -242,15 +246,14 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
                 module.linear_fn = product.fn
                 if product.input_major and not is_input_major(weight):
                     _relay(module, *fused)
-            elif type(module) in (nn.Linear, RoutedLinear) and module.weight.device.type == "cpu":
+            elif type(module) in (nn.Linear, RoutedLinear) and module.weight.device.type == "cpu" \
+                    and id(module.weight) not in parts:
                 w = module.weight
-                product = choose(tuple(w.shape), w.dtype, id(w) not in keep | parts)
+                product = choose(tuple(w.shape), w.dtype, id(w) not in keep)
                 module.__class__ = RoutedLinear
                 module.linear_fn = product.fn
                 if product.input_major and not is_input_major(w):
                     w.data = input_major(w)
-                if id(w) in parts:
-                    continue
             else:
                 continue
             routed[product.library] += 1
