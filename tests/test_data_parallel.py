@@ -89,3 +89,14 @@ def test_a_data_parallel_checkpoint_resumes_in_one_process(data_cache, tmp_path)
     proc = train(resumed, data_cache, "--set", f"train.micro_batch_size={GLOBAL_SEQUENCES}")
     assert "resumed from" in proc.stdout
     assert_parity(resumed, dp_run, steps=5)
+
+
+def test_the_compiled_update_under_data_parallel_matches_one_process(data_cache, tmp_path):
+    """train.optimizer_impl=compiled on 2 ranks against one process with the same update: losses, gradient norms
+    and final weights (assert_parity)."""
+    compiled = ("--set", "train.optimizer_impl=compiled")
+    single = tmp_path / "single"
+    train(single, data_cache, *compiled, "--set", f"train.micro_batch_size={GLOBAL_SEQUENCES}")
+    out = tmp_path / "dp"
+    train(out, data_cache, *compiled, "--nproc", "2", "--set", f"train.micro_batch_size={GLOBAL_SEQUENCES // 2}")
+    assert_parity(out, single)
