@@ -128,6 +128,8 @@ def test_mixed_batch_matches_reference(interpreter, config):
     assert got.dtype == dtype and got.shape == args["q"].shape
     torch.testing.assert_close(got, want, **tolerance(dtype))
     check_padding(args, MIXED, got)
+    if heads == 32:  # in the interpreter a 32-head launch takes ~6 s; the variants below run on the others
+        return
     # A scale other than 1/sqrt(d), and prefill chunks through split-K (the kernel allows it; the
     # heuristic never picks it): the same numbers.
     torch.testing.assert_close(paged_attention(**args, scale=0.3), paged_attention_reference(**args, scale=0.3),
