@@ -115,6 +115,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="weights and request set")
     p.add_argument("--linear", default="auto", choices=["auto", "onednn", "torch"],
                    help="serve.linear: the engine's linears on a CPU (oneDNN, or F.linear for the before/after)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="serve.compile_decode: on a CPU, decode steps of one attention group as one inductor graph")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--skip-hf", action="store_true", help="fivefold only (no transformers reference)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the workload's")
@@ -338,7 +340,8 @@ def make_llm(model, args, requests: list[Request], tokenizer=None, **options) ->
                                    blocks_for(args.decode_prompt + args.decode_output, block) + 1)  # batch-1 decode too
     return LLM(model, tokenizer=tokenizer, device=args.device, seed=args.seed, num_blocks=blocks,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, linear=args.linear, **options)
+               max_model_len=args.max_model_len, linear=args.linear,
+               compile_decode=args.compile_decode, **options)
 
 
 def greedy(r: Request) -> SamplingParams:

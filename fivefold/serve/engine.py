@@ -35,6 +35,7 @@ from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
+from fivefold.serve.compiled_decode import use_compiled_decode
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
@@ -125,6 +126,7 @@ class Engine:
         self.linears = self._route_linears()
         # The torch path's blocks as one loop of tensor ops (fivefold.serve.lean_forward), bit for bit the modules'.
         self.lean = not self.kernel and self.cfg.fuse_launches and use_lean_forward(model)
+        self.compiled_decode = self._compile_decode()
         self.huge_pages = self._use_huge_pages()
         shards = tp.size if tp else 1
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
@@ -234,6 +236,18 @@ class Engine:
                   flush=True)
         return True
 
+    def _compile_decode(self) -> bool:
+        """serve.compile_decode: the lean loop's decode steps as one inductor graph."""
+        if not self.lean:
+            if self.cfg.compile_decode:
+                why = ("the engine runs the Triton kernels" if self.kernel else
+                       "serve.fuse_launches=false runs the modules" if not self.cfg.fuse_launches else
+                       "the lean loop does not reproduce this model (adapters, GPT-2, MoE or unfused projections)")
+                raise ConfigError(f"serve.compile_decode=true compiles the CPU path's loop over the blocks, which "
+                                  f"this engine does not run: {why}; set serve.compile_decode=false")
+            return False
+        return use_compiled_decode(self.model, self.cfg.compile_decode)
+
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
         why_not = ("the device is not CUDA" if self.device.type != "cuda" else
@@ -263,7 +277,8 @@ class Engine:
                          f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
         elif self.lean:
             attention += ", blocks as one loop of tensor ops"
-        decode = "CUDA graphs" if self.graphs else "eager"
+        decode = ("CUDA graphs" if self.graphs else "one inductor graph on steps of one attention group, else eager"
+                  if self.compiled_decode else "eager")
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"
         linears = "torch (F.linear)"
         if self.linears:

@@ -48,20 +48,33 @@ class LeanTransformer(Transformer):
         # apply_rope's x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) * cat(-sin1, sin2): a negation
         # moved from one factor to the other, exact in floating point.
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        t = x.shape[0]
-        for attn_norm, attn, o_proj, mlp_norm, mlp, down_proj in blocks:
-            d = attn.head_dim
-            heads = attn.qkv(rms_norm(attn_norm, x)).view(t, -1, d)
-            nq, nk = attn.qkv_sizes[0] // d, attn.qkv_sizes[1] // d
-            qk = heads[:, :nq + nk]
-            qk = qk * cos + qk.roll(half, -1) * signed_sin
-            out = cache.attend_heads(attn.layer_idx, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:], attn.core.forward)
-            x = x + o_proj.forward(out.reshape(t, -1))
-            gate, up = mlp.gate_up(rms_norm(mlp_norm, x)).chunk(2, dim=-1)
-            x = x + down_proj.forward(F.silu(gate) * up)
+        x = self.run_blocks(blocks, x, cos, signed_sin, half, cache)
         if ctx.logits_at is not None:
             x = x[ctx.logits_at]
         return self.lm_head.forward(rms_norm(self.norm, x))
+
+    def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
+        """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps."""
+        def attend(attn, q, k, v):
+            return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
+        return blocks_loop(blocks, x, cos, signed_sin, half, attend)
+
+
+def blocks_loop(blocks, x, cos, signed_sin, half: int, attend) -> torch.Tensor:
+    """Each block of `lean_blocks` over x (T, h); `attend(attn, q, k, v)` is the attention, q (T, H, d), k and
+    v (T, Hkv, d), q and k rotated."""
+    t = x.shape[0]
+    for attn_norm, attn, o_proj, mlp_norm, mlp, down_proj in blocks:
+        d = attn.head_dim
+        heads = attn.qkv(rms_norm(attn_norm, x)).view(t, -1, d)
+        nq, nk = attn.qkv_sizes[0] // d, attn.qkv_sizes[1] // d
+        qk = heads[:, :nq + nk]
+        qk = qk * cos + qk.roll(half, -1) * signed_sin
+        out = attend(attn, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:])
+        x = x + o_proj.forward(out.reshape(t, -1))
+        gate, up = mlp.gate_up(rms_norm(mlp_norm, x)).chunk(2, dim=-1)
+        x = x + down_proj.forward(F.silu(gate) * up)
+    return x
 
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +122,8 @@ def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
 def use_lean_forward(model: nn.Module) -> bool:
     """Make `model` a LeanTransformer in place when this loop computes its forward (checked again on every
     call: an engine sharing the model may unfuse it, a tracker may hook it). Whether it now is one."""
-    if type(model) not in (Transformer, LeanTransformer) or lean_blocks(model) is None:
+    if not isinstance(model, LeanTransformer) and type(model) is not Transformer or lean_blocks(model) is None:
         return False
-    model.__class__ = LeanTransformer
+    if type(model) is Transformer:
+        model.__class__ = LeanTransformer
     return True

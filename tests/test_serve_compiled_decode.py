@@ -1,0 +1,51 @@
+"""The CPU decode step's loop over the blocks compiled by inductor (serve.compile_decode,
+fivefold.serve.compiled_decode) against the eager loop it compiles: the same tokens, logprobs and KV pool
+to float rounding, through batch-1 decodes (every one compiled) and a batch mixing prefill chunks and decodes
+(those steps eager); and the engines that must refuse it."""
+
+import pytest
+import torch
+
+from fivefold.config import ConfigError
+from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.compiled_decode import CompiledDecodeTransformer
+from fivefold.serve.lean_forward import LeanTransformer
+from test_serve_lean_forward import tiny
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def test_compiled_decode_steps_give_the_eager_loops_tokens_logprobs_and_pool():
+    runs = {}
+    for on in (False, True):
+        model = tiny(num_layers=3)
+        llm = LLM(model, device="cpu", seed=0, num_blocks=32, block_size=8, compile_decode=on)
+        assert llm.engine.compiled_decode is on
+        assert ("one inductor graph" in llm.engine.path) is on
+        alone = llm.generate(PROMPTS[1:2], PARAMS)[0]  # 11 decode steps of one row
+        compiled_alone = getattr(model, "compiled_steps", 0)
+        together = llm.generate(PROMPTS, PARAMS)  # chunks and decodes; the last steps one group
+        runs[on] = (alone, together, llm.engine.pool, compiled_alone, getattr(model, "compiled_steps", 0))
+    (eager_alone, eager_together, eager_pool, *_), (alone, together, pool, compiled_alone, compiled) = runs.values()
+    assert compiled_alone == PARAMS.max_tokens - 1  # every decode of the request alone ran the graph
+    assert compiled > compiled_alone  # and some steps of the batch
+    for want, got in zip([eager_alone, *eager_together], [alone, *together]):
+        assert got.token_ids == want.token_ids
+        for w, g in zip(want.logprobs, got.logprobs):
+            assert g["token_id"] == w["token_id"] and [i for i, _ in g["top"]] == [i for i, _ in w["top"]]
+            assert [g["logprob"], *(lp for _, lp in g["top"])] == pytest.approx(
+                [w["logprob"], *(lp for _, lp in w["top"])], abs=1e-5)
+    # The registered op stored each step's keys and values where the eager loop did.
+    torch.testing.assert_close(pool.k, eager_pool.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.v, eager_pool.v, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_without_it_runs_a_compiled_model_eagerly_and_one_without_the_loop_refuses_it():
+    model = tiny()
+    LLM(model, device="cpu", num_blocks=16, compile_decode=True)
+    assert type(model) is CompiledDecodeTransformer
+    llm = LLM(model, device="cpu", num_blocks=16)  # the same model, the default: the eager loop
+    assert type(model) is LeanTransformer and not llm.engine.compiled_decode
+    with pytest.raises(ConfigError, match="serve.fuse_launches=false runs the modules; set serve.compile_decode=false"):
+        LLM(tiny(), device="cpu", num_blocks=16, compile_decode=True, fuse_launches=False)
