@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import time
 
 import torch
 
@@ -20,3 +21,18 @@ def write_results(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(f"wrote {path}")
+
+
+def us_per_call(fns: dict, *args, reps: int = 4000, warmup: int = 200) -> dict:
+    """Microseconds per call of each of `fns` (name -> function) on `args`, in inference mode: a fixed cost,
+    where the arguments are small."""
+    out = {}
+    with torch.inference_mode():
+        for name, fn in fns.items():
+            for _ in range(warmup):
+                fn(*args)
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn(*args)
+            out[name] = (time.perf_counter() - start) / reps * 1e6
+    return out

@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from machine import base_info, write_results
+from machine import base_info, us_per_call, write_results
 
 from fivefold.model import build_model
 from fivefold.presets import get_preset
@@ -34,17 +34,8 @@ def call_overhead(reps: int = 5000) -> dict:
         return F.silu(F.rms_norm(x, w.shape, w, 1e-5)) * x
 
     x, w = torch.randn(1, 576), torch.randn(576)
-    compiled = torch.compile(fused, dynamic=False)
-    out = {}
-    with torch.inference_mode():
-        for name, fn in (("eager, 3 ops", fused), ("compiled", compiled)):
-            for _ in range(300):
-                fn(x, w)
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn(x, w)
-            out[name] = (time.perf_counter() - start) / reps * 1e6
-    return out
+    return us_per_call({"eager, 3 ops": fused, "compiled": torch.compile(fused, dynamic=False)}, x, w, reps=reps,
+                       warmup=300)
 
 
 def main(argv=None) -> dict:

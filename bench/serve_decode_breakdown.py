@@ -18,7 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from machine import base_info, write_results
+from machine import base_info, us_per_call, write_results
 
 import fivefold.serve.cpu_linear as cpu_linear
 from fivefold.model import build_model
@@ -65,16 +65,7 @@ def instrument(llm: LLM, times: dict) -> None:
 def call_overhead(reps: int = 4000) -> dict:
     """Microseconds per call of each product kernel on a 64 x 64 weight, one row: its fixed cost."""
     x, w = torch.randn(1, 64), torch.randn(64, 64)
-    out = {}
-    with torch.inference_mode():
-        for name, fn in (("onednn", cpu_linear.onednn_linear), ("F.linear", F.linear)):
-            for _ in range(200):
-                fn(x, w)
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn(x, w)
-            out[name] = (time.perf_counter() - start) / reps * 1e6
-    return out
+    return us_per_call({"onednn": cpu_linear.onednn_linear, "F.linear": F.linear}, x, w, reps=reps)
 
 
 def main(argv=None) -> dict:
