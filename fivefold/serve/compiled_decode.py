@@ -52,9 +52,15 @@ def _blocks_with_the_op(blocks, x, cos, signed_sin, half: int, k_pools, v_pools)
     return blocks_loop(blocks, x, cos, signed_sin, half, attend)
 
 
-# One compiled function for every model: dynamo keeps a graph per set of modules it was traced with (its
-# guards check them), up to its recompile limit, past which it runs the loop eagerly.
-_compiled_loop = torch.compile(_blocks_with_the_op, dynamic=None)
+_compiled: list = []  # made at the first compiled step: torch.compile imports dynamo, a second at start-up
+
+
+def _compiled_loop(*args):
+    """One compiled function for every model: dynamo keeps a graph per set of modules it was traced with (its
+    guards check them), up to its recompile limit, past which it runs the loop eagerly."""
+    if not _compiled:
+        _compiled.append(torch.compile(_blocks_with_the_op, dynamic=None))
+    return _compiled[0](*args)
 
 
 class CompiledDecodeTransformer(LeanTransformer):

@@ -30,12 +30,12 @@ from fivefold.serve.adapters import AdapterSet, load_adapter, take_model
 from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
+from fivefold.serve.compiled_decode import use_compiled_decode
 from fivefold.serve.cpu_linear import candidates, is_input_major, route_linears
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
-from fivefold.serve.compiled_decode import use_compiled_decode
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
