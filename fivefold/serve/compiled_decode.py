@@ -21,6 +21,7 @@ of its step's path, which the batch decides. The default is therefore off.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -52,15 +53,12 @@ def _blocks_with_the_op(blocks, x, cos, signed_sin, half: int, k_pools, v_pools)
     return blocks_loop(blocks, x, cos, signed_sin, half, attend)
 
 
-_compiled: list = []  # made at the first compiled step: torch.compile imports dynamo, a second at start-up
-
-
-def _compiled_loop(*args):
-    """One compiled function for every model: dynamo keeps a graph per set of modules it was traced with (its
-    guards check them), up to its recompile limit, past which it runs the loop eagerly."""
-    if not _compiled:
-        _compiled.append(torch.compile(_blocks_with_the_op, dynamic=None))
-    return _compiled[0](*args)
+@functools.cache
+def _compiled_loop():
+    """One compiled function for every model, made at the first compiled step (torch.compile imports dynamo, a
+    second at start-up): dynamo keeps a graph per set of modules it was traced with (its guards check them), up
+    to its recompile limit, past which it runs the loop eagerly."""
+    return torch.compile(_blocks_with_the_op, dynamic=None)
 
 
 class CompiledDecodeTransformer(LeanTransformer):
@@ -74,7 +72,7 @@ class CompiledDecodeTransformer(LeanTransformer):
         _running.batch = cache
         _running.cores = {b[1].layer_idx: b[1].core.forward for b in blocks}
         try:
-            x = _compiled_loop(blocks, x, cos, signed_sin, half, list(cache.pool.k), list(cache.pool.v))
+            x = _compiled_loop()(blocks, x, cos, signed_sin, half, list(cache.pool.k), list(cache.pool.v))
         finally:
             _running.batch = _running.cores = None
         self.compiled_steps += 1

@@ -122,7 +122,7 @@ def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
 def use_lean_forward(model: nn.Module) -> bool:
     """Make `model` a LeanTransformer in place when this loop computes its forward (checked again on every
     call: an engine sharing the model may unfuse it, a tracker may hook it). Whether it now is one."""
-    if not isinstance(model, LeanTransformer) and type(model) is not Transformer or lean_blocks(model) is None:
+    if not (type(model) is Transformer or isinstance(model, LeanTransformer)) or lean_blocks(model) is None:
         return False
     if type(model) is Transformer:
         model.__class__ = LeanTransformer
