@@ -56,6 +56,32 @@ def test_sdpa_and_eager_attention_agree(preset):
     torch.testing.assert_close(eager(ids), sdpa(ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
+def test_one_query_token_folds_shared_heads_into_rows_exactly(impl, heads, kv_heads):
+    """A decode step's attention (one query token, a mask) runs the heads sharing a key/value head as that
+    head's query rows; it must equal attention with the keys and values repeated per head, in float64."""
+    from fivefold.model.attention import AttentionCore
+
+    cfg = ModelConfig(**{**PRESETS["tiny"].__dict__, "num_heads": heads, "num_kv_heads": kv_heads,
+                         "hidden_size": 16 * heads, "attention": impl})
+    core = AttentionCore(cfg)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, heads, 1, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(5, kv_heads, 37, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    lengths = torch.tensor([37, 1, 20, 33, 9])
+    mask = (torch.arange(37) < lengths[:, None])[:, None, None]
+    rep = heads // kv_heads
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ kr.transpose(-2, -1)) / 4.0
+    want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vr
+    tol = 1e-12 if impl == "sdpa" else 1e-6  # the eager path's softmax runs in float32 by design
+    out = core(q, k, v, mask)
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    # Row b's output depends on row b alone: batch companions (another length, another mask) change nothing.
+    assert torch.equal(core(q[2:3], k[2:3], v[2:3], mask[2:3]), out[2:3])
+
+
 def test_causality_and_document_mask():
     cfg = ModelConfig(**{**PRESETS["tiny"].__dict__, "document_mask": True})
     model = build_model(cfg, seed=2)

@@ -25,13 +25,25 @@ class AttentionCore(nn.Module):
                 mask: torch.Tensor | None) -> torch.Tensor:
         # q (B, H, Sq, d); k, v (B, Hkv, Sk, d); mask: None = causal over equal lengths,
         # otherwise a boolean (B or 1, 1, Sq, Sk) tensor where True means "may attend".
+        if q.shape[2] == 1 and self.groups > 1 and mask is not None:
+            # One query token (a decode step): the heads that share a key/value head become that head's query
+            # rows. Same arithmetic, but each key and value is read once per group rather than once per head,
+            # and the CPU's flash kernel, which works a block of query rows at a time, gets `groups` rows
+            # instead of one: 2-3x faster decode attention on a 2-core CPU (smollm2-135m's 9/3 heads).
+            b, h, _, d = q.shape
+            rows = q.reshape(b, k.shape[1], self.groups, d)
+            return self.attend(rows, k, v, mask, groups=1).reshape(b, h, 1, d)
+        return self.attend(q, k, v, mask, self.groups)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               groups: int) -> torch.Tensor:
         if self.impl == "sdpa":
             if mask is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups > 1)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.groups > 1)
-        if self.groups > 1:
-            k = k.repeat_interleave(self.groups, dim=1)
-            v = v.repeat_interleave(self.groups, dim=1)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, Sq, Sk): the s^2 term
         if mask is None:
             sq, sk = scores.shape[-2:]
