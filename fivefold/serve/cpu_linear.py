@@ -100,8 +100,10 @@ def is_input_major(weight: torch.Tensor) -> bool:
 
 # Decode sizes a product is chosen at; the bytes of weights it is timed over (beyond a server CPU's last-level
 # cache, as a served model's weights are); and the smallest weight whose layout is worth timing (below it a
-# product is its call's cost, whatever the layout, and only the library is chosen).
-LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 16), 96 * 2**20, 2**20
+# product is its call's cost, whatever the layout, and only the library is chosen). The sizes between 1 and
+# 16 count: on the Intel host MKL's product over the LM head's plain (out, in) weight took 4.3 ms at 1 row
+# and 8.8 at 16, on par with oneDNN, but 10-22 ms at 4-14 rows, where oneDNN's took 7-9.
+LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 4, 8, 16), 96 * 2**20, 2**20
 PRODUCTS_FILE = "cpu_products.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
 _chosen: dict[str, Product] = {}
 
@@ -181,7 +183,9 @@ def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto
     options = candidates(mode, layouts)
     if len(options) == 1:
         return options[0]
-    key = f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}{'' if layouts else ' plain'}"
+    # The row counts are part of the key: a choice timed at other sizes is timed again.
+    key = (f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}{'' if layouts else ' plain'} "
+           f"rows {','.join(map(str, LAYOUT_ROWS))}")
     if key not in _chosen:
         saved = Product.parse(_saved().get(_machine(), {}).get(key))
         if saved in options:
