@@ -8,7 +8,11 @@
   against the model's modules step by step;
 - `huge-pages`: weights and KV pool in transparent huge pages (fivefold/serve/huge_pages.py,
   serve.huge_pages=true) against 4 KiB pages;
-- `all`: the defaults against none of the three.
+- `heads-as-rows`: a decode step's attention with the query heads that share a key/value head as that head's
+  query rows (fivefold/model/attention.py) against one query row per head (SDPA's grouped-query path);
+- `lm-head`: the LM head's product as chosen (at 1, 4, 8 and 16 rows) against F.linear's (what timing at 1 and
+  16 rows alone chose on the Intel host); run it with `--requests 8`, where the two differ;
+- `all`: the defaults against none of the lean loop, the input-major layout and huge pages.
 
 Two engines on models built from the same seed, differing only in that choice, run alternately, so that
 whatever the host does to one it does to the other: batch-1 decode tok/s, and output tok/s of a batch of
@@ -22,6 +26,7 @@ change is worth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -30,6 +35,7 @@ import torch
 from machine import write_results
 
 from fivefold.model import build_model
+from fivefold.model.attention import AttentionCore
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
 import fivefold.serve.cpu_linear as cpu_linear
@@ -52,31 +58,53 @@ SIDES = {
     "layout": (("input-major", {}), ("plain", {"input_major": False})),
     "lean": (("lean loop", {}), ("modules", {"fuse_launches": False})),
     "huge-pages": (("huge pages", {"huge_pages": "true"}), ("4 KiB pages", {"huge_pages": "false"})),
+    "heads-as-rows": (("heads as rows", {}), ("a row per head", {"heads_as_rows": False})),
+    "lm-head": (("LM head as chosen", {}), ("LM head on F.linear", {"lm_head": "F.linear"})),
     "all": (("defaults", {}), ("none of the three", {"input_major": False, "fuse_launches": False,
                                                      "huge_pages": "false"})),
 }
 
 
-def make_llm(cfg, options: dict) -> LLM:
-    """An engine with these serve.* options; its block weights stay plain unless `input_major` (default)."""
+@contextlib.contextmanager
+def one_row_per_head():
+    """AttentionCore as it was before a decode's heads became query rows: every query head its own row."""
+    forward = AttentionCore.forward
+    AttentionCore.forward = lambda self, q, k, v, mask: self.attend(q, k, v, mask, self.groups)
+    try:
+        yield
+    finally:
+        AttentionCore.forward = forward
+
+
+def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager]:
+    """An engine with these serve.* options, and what to run it under; its block weights stay plain unless
+    `input_major` (default), its LM head on the product `lm_head` names if given, and its attention with a row
+    per head under the context if not `heads_as_rows`."""
     options = dict(options)
     chosen = cpu_linear.chosen_product
     if not options.pop("input_major", True):
         cpu_linear.chosen_product = lambda shape, dtype, mode="auto", layouts=True: chosen(shape, dtype, mode, False)
+    head = options.pop("lm_head", None)
+    context = contextlib.nullcontext if options.pop("heads_as_rows", True) else one_row_per_head
     try:
-        return LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=400, max_num_seqs=64,
-                   **options)
+        llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=400, max_num_seqs=64,
+                  **options)
     finally:
         cpu_linear.chosen_product = chosen
+    if head:
+        llm.engine.model.lm_head.linear_fn = cpu_linear.LIBRARIES[head]
+    return llm, context
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = get_preset(args.model)
     (with_name, with_options), (without_name, without_options) = SIDES[args.compare]
-    llms = {with_name: make_llm(cfg, with_options), without_name: make_llm(cfg, without_options)}
+    made = {with_name: make_llm(cfg, with_options), without_name: make_llm(cfg, without_options)}
+    llms = {name: llm for name, (llm, _) in made.items()}
     for name, llm in llms.items():
-        print(f"{name}: {llm.engine.path}")
+        head = getattr(llm.engine.model.lm_head, "linear_fn", None)
+        print(f"{name}: {llm.engine.path}; LM head on {getattr(head, '__name__', head)}")
     greedy = dict(temperature=0, ignore_eos=True)
     prompt = list(range(100, 228))
     rng = random.Random(0)
@@ -84,12 +112,13 @@ def main(argv=None) -> dict:
     batch = {name: [] for name in llms}
     for _ in range(args.reps):
         prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(64)] for _ in range(args.requests)]
-        for name, llm in llms.items():
-            out = llm.generate([prompt], SamplingParams(max_tokens=64, **greedy))[0]
-            batch1[name].append(1 / out.tpot)
-            start = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=48, **greedy))
-            batch[name].append(args.requests * 48 / (time.perf_counter() - start))
+        for name, (llm, context) in made.items():
+            with context():
+                out = llm.generate([prompt], SamplingParams(max_tokens=64, **greedy))[0]
+                batch1[name].append(1 / out.tpot)
+                start = time.perf_counter()
+                llm.generate(prompts, SamplingParams(max_tokens=48, **greedy))
+                batch[name].append(args.requests * 48 / (time.perf_counter() - start))
     result = {"compare": args.compare, "model": args.model, "threads": torch.get_num_threads(), "reps": args.reps,
               "requests": args.requests, "paths": {n: llm.engine.path for n, llm in llms.items()}}
     for label, runs in (("batch1_decode_tok_s", batch1), (f"batch{args.requests}_output_tok_s", batch)):

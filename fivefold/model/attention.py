@@ -29,7 +29,8 @@ class AttentionCore(nn.Module):
             # One query token (a decode step): the heads that share a key/value head become that head's query
             # rows. Same arithmetic, but each key and value is read once per group rather than once per head,
             # and the CPU's flash kernel, which works a block of query rows at a time, gets `groups` rows
-            # instead of one: 2-3x faster decode attention on a 2-core CPU (smollm2-135m's 9/3 heads).
+            # instead of one: on a 2-core CPU, the calls of bench/serve.py's default workload (smollm2-135m's
+            # 9/3 heads) 1.31x faster with cold caches (bench/serve_decode_attention.py), 2-3x with warm ones.
             b, h, _, d = q.shape
             rows = q.reshape(b, k.shape[1], self.groups, d)
             return self.attend(rows, k, v, mask, groups=1).reshape(b, h, 1, d)
