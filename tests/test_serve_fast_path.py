@@ -184,6 +184,28 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
     assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN" and calls
 
 
+def test_a_product_slow_only_between_one_and_sixteen_rows_is_not_chosen(monkeypatch, tmp_path):
+    """The LM head's case on the Intel host: MKL's product on par with oneDNN's at 1 and 16 rows but twice as slow
+    at 4-14. Timed at 1, 4, 8 and 16 rows, the product that is never slow is chosen."""
+    import time
+
+    import fivefold.serve.cpu_linear as cl
+
+    def product(fast, slow, slow_rows=()):
+        def run(x, weight, bias=None):
+            time.sleep(slow if x.shape[0] in slow_rows else fast)
+            return x @ weight.t()
+        return run
+
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    # F.linear twice as fast at 1 and 16 rows (what timing at those alone would pick), 4x slower at 4 and 8
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(4e-3, 4e-3), "F.linear": product(2e-3, 16e-3, (4, 8))})
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
+    monkeypatch.setattr(cl, "_chosen", {})
+    monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)
+    assert cl.chosen_product((1024, 256), torch.float32, layouts=False) == cl.Product("oneDNN")
+
+
 def test_a_bad_serve_linear_is_refused():
     with pytest.raises(ConfigError, match=r"serve.linear.*auto, onednn, torch"):
         LLM(tiny(), linear="mkl")
