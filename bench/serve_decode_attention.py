@@ -13,6 +13,7 @@ give the same result (tested in float64, tests/test_model.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -21,6 +22,7 @@ import torch
 from machine import base_info, write_results
 
 import serve as serve_bench
+from serve_cpu_ab import one_row_per_head
 from fivefold.model.attention import AttentionCore
 
 
@@ -46,12 +48,14 @@ def record_calls(sample: float, seed: int) -> list[tuple]:
     return calls
 
 
-def per_call_us(fn, calls: list[tuple], evict: torch.Tensor) -> float:
+def per_call_us(calls: list[tuple], evict: torch.Tensor) -> float:
+    """AttentionCore.forward as it is now (the form's context sets it) over the calls, each after `evict`."""
     total = 0.0
-    for call in calls:
+    for core, *inputs in calls:
         evict.sum()
+        forward = AttentionCore.forward
         start = time.perf_counter()
-        fn(*call)
+        forward(core, *inputs)
         total += time.perf_counter() - start
     return total / len(calls) * 1e6
 
@@ -65,12 +69,12 @@ def main(argv=None) -> dict:
     torch.set_num_threads(2)
     calls = record_calls(args.sample, seed=0)
     evict = torch.randn(8 * 2**20)
-    forms = {"row per head": lambda core, q, k, v, mask: core.attend(q, k, v, mask, core.groups),
-             "heads as rows": AttentionCore.forward}
+    forms = {"row per head": one_row_per_head, "heads as rows": contextlib.nullcontext}
     times = {name: [] for name in forms}
     for _ in range(args.rounds):
-        for name, fn in forms.items():
-            times[name].append(per_call_us(fn, calls, evict))
+        for name, form in forms.items():
+            with form():
+                times[name].append(per_call_us(calls, evict))
     rows = [call[1].shape[0] for call in calls]
     keys = [call[2].shape[2] for call in calls]
     print(f"{len(calls)} one-token attention calls of the default workload: {min(rows)}-{max(rows)} sequences, "
