@@ -12,7 +12,9 @@
   query rows (fivefold/model/attention.py) against one query row per head (SDPA's grouped-query path);
 - `lm-head`: the LM head's product as chosen (at 1, 4, 8 and 16 rows) against F.linear's (what timing at 1 and
   16 rows alone chose on the Intel host); run it with `--requests 8`, where the two differ;
-- `all`: the defaults against none of the lean loop, the input-major layout and huge pages.
+- `cpu-kernel`: decodes attending through the C++ kernel that reads the KV pool in place
+  (fivefold/kernels/cpu_paged_decode.py, serve.cpu_kernel=true) against gathering their blocks for SDPA;
+- `all`: the defaults against none of the lean loop, the input-major layout, huge pages and the C++ kernel.
 
 Two engines on models built from the same seed, differing only in that choice, run alternately, so that
 whatever the host does to one it does to the other: batch-1 decode tok/s, and output tok/s of a batch of
@@ -60,8 +62,9 @@ SIDES = {
     "huge-pages": (("huge pages", {"huge_pages": "true"}), ("4 KiB pages", {"huge_pages": "false"})),
     "heads-as-rows": (("heads as rows", {}), ("a row per head", {"heads_as_rows": False})),
     "lm-head": (("LM head as chosen", {}), ("LM head on F.linear", {"lm_head": "F.linear"})),
-    "all": (("defaults", {}), ("none of the three", {"input_major": False, "fuse_launches": False,
-                                                     "huge_pages": "false"})),
+    "cpu-kernel": (("C++ paged decode kernel", {"cpu_kernel": "true"}), ("gather + SDPA", {"cpu_kernel": "false"})),
+    "all": (("defaults", {}), ("none of the four", {"input_major": False, "fuse_launches": False,
+                                                    "huge_pages": "false", "cpu_kernel": "false"})),
 }
 
 
@@ -110,6 +113,7 @@ def main(argv=None) -> dict:
     rng = random.Random(0)
     batch1 = {name: [] for name in llms}
     batch = {name: [] for name in llms}
+    tokens = {name: [] for name in llms}  # every run's batch outputs, to say whether the two sides agree
     for _ in range(args.reps):
         prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(64)] for _ in range(args.requests)]
         for name, (llm, context) in made.items():
@@ -117,10 +121,13 @@ def main(argv=None) -> dict:
                 out = llm.generate([prompt], SamplingParams(max_tokens=64, **greedy))[0]
                 batch1[name].append(1 / out.tpot)
                 start = time.perf_counter()
-                llm.generate(prompts, SamplingParams(max_tokens=48, **greedy))
+                outs = llm.generate(prompts, SamplingParams(max_tokens=48, **greedy))
                 batch[name].append(args.requests * 48 / (time.perf_counter() - start))
+                tokens[name] += [out.token_ids for out in outs]
     result = {"compare": args.compare, "model": args.model, "threads": torch.get_num_threads(), "reps": args.reps,
-              "requests": args.requests, "paths": {n: llm.engine.path for n, llm in llms.items()}}
+              "requests": args.requests, "paths": {n: llm.engine.path for n, llm in llms.items()},
+              "same_tokens": f"{sum(a == b for a, b in zip(*tokens.values()))} of {len(tokens[with_name])} requests"}
+    print(f"token-identical: {result['same_tokens']}")
     for label, runs in (("batch1_decode_tok_s", batch1), (f"batch{args.requests}_output_tok_s", batch)):
         summary = {n: {"runs": xs, "best": max(xs), "median": statistics.median(xs)} for n, xs in runs.items()}
         summary["gain_best"] = summary[with_name]["best"] / summary[without_name]["best"] - 1

@@ -262,6 +262,11 @@ class ServeConfig:
     # test host, for a compile of seconds at start-up (minutes with a cold cache). Its logits are the eager
     # loop's to float rounding, not bit for bit, so a near tie may break the other way in a compiled step.
     compile_decode: bool = False
+    # On a CPU, decode rows attend through a C++ kernel that reads the KV pool in place through the block
+    # tables (fivefold.kernels.cpu_paged_decode) instead of gathering their blocks for SDPA; prompt chunks
+    # gather either way. "auto" = when it can run (float32 pool, a head size it instantiates, and it builds:
+    # a C++ compiler and ninja, once per machine, ~40 s); logits equal the SDPA path's to float rounding.
+    cpu_kernel: Literal["auto", "true", "false"] = "auto"
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

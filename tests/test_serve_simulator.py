@@ -153,8 +153,13 @@ def test_measure_serving_gives_the_serving_table():
     # The elementwise term moves its bytes at the measured rate, not the streaming one; so do the CPU path's
     # cache reads (a decode of 16 sequences at 4,096 tokens: bound by them, not by its FLOPs).
     assert cost.elementwise(100) == pytest.approx(100 * cost.elementwise_bytes / table["elementwise_bandwidth"])
-    decode = StepShape(np.ones(16, dtype=int), np.full(16, 4096), sampled=16)
-    assert cost.attention(decode) == pytest.approx(3 * 16 * 4096 * cost.kv_row_bytes / table["kv_bandwidth"])
+    # Through the C++ decode kernel the keys are read once in place; gathered (serve.cpu_kernel=false), three
+    # times over each group padded to whole blocks (4,100 -> 4,112 tokens).
+    decode = StepShape(np.ones(16, dtype=int), np.full(16, 4100), sampled=16)
+    assert cost.cpu_decode_kernel
+    assert cost.attention(decode) == pytest.approx(16 * 4100 * cost.kv_row_bytes / table["kv_bandwidth"])
+    gathered = StepCostModel(dataclasses.replace(cfg, serve=ServeConfig(cpu_kernel="false")), profile)
+    assert gathered.attention(decode) == pytest.approx(3 * 16 * 4112 * cost.kv_row_bytes / table["kv_bandwidth"])
 
 
 def fivefold(*args: str) -> subprocess.CompletedProcess:

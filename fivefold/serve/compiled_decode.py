@@ -12,8 +12,9 @@ it writes the two pools: compiling it inline would functionalise the pool's inde
 pool a step), and torch.library.custom_op's Python wrapper costs more than the op saves. The op reads the step's
 grouping from the PagedBatch the forward is running, kept per thread for the call.
 
-Only decode-only steps whose rows form one attention group (every batch-1 decode, and small batches in
-row order) run the graph; the others run the eager loop. The graph computes the same arithmetic in another
+Only decode-only steps whose attention is one call a layer (every one when the C++ decode kernel reads the
+pool, serve.cpu_kernel; else those whose rows form one attention group: every batch-1 decode, and small
+batches in row order) run the graph; the others run the eager loop. The graph computes the same arithmetic in another
 order (fused loops, sums split differently), so its logits are the eager loop's to float rounding, not bit
 for bit, and a near tie between two tokens may break the other way: the tokens of a request are then those
 of its step's path, which the batch decides. The default is therefore off.
@@ -67,7 +68,7 @@ class CompiledDecodeTransformer(LeanTransformer):
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
         # Quantized blocks' products stay out of the graph, and so do steps of several attention groups.
-        if not cache.whole or not all(type(b[1]) is FusedAttention and type(b[4]) is FusedMLP for b in blocks):
+        if not cache.one_call or not all(type(b[1]) is FusedAttention and type(b[4]) is FusedMLP for b in blocks):
             return super().run_blocks(blocks, x, cos, signed_sin, half, cache)
         _running.batch = cache
         _running.cores = {b[1].layer_idx: b[1].core.forward for b in blocks}

@@ -20,6 +20,7 @@ import torch
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
 from fivefold.data.tokenizer import load_tokenizer
 from fivefold.kernels import apply_kernels, check_usable, triton_available
+from fivefold.kernels.cpu_paged_decode import kernel_problem, unsupported
 from fivefold.kernels.paged_attention import warm_up
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
@@ -127,6 +128,7 @@ class Engine:
         # The torch path's blocks as one loop of tensor ops (fivefold.serve.lean_forward), bit for bit the modules'.
         self.lean = not self.kernel and self.cfg.fuse_launches and use_lean_forward(model)
         self.compiled_decode = self._compile_decode()
+        self.cpu_kernel = self._use_cpu_kernel()
         self.huge_pages = self._use_huge_pages()
         shards = tp.size if tp else 1
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
@@ -248,6 +250,22 @@ class Engine:
             return False
         return use_compiled_decode(self.model, self.cfg.compile_decode)
 
+    def _use_cpu_kernel(self) -> bool:
+        """serve.cpu_kernel: whether the CPU path's decodes attend through the C++ kernel reading the pool in
+        place (fivefold.kernels.cpu_paged_decode), building it here on this machine's first use."""
+        choice = self.cfg.cpu_kernel
+        if choice == "false":
+            return False
+        why_not = ("the device is not a CPU" if self.device.type != "cpu" else
+                   "serve.kernels runs the Triton kernels" if self.kernel else
+                   unsupported(self.model.cfg.head_size, self.dtype) or kernel_problem())
+        if why_not and choice == "true":
+            raise ConfigError(f"serve.cpu_kernel=true cannot be used here: {why_not}; "
+                              f"set serve.cpu_kernel=auto or false")
+        if why_not and self.device.type == "cpu" and not self.kernel and kernel_problem():
+            print(f"CPU paged-decode kernel not used ({why_not}): decodes gather their blocks for SDPA", flush=True)
+        return why_not is None
+
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
         why_not = ("the device is not CUDA" if self.device.type != "cuda" else
@@ -270,6 +288,8 @@ class Engine:
     def path(self) -> str:
         """Which path each kind of step takes, in words (bench/serve.py prints and stores it)."""
         attention = "block gather + SDPA"
+        if self.cpu_kernel:
+            attention = "decodes by the C++ paged kernel reading the pool in place, prompt chunks by block gather + SDPA"
         if self.kernel:
             rotary = sum(isinstance(m, FusedAttention) and m.use_rope for m in self.model.modules())
             rotary = rotary if self.cfg.fuse_launches else 0
@@ -473,7 +493,8 @@ class Engine:
             logits = self.graphs.run(step, pending)
             return logits if len(step.sampled) == step.num_seqs else logits[torch.from_numpy(step.sampled).to(self.device)]
         dev = self.buffers.upload(step, pending=pending)
-        batch = PagedBatch(self.pool, dev, step, kernel=self.kernel, fused_launches=self.cfg.fuse_launches)
+        batch = PagedBatch(self.pool, dev, step, kernel=self.kernel, fused_launches=self.cfg.fuse_launches,
+                           cpu_kernel=self.cpu_kernel)
         ctx = ForwardContext(positions=batch.positions, kv_cache=batch, mask=batch, logits_at=dev.logits_indices)
         logits = self.model(dev.input_ids[None], ctx)
         return self.tp.gather_logits(logits) if self.tp else logits

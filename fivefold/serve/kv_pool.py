@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
+from fivefold.kernels.cpu_paged_decode import decode_attention
 from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
 from fivefold.serve.huge_pages import huge_page_bytes
 
@@ -110,11 +111,14 @@ class PagedBatch:
     SDPA runs over them, the decodes in padded groups of similar length, each chunk on its own; the
     grouping is read from the step's host arrays (`host`)."""
 
-    def __init__(self, pool: KVPool, dev, host=None, kernel: bool = False, fused_launches: bool = False):
+    def __init__(self, pool: KVPool, dev, host=None, kernel: bool = False, fused_launches: bool = False,
+                 cpu_kernel: bool = False):
         """`dev`: fivefold.serve.buffers.DeviceStep; `host`: its fivefold.serve.batch.StepInputs;
         `fused_launches` (serve.fuse_launches): on the kernel path the model runs RoPE in the store's launch
         (attend_rotary) and its residual adds in the norms'; otherwise its blocks as one loop of tensor ops
-        (fivefold.serve.lean_forward, through attend_heads)."""
+        (fivefold.serve.lean_forward, through attend_heads). `cpu_kernel` (serve.cpu_kernel): on the CPU path
+        the decodes attend through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of
+        in gathered groups; prompt chunks still gather."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
         self.fused_launches = kernel and fused_launches
         self.lean = not kernel and fused_launches
@@ -124,14 +128,19 @@ class PagedBatch:
             return
         device, bs = pool.k.device, pool.block_size
         seq_lens, qsl = host.seq_lens.astype(np.int64), host.query_start_loc
-        tables = dev.block_tables.long()
+        int_tables = dev.block_tables
+        tables = int_tables.long()
         valid = host.slot_mapping >= 0
         self.store = dev.slot_mapping.long() if valid.all() else torch.from_numpy(np.flatnonzero(valid)).to(device)
         self.store_at = None if valid.all() else dev.slot_mapping.long()[self.store]
         self.num_decodes = host.num_decodes
+        self.decode_tables = self.decode_lens = None  # the kernel's view of the decodes
         self.groups = []  # (which decodes, (G, blocks) block indices, (G, 1, 1, blocks x bs) mask)
         decodes = np.flatnonzero(seq_lens[:self.num_decodes] > 0)  # padding rows attend to nothing
         order = decodes[np.argsort(seq_lens[decodes], kind="stable")]
+        if cpu_kernel and self.num_decodes:
+            self.decode_tables, self.decode_lens = int_tables[:self.num_decodes], dev.seq_lens[:self.num_decodes]
+            order = order[:0]  # no groups to gather
         for start in range(0, len(order), DECODE_GROUP):
             group = order[start:start + DECODE_GROUP]
             lengths = torch.from_numpy(seq_lens[group])
@@ -150,6 +159,13 @@ class PagedBatch:
         # of rising length) needs no scatter into a zeroed output.
         self.whole = (not self.chunks and len(self.groups) == 1 and len(order) == host.num_tokens
                       and np.array_equal(order, np.arange(len(order))))
+        self.kernel_whole = self.decode_lens is not None and not self.chunks and self.num_decodes == host.num_tokens
+
+    @property
+    def one_call(self) -> bool:
+        """The CPU path's attention is one call a layer whose output is the step's: every decode-only step
+        under the C++ kernel, else one whose decodes form one group in row order."""
+        return self.whole or self.kernel_whole
 
     def attend_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> torch.Tensor:
@@ -189,12 +205,16 @@ class PagedBatch:
             whole = pool.index_select(0, blocks.reshape(-1))
             return whole.view(*blocks.shape[:-1], blocks.shape[-1] * bs, heads, dim).transpose(-3, -2)
 
+        if self.kernel_whole:  # every row a decode: the kernel's output is the step's
+            return decode_attention(q, kb, vb, self.decode_tables, self.decode_lens)
         qd = q[:self.num_decodes, :, None]  # (B, H, 1, d)
         if self.whole:  # every row one decode, in one group in row order: the core's output is the step's
             _, blocks, group_mask = self.groups[0]
             return core(qd, gather(kb, blocks), gather(vb, blocks), group_mask)[:, :, 0]
         out = torch.zeros_like(q)  # padding rows stay 0
         od = out[:self.num_decodes, :, None]
+        if self.decode_lens is not None:
+            out[:self.num_decodes] = decode_attention(q[:self.num_decodes], kb, vb, self.decode_tables, self.decode_lens)
         for rows, blocks, group_mask in self.groups:
             od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
         for start, n, blocks, chunk_mask in self.chunks:

@@ -5,8 +5,10 @@ A step is a batch of decode rows and prompt chunks (fivefold.serve.scheduler). I
   bandwidth, whichever binds. A serving step's products are skinny (the batch's tokens by the weight), so
   the token dimension m runs at m / (m + skinny_knee) of the rate (a calibrated profile's [serving] table,
   fitted to skinny products on this machine);
-- paged attention: the keys and values it reads (three times over on the CPU path, which gathers blocks
-  then runs SDPA over the copy), or its FLOPs for long prompt chunks;
+- paged attention: the keys and values it reads (once where a kernel reads them in place: CUDA's Triton
+  kernel, the CPU's C++ decode kernel; three times over where the CPU path gathers blocks then runs SDPA over
+  the copy, as it does for prompt chunks, and for decodes under serve.cpu_kernel=false), or its FLOPs for
+  long prompt chunks;
 - the LM head at the sampled rows, sampling, and elementwise work (norms, residuals, RoPE);
 - tensor parallelism's all-reduces (two per layer) and the logits' all-gather, on the profile's links;
 - the engine's own host work: per step, per sequence, and per layer when the step runs eagerly (launches;
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from fivefold.config import Config, ModelConfig, ServeConfig
+from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.model import build_model
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
@@ -81,6 +84,10 @@ class StepCostModel:
         timed = self.serving.get(f"linear_flops_{dt}")
         self.rate = timed / self._width(2048, 2048) if timed else matmul_rate(profile, self.peak)
         self.cpu_attention = profile.device == "cpu"  # the gather + SDPA path reads the keys and values thrice
+        # ...except a CPU's decodes under serve.cpu_kernel, which read them once in place. Priced from the
+        # config (a plan builds nothing): a machine that cannot build the kernel gathers, and reads thrice.
+        self.cpu_decode_kernel = (s.cpu_kernel != "false"
+                                  and cpu_kernel_unsupported(m.head_size, getattr(torch, s.dtype)) is None)
         h, q, kv, f = m.hidden_size, m.q_size // tp, m.kv_size // tp, m.ffn_hidden_size // tp
         up = 2 * f if m.activation == "swiglu" else f
         # (K, N) of each block product, the fused ones as served (fivefold.serve.fused).
@@ -128,14 +135,19 @@ class StepCostModel:
         pairs = float((n * ctx - n * (n - 1) / 2).sum())  # (query, key) pairs, causal within a chunk
         flops = 4 * pairs * m.q_size / self.tp
         if self.cpu_attention:
-            # fivefold.serve.kv_pool's CPU path: decodes in length-sorted groups of DECODE_GROUP, each padded
-            # to its longest (whole blocks); the gather reads and writes that, SDPA reads it again.
-            decodes = np.sort(ctx[n == 1])
-            groups = [decodes[i:i + DECODE_GROUP] for i in range(0, len(decodes), DECODE_GROUP)]
+            # fivefold.serve.kv_pool's CPU path: prompt chunks gather their whole blocks (the gather reads and
+            # writes them, SDPA reads them again); decodes read their keys once in the C++ kernel, else they
+            # gather too, in length-sorted groups of DECODE_GROUP each padded to its longest.
             bs = self.cfg.serve.block_size
-            padded = sum(len(g) * -(-g[-1] // bs) * bs for g in groups) + float(np.ceil(ctx[n != 1] / bs).sum() * bs)
+            rows = 3 * float(np.ceil(ctx[n != 1] / bs).sum() * bs)
+            decodes = np.sort(ctx[n == 1])
+            if self.cpu_decode_kernel:
+                rows += float(decodes.sum())
+            else:
+                groups = [decodes[i:i + DECODE_GROUP] for i in range(0, len(decodes), DECODE_GROUP)]
+                rows += 3 * sum(len(g) * -(-g[-1] // bs) * bs for g in groups)
             # at the rate calibrate --serve measured them moving, where it did (not a sum's streaming rate)
-            seconds = 3 * padded * self.kv_row_bytes / (self.serving.get("kv_bandwidth") or self.bandwidth)
+            seconds = rows * self.kv_row_bytes / (self.serving.get("kv_bandwidth") or self.bandwidth)
         else:  # the kernel reads each key and value once, in place
             seconds = float(ctx.sum()) * self.kv_row_bytes / self.bandwidth
         return max(flops / (self.peak * self.hw.attention_efficiency), seconds)
@@ -303,8 +315,10 @@ def _engine_prefill_seconds(device: torch.device, layers: int, dtype: str, reps:
 DECODE_BATCH, DECODE_CONTEXTS = 32, (16, 496)
 
 
-def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: str, steps: int = 8) -> float:
-    """Median decode step of DECODE_BATCH sequences whose prompts are `context` tokens, products taken out."""
+def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: str,
+                           steps: int = 8) -> tuple[float, bool]:
+    """Median decode step of DECODE_BATCH sequences whose prompts are `context` tokens, products taken out;
+    and whether the engine's decodes read the pool in place (serve.cpu_kernel) or gathered it."""
     # Room to decode through the prefill steps (sequences prefilled first decode while the rest prefill) and
     # the timed ones, so that every sequence is still running when they are timed.
     tokens = steps + 4 + -(-DECODE_BATCH * context // 2048)
@@ -323,19 +337,21 @@ def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtyp
         engine.step()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), engine.cpu_kernel
 
 
 def _kv_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
-    """The rate the CPU path's cache reads (StepCostModel.attention: three passes over each decode group padded
-    to its longest) move at: decode steps at a long context less at a short one, per layer, over those bytes."""
+    """The rate the CPU path's cache reads (StepCostModel.attention: one pass in place through the C++ decode
+    kernel, else three over each decode group padded to its longest) move at: decode steps at a long context
+    less at a short one, per layer, over those bytes."""
     layers = 4
-    short, long = (_engine_decode_seconds(device, layers, c, dtype) for c in DECODE_CONTEXTS)
+    (short, _), (long, in_place) = (_engine_decode_seconds(device, layers, c, dtype) for c in DECODE_CONTEXTS)
+    passes = 1 if in_place else 3
     cost = _calibration_cost(profile, dtype, partial, layers)
     extra_tokens = DECODE_BATCH * (DECODE_CONTEXTS[1] - DECODE_CONTEXTS[0])
     rest = (long - short) / layers
     # Never above the streaming rate: no slower with a longer context says nothing about the reads.
-    return cost.bandwidth if rest <= 0 else min(cost.bandwidth, 3 * extra_tokens * cost.kv_row_bytes / rest)
+    return cost.bandwidth if rest <= 0 else min(cost.bandwidth, passes * extra_tokens * cost.kv_row_bytes / rest)
 
 
 def _elementwise_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:

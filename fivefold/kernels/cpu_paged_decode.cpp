@@ -1,0 +1,175 @@
+// One-token (decode) attention over the paged KV pool on a CPU, reading keys and values in place through
+// the block tables: the CPU counterpart of the Triton kernel's decode rows (fivefold/kernels/
+// paged_attention_triton.py). Built once per machine by fivefold/kernels/cpu_paged_decode.py.
+//
+// Each work item is one sequence (or one of its key/value heads when there are few sequences): a block's
+// keys are scored against every query head reading them, an online softmax (Milakov & Gimelshein 2018)
+// folds the block in, and its values are accumulated, so the pool is read once and nothing is gathered.
+// Work items are independent, so a sequence's output does not depend on its batch companions.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0, as arithmetic the compiler vectorizes (a libm call per score cost more than the
+// whole kernel): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 Taylor-like polynomial (Cephes'
+// expf coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87 the result flushes towards
+// zero, where a softmax weight no longer matters.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// A dot product of D floats in 16 lanes, reduced as a tree (a serial sum of the lanes was the kernel's
+// bottleneck).
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b) {
+  static_assert(D % 16 == 0, "head size must be a multiple of 16");
+  float lane[16] = {0};
+  for (int d0 = 0; d0 < D; d0 += 16) {
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lane[j] += a[d0 + j] * b[d0 + j];
+  }
+  for (int j = 0; j < 8; ++j) lane[j] += lane[j + 8];
+  for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
+  return (lane[0] + lane[2]) + (lane[1] + lane[3]);
+}
+
+struct Scratch {
+  std::vector<float> acc, scores, max, sum;
+  Scratch(int64_t rows, int64_t block_size, int64_t d)
+      : acc(rows * d), scores(rows * block_size), max(rows), sum(rows) {}
+};
+
+// Query heads [h0 * G, h1 * G) of one sequence, against its key/value heads [h0, h1).
+template <int D>
+void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool, const float* v_pool,
+                     const int32_t* table, int64_t length, int64_t block_size, int64_t kv_heads, int64_t groups,
+                     int64_t h0, int64_t h1, float scale, float* out, Scratch& s) {
+  const int64_t rows = (h1 - h0) * groups, token_stride = kv_heads * D;
+  float* acc = s.acc.data();
+  float* scores = s.scores.data();
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(s.max.begin(), s.max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.begin() + rows, 0.0f);
+  for (int64_t block = 0; block * block_size < length; ++block) {
+    const int64_t n = std::min(block_size, length - block * block_size);
+    const int64_t base = static_cast<int64_t>(table[block]) * block_size * token_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head = h0 + r / groups;
+      const float* qr = q + (h0 * groups + r) * q_head_stride;
+      const float* k = k_pool + base + head * D;
+      float* sr = scores + r * block_size;
+      float block_max = s.max[r];
+      for (int64_t t = 0; t < n; ++t) {
+        sr[t] = dot<D>(qr, k + t * token_stride) * scale;
+        block_max = std::max(block_max, sr[t]);
+      }
+      const float rescale = exp_nonpositive(s.max[r] - block_max);
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < n; ++t) {
+        sr[t] = exp_nonpositive(sr[t] - block_max);
+        total += sr[t];
+      }
+      s.sum[r] = s.sum[r] * rescale + total;
+      s.max[r] = block_max;
+      const float* v = v_pool + base + head * D;
+      alignas(64) float a[D];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) a[d] = acc[r * D + d] * rescale;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = sr[t];
+        const float* vt = v + t * token_stride;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += p * vt[d];
+      }
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[r * D + d] = a[d];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inverse = 1.0f / s.sum[r];
+    float* o = out + (h0 * groups + r) * D;
+    for (int d = 0; d < D; ++d) o[d] = acc[r * D + d] * inverse;
+  }
+}
+
+template <int D>
+torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                                 int64_t splits) {
+  const int64_t batch = q.size(0), heads = q.size(1);
+  const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), groups = heads / kv_heads;
+  const int64_t table_stride = block_tables.stride(0), q_stride = q.stride(0), q_head_stride = q.stride(1);
+  auto out = torch::zeros({batch, heads, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_item = kv_heads / splits;
+  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(per_item * groups, block_size, D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, part = item % splits;
+      if (lens[b] <= 0) continue;  // a padding row reads nothing and stays zero
+      attend_sequence<D>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
+                         kv_heads, groups, part * per_item, (part + 1) * per_item, static_cast<float>(scale),
+                         op + b * heads * D, scratch);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// q (B, H, D) float32 with unit stride along D; k_pool, v_pool (blocks, block_size, Hkv, D) contiguous;
+// block_tables int32 (B, max_blocks); seq_lens int32 (B,), each row's context including its own token;
+// `splits` divides Hkv: the work items per sequence. -> (B, H, D); rows of length 0 are zeros.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, double scale, int64_t splits) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
+              "float32 only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, D) with unit stride along D");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
+              "the pools must be contiguous and of one shape");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && block_tables.stride(1) == 1, "block_tables: int32 rows");
+  TORCH_CHECK(seq_lens.dtype() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
+  TORCH_CHECK(q.size(1) % k_pool.size(2) == 0 && k_pool.size(2) % splits == 0, "heads do not divide");
+  TORCH_CHECK(q.size(2) == k_pool.size(3), "head sizes differ");
+  switch (q.size(2)) {
+    case 16: return decode_attention_d<16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 32: return decode_attention_d<32>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 48: return decode_attention_d<48>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 64: return decode_attention_d<64>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 80: return decode_attention_d<80>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 96: return decode_attention_d<96>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 128: return decode_attention_d<128>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 256: return decode_attention_d<256>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged one-token attention, float32");
+}

@@ -1,0 +1,137 @@
+"""The CPU paged-decode kernel (fivefold.kernels.cpu_paged_decode, serve.cpu_kernel): one query token per
+sequence attending over its paged context, read in place through the block tables, against float64 SDPA
+over the whole sequence; and the engine with it against the engine gathering blocks for SDPA.
+
+Pools start as NaN and only each sequence's own tokens are written into shuffled blocks: a kernel that read
+past a sequence's length, a padding row's table or a table's padding would turn its output NaN."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fivefold.config import ConfigError
+from fivefold.kernels.cpu_paged_decode import HEAD_SIZES, decode_attention, kernel_problem, unsupported
+from fivefold.model import build_model
+from fivefold.presets import PRESETS
+from fivefold.serve import LLM, SamplingParams
+
+if kernel_problem():
+    pytest.skip(f"the CPU paged-decode kernel cannot be built here: {kernel_problem()}", allow_module_level=True)
+
+# float32 against float64: the same sums in another order (online softmax by blocks) and a polynomial exp
+# of ~1 ulp; measured at most 4.2e-7 over these cases.
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_decodes(lengths, heads, kv_heads, head_dim, block_size, seed=0):
+    """One decode row per length (0: a padding row with a NaN query). Returns the kernel's arguments and
+    each row's float64 SDPA answer over its whole context (None for padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(counts) + 2
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: the tables' padding
+    k_pool = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_pool = k_pool.clone()
+    width = max(max(counts), 1)
+    tables, queries, expected = [], [], []
+    for n, count in zip(lengths, counts):
+        table, order = order[:count], order[count:]
+        tables.append(table + [0] * (width - count))
+        q = torch.randn(heads, head_dim, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(n, kv_heads, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        for i in range(n):
+            k_pool[table[i // block_size], i % block_size] = k[i].float()
+            v_pool[table[i // block_size], i % block_size] = v[i].float()
+        if n == 0:
+            queries.append(torch.full((heads, head_dim), float("nan")))
+            expected.append(None)
+            continue
+        queries.append(q.float())
+        groups = heads // kv_heads  # the reference sees the float32-rounded inputs the kernel sees
+        qf, kf, vf = q.float().double(), k.float().double(), v.float().double()
+        out = F.scaled_dot_product_attention(qf[:, None], kf.transpose(0, 1).repeat_interleave(groups, 0),
+                                             vf.transpose(0, 1).repeat_interleave(groups, 0))
+        expected.append(out[:, 0])
+    args = (torch.stack(queries), k_pool, v_pool, torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lengths, dtype=torch.int32))
+    return args, expected
+
+
+# Contexts of one token, one short of a block, exactly a block, one past it, a long one, and padding rows.
+LENGTHS = [1, 15, 16, 17, 101, 0, 2000, 33, 0]
+# heads, kv heads, head size, block size
+CASES = [(32, 8, 64, 16), (9, 3, 64, 32), (9, 3, 16, 16), (4, 4, 128, 16), (8, 1, 32, 16), (16, 2, 80, 32),
+         (4, 2, 256, 16), (6, 2, 48, 16), (4, 2, 96, 16)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", CASES,
+                         ids=[f"{h}/{kv}h-d{d}-bs{bs}" for h, kv, d, bs in CASES])
+def test_decode_rows_match_sdpa_over_the_whole_context(heads, kv_heads, head_dim, block_size):
+    args, expected = make_decodes(LENGTHS, heads, kv_heads, head_dim, block_size)
+    out = decode_attention(*args)
+    assert out.shape == (len(LENGTHS), heads, head_dim)
+    for row, want in enumerate(expected):
+        if want is None:
+            assert torch.equal(out[row], torch.zeros_like(out[row]))  # padding: zeros, its NaN query unread
+        else:
+            torch.testing.assert_close(out[row].double(), want, **TOLERANCE)
+
+
+def test_a_row_alone_equals_that_row_in_a_batch_bit_for_bit():
+    """A row's output does not depend on its companions, nor on whether its heads are split into work items
+    of their own (fewer sequences than twice the threads) or not."""
+    args, _ = make_decodes(LENGTHS * 2, 9, 3, 64, 16, seed=1)
+    q, k_pool, v_pool, tables, lens = args
+    batch = decode_attention(*args)
+    for row in range(len(lens)):
+        alone = decode_attention(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1])
+        assert torch.equal(alone[0], batch[row])
+
+
+def test_queries_are_read_through_their_strides():
+    """q as the engine hands it: rows of a fused q/k/v product, a view whose row stride is not H x d."""
+    args, _ = make_decodes([40, 7, 0, 300], 8, 2, 32, 16, seed=2)
+    q = args[0]
+    fused = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 2 * 32)], dim=1)  # (B, (H + 2 Hkv) d)
+    view = fused[:, :8 * 32].view(-1, 8, 32)
+    assert not view.is_contiguous()
+    assert torch.equal(decode_attention(view, *args[1:]), decode_attention(q, *args[1:]))
+
+
+def test_what_it_cannot_run_is_named():
+    assert unsupported(64, torch.float32) is None
+    assert "bfloat16" in unsupported(64, torch.bfloat16)
+    assert "head size 24" in unsupported(24, torch.float32)
+    assert all(unsupported(d, torch.float32) is None for d in HEAD_SIZES)
+
+
+def tiny_model(seed=3, **changes):
+    cfg = dataclasses.replace(PRESETS["tiny"], max_seq_len=512, **changes)
+    return build_model(cfg, seed=seed).eval()
+
+
+def test_engine_with_the_kernel_generates_what_gathering_does():
+    """Decodes through the kernel against decodes gathered for SDPA: the same greedy tokens and logprobs to
+    float rounding (1e-5), over a batch whose sequences grow past several blocks, with prompt chunks mixed in
+    (max_num_batched_tokens below the prompts' total) and one sequence alone."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([5, 40, 17, 120, 64, 3])]
+    params = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for choice in ("true", "false"):
+        llm = LLM(tiny_model(), seed=0, cpu_kernel=choice, max_num_batched_tokens=96, block_size=16)
+        assert ("C++ paged kernel" in llm.engine.path) == (choice == "true")
+        runs[choice] = (llm.generate(prompts, params), llm.generate(prompts[3:4], params))
+    for ours, theirs in zip(*(batch + alone for batch, alone in runs.values())):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-5  # measured 4.8e-7
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+
+
+def test_engine_rejects_the_kernel_where_it_cannot_run():
+    with pytest.raises(ConfigError, match=r"serve.cpu_kernel=true cannot be used here: the KV pool is bfloat16"):
+        LLM(tiny_model().to(torch.bfloat16), seed=0, cpu_kernel="true")
+    llm = LLM(tiny_model().to(torch.bfloat16), seed=0)  # auto: gathers, and says so in its path
+    assert "C++" not in llm.engine.path and not llm.engine.cpu_kernel
