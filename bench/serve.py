@@ -117,6 +117,8 @@ def parse_args(argv=None):
                    help="serve.linear: the engine's linears on a CPU (oneDNN, or F.linear for the before/after)")
     p.add_argument("--compile-decode", action="store_true",
                    help="serve.compile_decode: on a CPU, decode steps of one attention group as one inductor graph")
+    p.add_argument("--cpu-kernel", default="auto", choices=["auto", "true", "false"],
+                   help="serve.cpu_kernel: on a CPU, decodes attend through the C++ kernel reading the pool in place")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--skip-hf", action="store_true", help="fivefold only (no transformers reference)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the workload's")
@@ -341,7 +343,7 @@ def make_llm(model, args, requests: list[Request], tokenizer=None, **options) ->
     return LLM(model, tokenizer=tokenizer, device=args.device, seed=args.seed, num_blocks=blocks,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, linear=args.linear,
-               compile_decode=args.compile_decode, **options)
+               compile_decode=args.compile_decode, cpu_kernel=args.cpu_kernel, **options)
 
 
 def greedy(r: Request) -> SamplingParams:

@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="a preset (random weights, fp32)")
     p.add_argument("--reps", type=int, default=6, help="alternating runs of each side")
     p.add_argument("--requests", type=int, default=16, help="requests decoding together in the batch run")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each request of the batch run")
+    p.add_argument("--output", type=int, default=48, help="output tokens of each request of the batch run")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args(argv)
 
@@ -115,17 +117,17 @@ def main(argv=None) -> dict:
     batch = {name: [] for name in llms}
     tokens = {name: [] for name in llms}  # every run's batch outputs, to say whether the two sides agree
     for _ in range(args.reps):
-        prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(64)] for _ in range(args.requests)]
+        prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(args.prompt)] for _ in range(args.requests)]
         for name, (llm, context) in made.items():
             with context():
                 out = llm.generate([prompt], SamplingParams(max_tokens=64, **greedy))[0]
                 batch1[name].append(1 / out.tpot)
                 start = time.perf_counter()
-                outs = llm.generate(prompts, SamplingParams(max_tokens=48, **greedy))
-                batch[name].append(args.requests * 48 / (time.perf_counter() - start))
+                outs = llm.generate(prompts, SamplingParams(max_tokens=args.output, **greedy))
+                batch[name].append(args.requests * args.output / (time.perf_counter() - start))
                 tokens[name] += [out.token_ids for out in outs]
     result = {"compare": args.compare, "model": args.model, "threads": torch.get_num_threads(), "reps": args.reps,
-              "requests": args.requests, "paths": {n: llm.engine.path for n, llm in llms.items()},
+              "requests": args.requests, "prompt": args.prompt, "output": args.output, "paths": {n: llm.engine.path for n, llm in llms.items()},
               "same_tokens": f"{sum(a == b for a, b in zip(*tokens.values()))} of {len(tokens[with_name])} requests"}
     print(f"token-identical: {result['same_tokens']}")
     for label, runs in (("batch1_decode_tok_s", batch1), (f"batch{args.requests}_output_tok_s", batch)):

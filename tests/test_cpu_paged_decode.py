@@ -63,7 +63,7 @@ def make_decodes(lengths, heads, kv_heads, head_dim, block_size, seed=0):
 LENGTHS = [1, 15, 16, 17, 101, 0, 2000, 33, 0]
 # heads, kv heads, head size, block size
 CASES = [(32, 8, 64, 16), (9, 3, 64, 32), (9, 3, 16, 16), (4, 4, 128, 16), (8, 1, 32, 16), (16, 2, 80, 32),
-         (4, 2, 256, 16), (6, 2, 48, 16), (4, 2, 96, 16)]
+         (4, 2, 256, 16), (6, 2, 48, 16), (4, 2, 96, 16), (4, 2, 32, 8)]
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", CASES,

@@ -9,6 +9,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -53,6 +57,54 @@ inline float dot(const float* __restrict a, const float* __restrict b) {
   return (lane[0] + lane[2]) + (lane[1] + lane[3]);
 }
 
+// scores[t] = q . k_t for the n <= 16 keys of k (row stride `stride`), into scores[0..n).
+template <int D>
+inline void scores16(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
+                     float* __restrict scores) {
+#if defined(__AVX512F__)
+  // Each key's products in 16 lanes, then the 16 vectors summed as a transpose: ~3 instructions a key where
+  // reducing each vector on its own took ~8 (and was the kernel's bottleneck).
+  __m512 qv[D / 16];
+  for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  __m512 p[16];
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const float* kt = k + t * stride;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+      for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), acc);
+      p[t] = acc;
+    } else {
+      p[t] = _mm512_setzero_ps();
+    }
+  }
+  // Pairs of keys: within each 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+  __m512 s1[8];
+  for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  // Quads: within each 128-bit lane, keys 4i..4i+3 summed over that lane's four elements.
+  __m512 s2[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Across the four 128-bit lanes: lane j of the result holds keys 4j..4j+3.
+  __m512 u[2];
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  const __m512 all = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), all);
+#else
+  for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
+#endif
+}
+
+// Every 64-byte line of `n` rows of `stride` floats, from `offset` for `width` floats.
+inline void prefetch_rows(const float* base, int64_t n, int64_t stride, int64_t offset, int64_t width) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(base + t * stride + offset + c);
+}
+
 struct Scratch {
   std::vector<float> acc, scores, max, sum;
   Scratch(int64_t rows, int64_t block_size, int64_t d)
@@ -73,14 +125,25 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
   for (int64_t block = 0; block * block_size < length; ++block) {
     const int64_t n = std::min(block_size, length - block * block_size);
     const int64_t base = static_cast<int64_t>(table[block]) * block_size * token_stride;
+    // Blocks lie anywhere in the pool, and a hardware prefetcher learns a new stream too late for one block's
+    // few kilobytes: ask for this block's values and the next block's keys now, so that their reads overlap
+    // this block's arithmetic (~1.2x the kernel's speed over 10 sequences of 150-450 tokens, 2 vCPUs).
+    prefetch_rows(v_pool + base, n, token_stride, h0 * D, (h1 - h0) * D);
+    if ((block + 1) * block_size < length) {
+      const int64_t next = static_cast<int64_t>(table[block + 1]) * block_size * token_stride;
+      prefetch_rows(k_pool + next, std::min(block_size, length - (block + 1) * block_size), token_stride, h0 * D,
+                    (h1 - h0) * D);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = h0 + r / groups;
       const float* qr = q + (h0 * groups + r) * q_head_stride;
       const float* k = k_pool + base + head * D;
       float* sr = scores + r * block_size;
+      for (int64_t t0 = 0; t0 < n; t0 += 16)
+        scores16<D>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0);
       float block_max = s.max[r];
       for (int64_t t = 0; t < n; ++t) {
-        sr[t] = dot<D>(qr, k + t * token_stride) * scale;
+        sr[t] *= scale;
         block_max = std::max(block_max, sr[t]);
       }
       const float rescale = exp_nonpositive(s.max[r] - block_max);
