@@ -35,6 +35,7 @@ import time
 
 import torch
 from machine import write_results
+from serve_client import make_requests
 
 from fivefold.model import build_model
 from fivefold.model.attention import AttentionCore
@@ -51,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=16, help="requests decoding together in the batch run")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each request of the batch run")
     p.add_argument("--output", type=int, default=48, help="output tokens of each request of the batch run")
+    p.add_argument("--default-workload", action="store_true",
+                   help="the batch run serves bench/serve.py's default request set instead (32 requests, prompt "
+                        "and output 16-256, outputs log-uniform; --requests/--prompt/--output ignored)")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args(argv)
 
@@ -92,7 +96,7 @@ def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager
     head = options.pop("lm_head", None)
     context = contextlib.nullcontext if options.pop("heads_as_rows", True) else one_row_per_head
     try:
-        llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=400, max_num_seqs=64,
+        llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=700, max_num_seqs=64,
                   **options)
     finally:
         cpu_linear.chosen_product = chosen
@@ -117,20 +121,28 @@ def main(argv=None) -> dict:
     batch = {name: [] for name in llms}
     tokens = {name: [] for name in llms}  # every run's batch outputs, to say whether the two sides agree
     for _ in range(args.reps):
-        prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(args.prompt)] for _ in range(args.requests)]
+        if args.default_workload:  # bench/serve.py's own set, the same every rep
+            requests = make_requests(32, cfg.vocab_size, (16, 256), (16, 256), seed=0)
+            prompts = [r.prompt for r in requests]
+            params = [SamplingParams(max_tokens=r.max_tokens, **greedy) for r in requests]
+        else:
+            prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(args.prompt)] for _ in range(args.requests)]
+            params = [SamplingParams(max_tokens=args.output, **greedy)] * len(prompts)
         for name, (llm, context) in made.items():
             with context():
                 out = llm.generate([prompt], SamplingParams(max_tokens=64, **greedy))[0]
                 batch1[name].append(1 / out.tpot)
                 start = time.perf_counter()
-                outs = llm.generate(prompts, SamplingParams(max_tokens=args.output, **greedy))
-                batch[name].append(args.requests * args.output / (time.perf_counter() - start))
+                outs = llm.generate(prompts, params)
+                batch[name].append(sum(p.max_tokens for p in params) / (time.perf_counter() - start))
                 tokens[name] += [out.token_ids for out in outs]
     result = {"compare": args.compare, "model": args.model, "threads": torch.get_num_threads(), "reps": args.reps,
               "requests": args.requests, "prompt": args.prompt, "output": args.output, "paths": {n: llm.engine.path for n, llm in llms.items()},
               "same_tokens": f"{sum(a == b for a, b in zip(*tokens.values()))} of {len(tokens[with_name])} requests"}
     print(f"token-identical: {result['same_tokens']}")
-    for label, runs in (("batch1_decode_tok_s", batch1), (f"batch{args.requests}_output_tok_s", batch)):
+    batch_label = "default_workload_output_tok_s" if args.default_workload else f"batch{args.requests}_output_tok_s"
+    result["default_workload"] = args.default_workload
+    for label, runs in (("batch1_decode_tok_s", batch1), (batch_label, batch)):
         summary = {n: {"runs": xs, "best": max(xs), "median": statistics.median(xs)} for n, xs in runs.items()}
         summary["gain_best"] = summary[with_name]["best"] / summary[without_name]["best"] - 1
         summary["gain_median"] = summary[with_name]["median"] / summary[without_name]["median"] - 1
