@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--reps", type=int, default=2,
                    help="engine runs per workload; the fastest is kept (outside load only slows a run down)")
+    p.add_argument("--cpu-kernel", default="auto", choices=["auto", "true", "false"],
+                   help="serve.cpu_kernel for the engine, the model and the calibration's decode steps")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -72,7 +74,7 @@ def serve_config(args, w: Workload) -> ServeConfig:
     longest = max(r.prompt + r.output for r in w.requests)
     return dataclasses.replace(ServeConfig(), num_blocks=blocks, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                               max_model_len=blocks_for(longest, 16) * 16)
+                               max_model_len=blocks_for(longest, 16) * 16, cpu_kernel=args.cpu_kernel)
 
 
 def measure(model, serve: ServeConfig, w: Workload, device: str, seed: int = 0) -> dict:
@@ -111,7 +113,8 @@ def main(argv=None) -> dict:
         print("calibrating this machine (fivefold calibrate --serve) ...", flush=True)
         device = torch.device(args.device)
         profile, _ = calibrate(device, f"this-{args.device}")
-        profile = dataclasses.replace(profile, serving=measure_serving(device, profile, SHORT_DTYPES[args.dtype]))
+        profile = dataclasses.replace(profile, serving=measure_serving(device, profile, SHORT_DTYPES[args.dtype],
+                                                                           args.cpu_kernel))
     print(f"profile {profile.name}: fp32 {profile.flops['fp32'] / 1e9:.0f} GFLOP/s, {profile.memory_bandwidth / 1e9:.1f} "
           f"GB/s, serving {profile.serving}")
     cfg_model = get_preset(args.model)

@@ -315,14 +315,15 @@ def _engine_prefill_seconds(device: torch.device, layers: int, dtype: str, reps:
 DECODE_BATCH, DECODE_CONTEXTS = 32, (16, 496)
 
 
-def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: str,
-                           steps: int = 8) -> tuple[float, bool]:
+def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtype: str, steps: int = 8,
+                           cpu_kernel: str = "auto") -> tuple[float, bool]:
     """Median decode step of DECODE_BATCH sequences whose prompts are `context` tokens, products taken out;
     and whether the engine's decodes read the pool in place (serve.cpu_kernel) or gathered it."""
     # Room to decode through the prefill steps (sequences prefilled first decode while the rest prefill) and
     # the timed ones, so that every sequence is still running when they are timed.
     tokens = steps + 4 + -(-DECODE_BATCH * context // 2048)
     engine = _hollow_engine(device, layers, dtype, max_num_seqs=DECODE_BATCH, max_model_len=context + tokens + 1,
+                            cpu_kernel=cpu_kernel,
                             max_num_batched_tokens=max(2048, context))
     g = torch.Generator().manual_seed(0)
     for _ in range(DECODE_BATCH):
@@ -340,12 +341,14 @@ def _engine_decode_seconds(device: torch.device, layers: int, context: int, dtyp
     return statistics.median(times), engine.cpu_kernel
 
 
-def _kv_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict) -> float:
+def _kv_bandwidth(device: torch.device, profile: HardwareProfile, dtype: str, partial: dict,
+                  cpu_kernel: str = "auto") -> float:
     """The rate the CPU path's cache reads (StepCostModel.attention: one pass in place through the C++ decode
     kernel, else three over each decode group padded to its longest) move at: decode steps at a long context
     less at a short one, per layer, over those bytes."""
     layers = 4
-    (short, _), (long, in_place) = (_engine_decode_seconds(device, layers, c, dtype) for c in DECODE_CONTEXTS)
+    (short, _), (long, in_place) = (_engine_decode_seconds(device, layers, c, dtype, cpu_kernel=cpu_kernel)
+                                    for c in DECODE_CONTEXTS)
     passes = 1 if in_place else 3
     cost = _calibration_cost(profile, dtype, partial, layers)
     extra_tokens = DECODE_BATCH * (DECODE_CONTEXTS[1] - DECODE_CONTEXTS[0])
@@ -369,11 +372,12 @@ def _elementwise_bandwidth(device: torch.device, profile: HardwareProfile, dtype
     return cost.bandwidth if rest <= 0 else min(cost.bandwidth, tokens * cost.elementwise_bytes / rest)
 
 
-def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str = "fp32") -> dict[str, float]:
+def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str = "fp32",
+                    cpu_kernel: str = "auto") -> dict[str, float]:
     """The [serving] table of this machine's profile: the rate of the engine's linear and its skinny knee,
     the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32, and the rate of its
     elementwise work from a prefill step of a 4-layer block (on a CPU also of its attention's cache reads, from
-    decode steps at two contexts)."""
+    decode steps at two contexts, through the decode path `cpu_kernel`, serve.cpu_kernel, chooses)."""
     rate, knee = _linear_rates(device, TORCH_DTYPES[dtype])
     t = {(layers, b): _engine_step_seconds(device, layers, b) for layers in (2, 4) for b in (1, 32)}
     per_layer = {b: (t[4, b] - t[2, b]) / 2 for b in (1, 32)}
@@ -384,5 +388,5 @@ def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str =
              "layer_s": max(0.0, per_layer[1] - layer_seq), "layer_seq_s": layer_seq}
     table["elementwise_bandwidth"] = _elementwise_bandwidth(device, profile, dtype, table)
     if device.type == "cpu":  # the gather + SDPA path; the CUDA kernel reads in place at the memory's rate
-        table["kv_bandwidth"] = _kv_bandwidth(device, profile, dtype, table)
+        table["kv_bandwidth"] = _kv_bandwidth(device, profile, dtype, table, cpu_kernel)
     return table
