@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.config import ConfigError
+import fivefold.kernels.cpu_paged_decode as cpu_paged_decode
 from fivefold.kernels.cpu_paged_decode import HEAD_SIZES, decode_attention, kernel_problem, unsupported
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
@@ -135,3 +136,12 @@ def test_engine_rejects_the_kernel_where_it_cannot_run():
         LLM(tiny_model().to(torch.bfloat16), seed=0, cpu_kernel="true")
     llm = LLM(tiny_model().to(torch.bfloat16), seed=0)  # auto: gathers, and says so in its path
     assert "C++" not in llm.engine.path and not llm.engine.cpu_kernel
+
+
+def test_an_engine_that_cannot_build_the_kernel_gathers_and_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(cpu_paged_decode, "_build", lambda: (None, "building it failed: no C++ compiler"))
+    llm = LLM(tiny_model(), seed=0)  # auto: falls back, with a notice on stderr
+    assert not llm.engine.cpu_kernel and "block gather + SDPA" in llm.engine.path
+    assert "no C++ compiler" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="serve.cpu_kernel=true cannot be used here: building it failed: no C"):
+        LLM(tiny_model(), seed=0, cpu_kernel="true")

@@ -7,7 +7,8 @@ sequence's block table instead, scoring a block's keys against every query head 
 the block into an online softmax, so the pool is read once and nothing is copied.
 
 It is C++ built at first use with torch's extension builder (a C++ compiler and ninja; ~40 s on 2 cores),
-for this CPU's instruction set, into fivefold's cache directory, and loaded from there afterwards. Where it
+for this CPU's instruction set, where torch keeps its extensions ($TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions), and loaded from there afterwards. Where it
 cannot be built, `kernel_problem()` says why and the engine keeps gather + SDPA, which stays the reference
 the kernel is tested against (tests/test_cpu_paged_decode.py). float32 only: the pool of a bf16 engine takes
 the SDPA path.
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
-
-from fivefold.data.corpus import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
 HEAD_SIZES = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the source instantiates
@@ -49,13 +50,15 @@ def _build():
         verify_ninja_availability()
     except RuntimeError:
         return None, "ninja is not installed (pip install ninja)"
-    build_dir = cache_dir() / "extensions" / f"cpu_paged_decode_{_cpu_signature()}"
+    name = f"fivefold_cpu_paged_decode_{_cpu_signature()}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    build_dir = Path(root) / name  # torch's own place for extensions, shared by every run on this machine
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
+    if not any(build_dir.glob("*.so")):  # on stderr: `fivefold generate` writes its text on stdout
         print(f"building the CPU paged-decode kernel for this machine (once; ~1 min on 2 cores) in {build_dir}",
-              flush=True)
+              file=sys.stderr, flush=True)
     try:
-        module = load(name=f"fivefold_cpu_paged_decode_{_cpu_signature()}", sources=[str(SOURCE)],
+        module = load(name=name, sources=[str(SOURCE)],
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - whatever failed (no compiler, a linker error), the answer is the same

@@ -8,6 +8,7 @@ prompts in, their outputs back in order.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -263,7 +264,8 @@ class Engine:
             raise ConfigError(f"serve.cpu_kernel=true cannot be used here: {why_not}; "
                               f"set serve.cpu_kernel=auto or false")
         if why_not and self.device.type == "cpu" and not self.kernel and kernel_problem():
-            print(f"CPU paged-decode kernel not used ({why_not}): decodes gather their blocks for SDPA", flush=True)
+            print(f"CPU paged-decode kernel not used ({why_not}): decodes gather their blocks for SDPA",
+                  file=sys.stderr, flush=True)
         return why_not is None
 
     def _graphs(self) -> DecodeGraphs | None:
