@@ -259,14 +259,16 @@ class Engine:
             return False
         why_not = ("the device is not a CPU" if self.device.type != "cpu" else
                    "serve.kernels runs the Triton kernels" if self.kernel else
-                   unsupported(self.model.cfg.head_size, self.dtype) or kernel_problem())
+                   unsupported(self.model.cfg.head_size, self.dtype))
+        build_failed = why_not is None and kernel_problem()  # built only for an engine that would use it
+        why_not = why_not or build_failed
         if why_not and choice == "true":
             raise ConfigError(f"serve.cpu_kernel=true cannot be used here: {why_not}; "
                               f"set serve.cpu_kernel=auto or false")
-        if why_not and self.device.type == "cpu" and not self.kernel and kernel_problem():
+        if build_failed:
             print(f"CPU paged-decode kernel not used ({why_not}): decodes gather their blocks for SDPA",
                   file=sys.stderr, flush=True)
-        return why_not is None
+        return not why_not
 
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""

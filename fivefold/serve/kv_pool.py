@@ -138,16 +138,16 @@ class PagedBatch:
         self.groups = []  # (which decodes, (G, blocks) block indices, (G, 1, 1, blocks x bs) mask)
         decodes = np.flatnonzero(seq_lens[:self.num_decodes] > 0)  # padding rows attend to nothing
         order = decodes[np.argsort(seq_lens[decodes], kind="stable")]
-        if cpu_kernel and self.num_decodes:
+        if cpu_kernel and self.num_decodes:  # the kernel reads the decodes in place: no groups to gather
             self.decode_tables, self.decode_lens = int_tables[:self.num_decodes], dev.seq_lens[:self.num_decodes]
-            order = order[:0]  # no groups to gather
-        for start in range(0, len(order), DECODE_GROUP):
-            group = order[start:start + DECODE_GROUP]
-            lengths = torch.from_numpy(seq_lens[group])
-            blocks = -(-int(lengths.max()) // bs)
-            mask = torch.arange(blocks * bs) < lengths[:, None]
-            rows = torch.from_numpy(group).to(device)
-            self.groups.append((rows, tables[rows, :blocks], mask[:, None, None].to(device)))
+        else:
+            for start in range(0, len(order), DECODE_GROUP):
+                group = order[start:start + DECODE_GROUP]
+                lengths = torch.from_numpy(seq_lens[group])
+                blocks = -(-int(lengths.max()) // bs)
+                mask = torch.arange(blocks * bs) < lengths[:, None]
+                rows = torch.from_numpy(group).to(device)
+                self.groups.append((rows, tables[rows, :blocks], mask[:, None, None].to(device)))
         self.chunks = []  # (start in the row, tokens, the sequence's blocks, mask or None)
         for i in range(self.num_decodes, host.num_seqs):
             start, n, length = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
