@@ -14,7 +14,9 @@
   16 rows alone chose on the Intel host); run it with `--requests 8`, where the two differ;
 - `cpu-kernel`: decodes attending through the C++ kernel that reads the KV pool in place
   (fivefold/kernels/cpu_paged_decode.py, serve.cpu_kernel=true) against gathering their blocks for SDPA;
-- `all`: the defaults against none of the lean loop, the input-major layout, huge pages and the C++ kernel.
+- `rows-kernel`: linears at 4-32 rows through fivefold's rows kernel where it was timed faster for their shape
+  (fivefold/kernels/cpu_linear_rows.py, among serve.linear=auto's candidates) against the libraries' products;
+- `all`: the defaults against none of the lean loop, the input-major layout, huge pages and the C++ kernels.
 
 Two engines on models built from the same seed, differing only in that choice, run alternately, so that
 whatever the host does to one it does to the other: batch-1 decode tok/s, and output tok/s of a batch of
@@ -59,8 +61,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Per comparison, (name, options) of the side with the choice and of the side without: serve.* options, and
-# "input_major" (whether block weights may take the input-major layout).
+# Per comparison, (name, options) of the side with the choice and of the side without: serve.* options,
+# "input_major" (whether block weights may take the input-major layout) and "rows_kernel" (whether the rows
+# kernel is a candidate).
 SIDES = {
     "products": (("chosen per shape", {}), ("oneDNN", {"linear": "onednn"})),
     "layout": (("input-major", {}), ("plain", {"input_major": False})),
@@ -69,7 +72,8 @@ SIDES = {
     "heads-as-rows": (("heads as rows", {}), ("a row per head", {"heads_as_rows": False})),
     "lm-head": (("LM head as chosen", {}), ("LM head on F.linear", {"lm_head": "F.linear"})),
     "cpu-kernel": (("C++ paged decode kernel", {"cpu_kernel": "true"}), ("gather + SDPA", {"cpu_kernel": "false"})),
-    "all": (("defaults", {}), ("none of the four", {"input_major": False, "fuse_launches": False,
+    "rows-kernel": (("rows kernel", {}), ("libraries' products", {"rows_kernel": False})),
+    "all": (("defaults", {}), ("none of the five", {"input_major": False, "fuse_launches": False,
                                                     "huge_pages": "false", "cpu_kernel": "false"})),
 }
 
@@ -87,12 +91,15 @@ def one_row_per_head():
 
 def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager]:
     """An engine with these serve.* options, and what to run it under; its block weights stay plain unless
-    `input_major` (default), its LM head on the product `lm_head` names if given, and its attention with a row
-    per head under the context if not `heads_as_rows`."""
+    `input_major` (default), the rows kernel a candidate unless not `rows_kernel`, its LM head on the product
+    `lm_head` names if given, and its attention with a row per head under the context if not `heads_as_rows`."""
     options = dict(options)
     chosen = cpu_linear.chosen_product
-    if not options.pop("input_major", True):
-        cpu_linear.chosen_product = lambda shape, dtype, mode="auto", layouts=True: chosen(shape, dtype, mode, False)
+    input_major, rows_kernel = options.pop("input_major", True), options.pop("rows_kernel", True)
+
+    def choose(shape, dtype, mode="auto", layouts=True, rows=False):
+        return chosen(shape, dtype, mode, layouts and input_major, rows and rows_kernel)
+    cpu_linear.chosen_product = choose
     head = options.pop("lm_head", None)
     context = contextlib.nullcontext if options.pop("heads_as_rows", True) else one_row_per_head
     try:

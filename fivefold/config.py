@@ -262,10 +262,13 @@ class ServeConfig:
     # test host, for a compile of seconds at start-up (minutes with a cold cache). Its logits are the eager
     # loop's to float rounding, not bit for bit, so a near tie may break the other way in a compiled step.
     compile_decode: bool = False
-    # On a CPU, decode rows attend through a C++ kernel that reads the KV pool in place through the block
-    # tables (fivefold.kernels.cpu_paged_decode) instead of gathering their blocks for SDPA; prompt chunks
-    # gather either way. "auto" = when it can run (float32 pool, a head size it instantiates, and it builds:
-    # a C++ compiler and ninja, once per machine, ~40 s); logits equal the SDPA path's to float rounding.
+    # On a CPU, fivefold's C++ kernels (fivefold.kernels.cpu_build; a C++ compiler and ninja, built once per
+    # machine, ~1 min): decode rows attend through one that reads the KV pool in place through the block tables
+    # (fivefold.kernels.cpu_paged_decode) instead of gathering their blocks for SDPA (prompt chunks gather either
+    # way), and under serve.linear=auto a float32 linear's product at 4-32 rows may be the rows kernel
+    # (fivefold.kernels.cpu_linear_rows, AVX-512) where it times faster for the weight's shape. "auto" = where
+    # they can run (float32, a head size the attention instantiates, and they build; "true" refuses to start
+    # where the attention kernel cannot); logits equal the libraries' and SDPA's to float rounding.
     cpu_kernel: Literal["auto", "true", "false"] = "auto"
 
 

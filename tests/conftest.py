@@ -3,7 +3,7 @@
 import pytest
 
 from fivefold.config_load import load_config
-from fivefold.kernels.cpu_paged_decode import kernel_problem
+from fivefold.kernels.cpu_build import kernel_problem
 
 TINY_DEFAULTS = {
     "train.seq_len": 32, "train.micro_batch_size": 4, "train.steps": 6, "train.lr": 1e-2,
@@ -13,9 +13,9 @@ TINY_DEFAULTS = {
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_decode_kernel_built():
-    """The CPU paged-decode kernel is built (or known unbuildable) before any test starts an engine: the
-    one-time build prints a notice and takes ~40 s, which would otherwise land in whichever test came first,
+def cpu_kernels_built():
+    """The C++ CPU kernels are built (or known unbuildable) before any test starts an engine: the one-time
+    build prints a notice and takes ~1 min, which would otherwise land in whichever test came first,
     inside its timeout and its captured output."""
     kernel_problem()
 

@@ -1,6 +1,6 @@
 // One-token (decode) attention over the paged KV pool on a CPU, reading keys and values in place through
 // the block tables: the CPU counterpart of the Triton kernel's decode rows (fivefold/kernels/
-// paged_attention_triton.py). Built once per machine by fivefold/kernels/cpu_paged_decode.py.
+// paged_attention_triton.py). Built once per machine with the other CPU kernels by fivefold/kernels/cpu_build.py.
 //
 // Each work item is one sequence (or one of its key/value heads when there are few sequences): a block's
 // keys are scored against every query head reading them, an online softmax (Milakov & Gimelshein 2018)
@@ -9,9 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -62,8 +60,8 @@ template <int D>
 inline void scores16(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
                      float* __restrict scores) {
 #if defined(__AVX512F__)
-  // Each key's products in 16 lanes, then the 16 vectors summed as a transpose: ~3 instructions a key where
-  // reducing each vector on its own took ~8 (and was the kernel's bottleneck).
+  // Each key's products in 16 lanes, then the 16 vectors summed as a transpose (reducing each vector on its
+  // own was the kernel's bottleneck).
   __m512 qv[D / 16];
   for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   __m512 p[16];
@@ -77,22 +75,7 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
       p[t] = _mm512_setzero_ps();
     }
   }
-  // Pairs of keys: within each 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
-  __m512 s1[8];
-  for (int i = 0; i < 8; ++i)
-    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-  // Quads: within each 128-bit lane, keys 4i..4i+3 summed over that lane's four elements.
-  __m512 s2[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
-    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // Across the four 128-bit lanes: lane j of the result holds keys 4j..4j+3.
-  __m512 u[2];
-  for (int i = 0; i < 2; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
-  const __m512 all = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 all = fivefold::sum16(p);
   _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), all);
 #else
   for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
@@ -231,8 +214,4 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
     case 256: return decode_attention_d<256>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
     default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged one-token attention, float32");
 }

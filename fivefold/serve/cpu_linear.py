@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.corpus import cache_dir
+from fivefold.kernels.cpu_linear_rows import linear_rows
 from fivefold.quant.linear import QuantLinear
 from fivefold.serve.fused import FusedAttention
 
@@ -52,8 +53,9 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 # The products a CPU linear can run on, by the name a choice is kept under; looked up at each use, so that
-# the tests can stand in for them.
-LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear}
+# the tests can stand in for them. "rows kernel": fivefold's own at 4-32 rows (fivefold.kernels.cpu_linear_rows,
+# serve.cpu_kernel), F.linear's at other row counts; it reads the weight in its (out, in) layout only.
+LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear, "rows kernel": linear_rows}
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def is_input_major(weight: torch.Tensor) -> bool:
 # product is its call's cost, whatever the layout, and only the library is chosen). The sizes between 1 and
 # 16 count: on the Intel host MKL's product over the LM head's plain (out, in) weight took 4.3 ms at 1 row
 # and 8.8 at 16, on par with oneDNN, but 10-22 ms at 4-14 rows, where oneDNN's took 7-9.
-LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 4, 8, 16), 96 * 2**20, 2**20
+LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 4, 8, 16, 32), 96 * 2**20, 2**20
 PRODUCTS_FILE = "cpu_products.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
 _chosen: dict[str, Product] = {}
 
@@ -136,13 +138,15 @@ def _save(key: str, choice: Product) -> None:
     os.replace(tmp, path)
 
 
-def candidates(mode: str, layouts: bool) -> list[Product]:
+def candidates(mode: str, layouts: bool, rows_kernel: bool = False) -> list[Product]:
     """The products serve.linear=`mode` chooses among on this CPU: "auto" both libraries (oneDNN where this
-    torch has it), "onednn" oneDNN only; each in both layouts where `layouts`, else plain."""
+    torch has it), "onednn" oneDNN only; each in both layouts where `layouts`, else plain. With `rows_kernel`
+    (it runs here, and serve.cpu_kernel allows it), "auto" adds fivefold's rows kernel, in the plain layout."""
     libraries = ["oneDNN", "F.linear"] if mode == "auto" else ["oneDNN"]
     if not onednn_available():
         libraries.remove("oneDNN")
-    return [Product(lib, major) for lib in libraries for major in ((False, True) if layouts else (False,))]
+    options = [Product(lib, major) for lib in libraries for major in ((False, True) if layouts else (False,))]
+    return options + [Product("rows kernel")] if rows_kernel and mode == "auto" else options
 
 
 def _nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
@@ -173,19 +177,20 @@ def _time_products(shape: tuple[int, int], dtype: torch.dtype, options: list[Pro
     return {p: sum(seconds[p, i] / best[i] for i in range(len(xs))) for p in options}
 
 
-def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto", layouts: bool = True) -> Product:
-    """The fastest of `candidates(mode, layouts)` for (out, in) = `shape` weights (only the library below
+def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto", layouts: bool = True,
+                   rows_kernel: bool = False) -> Product:
+    """The fastest of `candidates(mode, layouts, rows_kernel)` for (out, in) = `shape` weights (only the library below
     LAYOUT_MIN_BYTES). Timed once per machine and shape, on random weights, and kept in the cache directory:
     each product sums in its own order, so a close call that fell one way at one start and the other way at
     the next would change the last bits of the logits between two starts of a server."""
     out, inp = shape
     layouts = layouts and _nbytes(shape, dtype) >= LAYOUT_MIN_BYTES
-    options = candidates(mode, layouts)
+    options = candidates(mode, layouts, rows_kernel)
     if len(options) == 1:
         return options[0]
     # The row counts are part of the key: a choice timed at other sizes is timed again.
-    key = (f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}{'' if layouts else ' plain'} "
-           f"rows {','.join(map(str, LAYOUT_ROWS))}")
+    key = (f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}{'' if layouts else ' plain'}"
+           f"{' +rows kernel' if Product('rows kernel') in options else ''} rows {','.join(map(str, LAYOUT_ROWS))}")
     if key not in _chosen:
         saved = Product.parse(_saved().get(_machine(), {}).get(key))
         if saved in options:
@@ -215,14 +220,16 @@ def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
         start += rows
 
 
-def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None = None) -> Counter:
+def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None = None,
+                  rows_kernel: bool = False) -> Counter:
     """Route every plain linear of `model` (on a CPU, in float32 or bfloat16), its fused q/k/v and gate/up
     products and its quantized linears' dequantized products through the product `choose` picks for their
-    shape (by default `chosen_product` for serve.linear=`mode`), in place, laying each block product's
+    shape (by default `chosen_product` for serve.linear=`mode`, with fivefold's rows kernel among the
+    candidates for float32 weights where `rows_kernel`), in place, laying each block product's
     weight out input-major where that product runs it faster so; how many products each library runs."""
     if choose is None:
         def choose(shape, dtype, layouts):
-            return chosen_product(shape, dtype, mode, layouts)
+            return chosen_product(shape, dtype, mode, layouts, rows_kernel and dtype == torch.float32)
     routed = Counter()
     # Kept in their layout: the embedding and LM head. Left alone: the fused products' parts (views into their
     # fused weight, laid out with it), which do not run; a model unfused later runs them on F.linear, and the
@@ -264,10 +271,12 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
     return routed
 
 
-def serving_product(device: torch.device, shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto"):
+def serving_product(device: torch.device, shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto",
+                    rows_kernel: bool = False):
     """(the linear function, the weight layout) the engine runs a block product of `shape` with on `device`
-    for serve.linear=`mode`: what calibration times."""
+    for serve.linear=`mode`, with the rows kernel among the candidates where `rows_kernel` (float32 only):
+    what calibration times."""
     if device.type == "cpu" and mode != "torch" and candidates(mode, False):
-        product = chosen_product(shape, dtype, mode)
+        product = chosen_product(shape, dtype, mode, rows_kernel=rows_kernel and dtype == torch.float32)
         return product.fn, (input_major if product.input_major else lambda weight: weight)
     return F.linear, lambda weight: weight

@@ -1,0 +1,68 @@
+"""The C++ CPU kernels (serve.cpu_kernel), built once per machine as one torch extension.
+
+cpu_paged_decode.cpp (decode attention reading the paged pool in place) and cpu_linear_rows.cpp (a linear's
+product at a decode's few rows), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
+(a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's instruction set, where torch keeps its
+extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), and loaded from there afterwards.
+Where it cannot be built, `kernel_problem()` says why and the engine keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_paged_decode.cpp", HERE / "cpu_linear_rows.cpp"]
+HEADERS = [HERE / "cpu_simd.h"]
+
+
+def _signature() -> str:
+    """What the built code depends on besides the sources torch's builder hashes: the CPU it is compiled for
+    (-march=native: a cache directory shared by machines with other instruction sets must not hand them this
+    build), torch's version, and the headers the sources include (which the builder does not hash)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    headers = b"".join(h.read_bytes() for h in HEADERS)
+    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode() + headers).hexdigest()[:10]
+
+
+@functools.cache
+def build():
+    """(module, None) once built and loaded, or (None, why not)."""
+    from torch.utils.cpp_extension import load, verify_ninja_availability
+
+    try:
+        verify_ninja_availability()
+    except RuntimeError:
+        return None, "ninja is not installed (pip install ninja)"
+    name = f"fivefold_cpu_kernels_{_signature()}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    build_dir = Path(root) / name  # torch's own place for extensions, shared by every run on this machine
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):  # on stderr: `fivefold generate` writes its text on stdout
+        print(f"building fivefold's CPU kernels for this machine (once; ~1 min on 2 cores) in {build_dir}",
+              file=sys.stderr, flush=True)
+    try:
+        module = load(name=name, sources=[str(s) for s in SOURCES], extra_include_paths=[str(HERE)],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                      build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # noqa: BLE001 - whatever failed (no compiler, a linker error), the answer is the same
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, f"building it failed: {type(e).__name__}: {first}"[:300]
+    return module, None
+
+
+def kernel_problem() -> str | None:
+    """Why the CPU kernels cannot run here (building them on the first call), or None when they can."""
+    return build()[1]

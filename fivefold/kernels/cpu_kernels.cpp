@@ -1,0 +1,13 @@
+// The Python module of the CPU kernels (built by fivefold/kernels/cpu_build.py): one extension, so one build.
+#include <torch/extension.h>
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, double scale, int64_t splits);
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
+bool linear_rows_compiled();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged one-token attention, float32");
+  m.def("linear_rows", &linear_rows, "x w^T at a few rows, float32");
+  m.def("linear_rows_compiled", &linear_rows_compiled, "whether this build has the rows kernel (AVX-512)");
+}

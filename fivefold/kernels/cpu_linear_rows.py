@@ -1,0 +1,60 @@
+"""A linear's product at a decode's few rows on a CPU, reading each weight once (serve.cpu_kernel).
+
+MKL's and oneDNN's float32 products stream a weight at close to the memory's speed at one row, but at 4-16
+rows (the decode steps of a few sequences) they read it at a third to a half of that on the 2-vCPU Intel
+host: the step pays for its rows as if each re-read the weights. cpu_linear_rows.cpp multiplies each tile of
+four weight rows against every input row while the tile is in the first-level cache, and prefetches the next
+tile while it works. fivefold.serve.cpu_linear times it against the libraries for each weight shape and keeps
+it where it is faster (serve.linear=auto); below MIN_ROWS rows and past MAX_ROWS (a prompt chunk) it hands
+over to F.linear.
+
+Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
+or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. float32 and AVX-512
+only: elsewhere `rows_kernel_problem()` says why and the libraries' products run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fivefold.kernels import cpu_build
+
+# The rows the kernel takes. Below MIN_ROWS MKL runs its one-row product (sgemv), as fast or faster (at 1-3
+# rows the kernel's was 0.76-1.15x it on smollm2-135m's shapes, at 4 rows 1.2-2.0x); beyond MAX_ROWS the
+# libraries' blocked products are (at 64 rows MKL's was 1.1-1.5x the kernel's, at 32 the kernel's 1.1-1.4x MKL's).
+MIN_ROWS, MAX_ROWS = 4, 32
+
+_LIB = torch.library.Library("fivefold", "FRAGMENT")
+_LIB.define("cpu_linear_rows(Tensor x, Tensor w) -> Tensor")
+_LIB.impl("cpu_linear_rows", lambda x, w: cpu_build.build()[0].linear_rows(x, w), "CPU")
+torch.library.register_fake("fivefold::cpu_linear_rows", lambda x, w: x.new_empty(x.shape[0], w.shape[0]), lib=_LIB)
+
+
+def rows_kernel_problem() -> str | None:
+    """Why the rows kernel cannot run here (building the CPU kernels on the first call), or None."""
+    module, why = cpu_build.build()
+    if why:
+        return why
+    return None if module.linear_rows_compiled() else "this CPU has no AVX-512"
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..MAX_ROWS rows of float32 with the
+    weight in its (out, in) layout, else F.linear. No autograd: gradients take F.linear."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or weight.dim() != 2 or weight.stride(1) != 1 or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if torch.compiler.is_compiling():  # an op a compiled graph keeps whole (serve.compile_decode)
+        y = torch.ops.fivefold.cpu_linear_rows(x2, weight)
+    else:  # the module's own call: the dispatcher's costs a few microseconds a product
+        y = cpu_build.build()[0].linear_rows(x2, weight)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])

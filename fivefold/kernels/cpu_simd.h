@@ -1,0 +1,32 @@
+// AVX-512 pieces shared by the CPU kernels (cpu_paged_decode.cpp, cpu_linear_rows.cpp).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace fivefold {
+
+// The 16 vectors p[0..16) each summed over its lanes, as one vector: lane t holds the sum of p[t]. A
+// transpose tree of ~3 instructions a vector, where reducing each on its own takes ~8. The network is the
+// same for every position, so lane t's sum is added in one order whatever the other vectors hold.
+inline __m512 sum16(const __m512* p) {
+  // Pairs: within each 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+  __m512 s1[8];
+  for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  // Quads: within each 128-bit lane, vectors 4i..4i+3 summed over that lane's four elements.
+  __m512 s2[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Across the four 128-bit lanes: 128-bit lane j of the result holds vectors 4j..4j+3.
+  __m512 u[2];
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+}  // namespace fivefold
+#endif

@@ -1,0 +1,205 @@
+"""fivefold's rows kernel (fivefold.kernels.cpu_linear_rows): a linear's product at a decode's 4-32 rows on a
+CPU, against float64 products; each row's result independent of its companions and of the thread count;
+the wrapper handing other cases to F.linear; one op under torch.compile; chosen per shape among the
+libraries (fivefold.serve.cpu_linear) and giving the libraries' tokens in the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fivefold.serve.cpu_linear as cl
+from fivefold.kernels import cpu_build
+from fivefold.kernels.cpu_linear_rows import MAX_ROWS, MIN_ROWS, linear_rows, rows_kernel_problem
+from fivefold.model import build_model
+from fivefold.presets import PRESETS
+from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.fused import fuse_projections
+
+if rows_kernel_problem():
+    pytest.skip(f"the rows kernel cannot run here: {rows_kernel_problem()}", allow_module_level=True)
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def kernel(x, w):
+    """The C++ product itself, at any row count (the wrapper sends only MIN_ROWS..MAX_ROWS rows to it)."""
+    return cpu_build.build()[0].linear_rows(x, w)
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_within_float32_sums(y, x, w):
+    """y = x w^T to float32 rounding: each output within K ulps-worth (2^-24 K) of the sum of |x_k w_k|, its
+    float64 value's error bound for any order of float32 additions (a tree's is far smaller: the check also
+    asserts the error is under 1e-5 of that bound's scale times sqrt K)."""
+    exact = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    k = x.shape[1]
+    err = (y.double() - exact).abs()
+    assert bool((err <= 2.0**-24 * k * scale + 1e-30).all()), float((err / scale.clamp_min(1e-30)).max())
+    assert float((err / scale.clamp_min(1e-30)).max()) < 1e-6 * k ** 0.5
+
+
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 100, 576])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 37])
+def test_every_tail_of_rows_columns_and_k_against_float64(n, k):
+    """Full tiles and every tail: rows 1-3 past a multiple of 4, weight rows 1-3 past one, K not a multiple
+    of 16 (masked loads)."""
+    w = randn(n, k, seed=1)
+    for m in (1, 2, 3, 4, 5, 7, 16, 33):
+        x = randn(m, k, seed=m)
+        y = kernel(x, w)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert_within_float32_sums(y, x, w)
+
+
+def test_a_real_shape_and_strided_rows():
+    """smollm2-135m's down projection (K 1536) at 4 and 32 rows, and x and w given as row slices of wider
+    tensors (row strides larger than K)."""
+    w = randn(576, 1536, seed=3)
+    for m in (4, 32):
+        x = randn(m, 1536, seed=m)
+        assert_within_float32_sums(kernel(x, w), x, w)
+    wide_x, wide_w = randn(9, 700, seed=5), randn(50, 600, seed=6)
+    x, w = wide_x[:, 10:110], wide_w[:, :100]
+    assert x.stride(0) == 700 and w.stride(0) == 600
+    torch.testing.assert_close(kernel(x, w), kernel(x.contiguous(), w.contiguous()), rtol=0, atol=0)
+
+
+def test_a_row_alone_equals_the_row_in_any_batch_and_any_thread_count():
+    """Each output is one dot product summed in one order: a row's result is bit for bit the same alone, at
+    any position of a batch of any size, and on 1 or 2 threads (the engine's batch-independence guarantee)."""
+    w = randn(203, 576, seed=7)
+    batch = randn(32, 576, seed=8)
+    alone = torch.cat([kernel(batch[i:i + 1], w) for i in range(32)])
+    for m in (2, 3, 4, 5, 13, 32):
+        torch.testing.assert_close(kernel(batch[:m], w), alone[:m], rtol=0, atol=0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(batch, w)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, alone, rtol=0, atol=0)
+
+
+def test_the_wrapper_runs_the_kernel_only_where_it_applies():
+    """MIN_ROWS..MAX_ROWS float32 rows over an (out, in) weight: the kernel (any leading shape, a bias
+    added); anything else: F.linear itself, bit for bit (fewer or more rows, an input-major weight, bfloat16,
+    autograd)."""
+    w, b = randn(64, 48, seed=9), randn(64, seed=10)
+    with torch.no_grad():
+        for m in (MIN_ROWS, 9, MAX_ROWS):
+            x = randn(m, 48, seed=m)
+            torch.testing.assert_close(linear_rows(x, w), kernel(x, w), rtol=0, atol=0)
+            torch.testing.assert_close(linear_rows(x, w, b), kernel(x, w) + b, rtol=0, atol=0)
+        x3 = randn(2, 3, 48, seed=11)  # 6 rows as (2, 3)
+        torch.testing.assert_close(linear_rows(x3, w), kernel(x3.reshape(6, 48), w).view(2, 3, 64), rtol=0, atol=0)
+        for m in (1, MIN_ROWS - 1, MAX_ROWS + 1):
+            x = randn(m, 48, seed=m)
+            assert torch.equal(linear_rows(x, w, b), F.linear(x, w, b))
+        x = randn(8, 48, seed=12)
+        major = w.t().contiguous().t()
+        assert torch.equal(linear_rows(x, major), F.linear(x, major))
+        assert torch.equal(linear_rows(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    leaf = w.clone().requires_grad_()
+    linear_rows(x, leaf).sum().backward()  # F.linear's autograd
+    torch.testing.assert_close(leaf.grad, x.sum(0).expand(64, 48))
+
+
+def test_under_torch_compile_it_is_one_op_in_the_graph():
+    """serve.compile_decode traces the blocks' loop: the kernel stays one op (no graph break), with the
+    eager call's result."""
+    w = randn(96, 64, seed=13)
+    x = randn(8, 64, seed=14)
+    compiled = torch.compile(lambda a: linear_rows(torch.relu(a), w) * 2, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), kernel(torch.relu(x), w) * 2, rtol=0, atol=0)
+
+
+def test_it_is_a_candidate_only_where_asked_and_only_in_the_plain_layout(monkeypatch):
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
+    rows = cl.Product("rows kernel")
+    assert rows in cl.candidates("auto", True, rows_kernel=True)
+    assert cl.Product("rows kernel", True) not in cl.candidates("auto", True, rows_kernel=True)
+    assert rows not in cl.candidates("auto", True) and rows not in cl.candidates("onednn", True, rows_kernel=True)
+    assert cl.Product.parse(str(rows)) == rows and str(rows) == "rows kernel plain"
+
+
+def test_a_choice_timed_without_the_kernel_is_timed_again_with_it(monkeypatch, tmp_path):
+    """The products file keeps choices by their candidates: one timed before the rows kernel existed is not
+    read as the choice among candidates that include it."""
+    import time
+    calls = []
+
+    def product(delay):
+        def run(x, weight, bias=None):
+            calls.append(1)
+            time.sleep(delay)
+            return x @ weight.t()
+        return run
+
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(3e-3), "F.linear": product(2e-3),
+                                          "rows kernel": product(1e-3)})
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
+    monkeypatch.setattr(cl, "_chosen", {})
+    monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)
+    assert cl.chosen_product((1024, 256), torch.float32, layouts=False) == cl.Product("F.linear")
+    timed = len(calls)
+    assert cl.chosen_product((1024, 256), torch.float32, layouts=False, rows_kernel=True) == cl.Product("rows kernel")
+    assert len(calls) > timed
+
+
+def tiny(preset="tiny", seed=3):
+    return build_model(PRESETS[preset], "cpu", seed=seed).eval()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])  # SwiGLU, untied; GELU with biases and a tied head
+def test_a_model_routed_to_the_kernel_computes_what_f_linear_does(preset):
+    """Every linear and fused product on the rows kernel: logits at decode-sized batches (4 and 24 rows) within
+    float32 rounding of F.linear's; the weights keep their (out, in) layout."""
+    model = tiny(preset)
+    with torch.no_grad():
+        for rows in (4, 24):
+            ids = torch.randint(0, model.cfg.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(rows))
+            reference = model(ids)
+            routed = tiny(preset)
+            fuse_projections(routed)
+            counts = cl.route_linears(routed, choose=lambda shape, dtype, layouts: cl.Product("rows kernel"))
+            assert set(counts) == {"rows kernel"} and routed.lm_head.linear_fn is linear_rows
+            assert all(p.stride(-1) == 1 for p in routed.parameters())
+            torch.testing.assert_close(routed(ids), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(monkeypatch, tmp_path):
+    """serve.cpu_kernel=auto offers the kernel to the per-shape choice (here made to pick it), said in the
+    engine's path; a batch of 8 greedy requests gives the tokens the libraries' products give (within
+    float32 rounding of their logprobs); serve.cpu_kernel=false leaves it out."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    chosen = cl.chosen_product
+
+    def prefer_rows(shape, dtype, mode="auto", layouts=True, rows_kernel=False):
+        return cl.Product("rows kernel") if rows_kernel else chosen(shape, dtype, mode, layouts, rows_kernel)
+    monkeypatch.setattr(cl, "chosen_product", prefer_rows)
+    ours, libraries = LLM(tiny()), LLM(tiny(), cpu_kernel="false")
+    assert set(ours.engine.linears) == {"rows kernel"} and "rows kernel" in ours.engine.path
+    assert "rows kernel" not in libraries.engine.linears
+    vocab = PRESETS["tiny"].vocab_size
+    ps = [torch.randint(1, vocab, (5 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
+    a, b = ours.generate(ps, params), libraries.generate(ps, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    diff = max(abs(x["logprob"] - y["logprob"]) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
+    assert diff < 1e-5
+
+
+def test_an_engine_where_the_kernel_cannot_run_keeps_the_libraries(monkeypatch, tmp_path):
+    import fivefold.serve.engine as engine
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    monkeypatch.setattr(engine, "rows_kernel_problem", lambda: "this CPU has no AVX-512")
+    assert "rows kernel" not in LLM(tiny()).engine.linears
