@@ -37,11 +37,25 @@ def _signature() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode() + headers).hexdigest()[:10]
 
 
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH. The ninja wheel (a dependency) installs it beside the
+    environment's python, which is not on PATH where that python runs without the environment activated
+    (run.sh calls .venv/bin/python): add its directory after the others, so that a system ninja still wins."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = f"{path}{os.pathsep}{ninja.BIN_DIR}" if path else ninja.BIN_DIR
+
+
 @functools.cache
 def build():
     """(module, None) once built and loaded, or (None, why not)."""
     from torch.utils.cpp_extension import load, verify_ninja_availability
 
+    _ninja_on_path()
     try:
         verify_ninja_availability()
     except RuntimeError:
