@@ -176,6 +176,24 @@ def test_a_model_routed_to_the_kernel_computes_what_f_linear_does(preset):
             torch.testing.assert_close(routed(ids), reference, rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_laid_out_input_major_before_goes_back_to_the_plain_layout_for_it():
+    """A second engine on a model the first laid out input-major for the libraries: routed to the rows kernel,
+    its block weights are plain again (the kernel reads no other layout), same values and logits."""
+    model = tiny()
+    ids = torch.randint(0, model.cfg.vocab_size, (6, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids)
+        fuse_projections(model)
+        cl.route_linears(model, choose=lambda shape, dtype, layouts: cl.Product("F.linear", layouts))
+        block = model.layers[0]
+        assert cl.is_input_major(block.attn.qkv_weight) and cl.is_input_major(block.mlp.down_proj.weight)
+        cl.route_linears(model, choose=lambda shape, dtype, layouts: cl.Product("rows kernel"))
+        attn = model.layers[0].attn
+        assert all(p.stride(-1) == 1 for p in model.parameters()) and attn.qkv_weight.stride(-1) == 1
+        assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0]:].data_ptr()
+        torch.testing.assert_close(model(ids), reference, rtol=1e-5, atol=1e-5)
+
+
 def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(monkeypatch, tmp_path):
     """serve.cpu_kernel=auto offers the kernel to the per-shape choice (here made to pick it), said in the
     engine's path; a batch of 8 greedy requests gives the tokens the libraries' products give (within

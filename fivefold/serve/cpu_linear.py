@@ -208,9 +208,14 @@ def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto
 Chooser = Callable[[tuple[int, int], torch.dtype, bool], Product]
 
 
-def _relay(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
-    """Re-lay a fused weight input-major and re-point its parts' parameters at their rows of it."""
-    weight = input_major(getattr(module, fused))
+def laid_out(weight: torch.Tensor, major: bool) -> torch.Tensor:
+    """The same values, input-major or in the plain (out, in) layout."""
+    return input_major(weight) if major else weight.detach().contiguous()
+
+
+def _relay(module: nn.Module, fused: str, parts: tuple[str, ...], major: bool) -> None:
+    """Re-lay a fused weight (input-major or plain) and re-point its parts' parameters at their rows of it."""
+    weight = laid_out(getattr(module, fused), major)
     setattr(module, fused, weight)
     start = 0
     for name in parts:
@@ -226,7 +231,8 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
     products and its quantized linears' dequantized products through the product `choose` picks for their
     shape (by default `chosen_product` for serve.linear=`mode`, with fivefold's rows kernel among the
     candidates for float32 weights where `rows_kernel`), in place, laying each block product's
-    weight out input-major where that product runs it faster so; how many products each library runs."""
+    weight out input-major where that product runs it faster so (and back in the plain layout where a model
+    routed before now takes a plain product); how many products each library runs."""
     if choose is None:
         def choose(shape, dtype, layouts):
             return chosen_product(shape, dtype, mode, layouts, rows_kernel and dtype == torch.float32)
@@ -255,16 +261,16 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
                     continue
                 product = choose(tuple(weight.shape), weight.dtype, True)
                 module.linear_fn = product.fn
-                if product.input_major and not is_input_major(weight):
-                    _relay(module, *fused)
+                if product.input_major != is_input_major(weight):  # another engine's choice laid it out
+                    _relay(module, *fused, product.input_major)
             elif type(module) in (nn.Linear, RoutedLinear) and module.weight.device.type == "cpu" \
                     and id(module.weight) not in parts:
                 w = module.weight
                 product = choose(tuple(w.shape), w.dtype, id(w) not in keep)
                 module.__class__ = RoutedLinear
                 module.linear_fn = product.fn
-                if product.input_major and not is_input_major(w):
-                    w.data = input_major(w)
+                if product.input_major != is_input_major(w):
+                    w.data = laid_out(w, product.input_major)
             else:
                 continue
             routed[product.library] += 1
