@@ -5,7 +5,7 @@ reads). Each product runs over --bytes of copies of the weight (more than the ca
 model's weights are), best of --reps rounds; the table gives the weights' read rate (GB/s) and the kernel's
 speed-up over the fastest library product at each row count.
 
-    python bench/cpu_linear_rows.py [--model smollm2-135m] [--json bench/results/cpu_linear_rows.json]
+    python bench/cpu_linear_rows.py [--model smollm2-135m] [--width 256] [--json bench/results/cpu_linear_rows.json]
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from machine import base_info, write_results
 
-from fivefold.kernels.cpu_linear_rows import linear_rows, rows_kernel_problem
+from fivefold.kernels import cpu_build
+from fivefold.kernels.cpu_linear_rows import MAX_ROWS_BY_WIDTH, MIN_ROWS, linear_rows, rows_kernel_problem
 from fivefold.presets import get_preset
 from fivefold.serve.cpu_linear import input_major, onednn_available, onednn_linear
 
@@ -49,18 +50,26 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", default="1,2,4,8,16,24,32")
     p.add_argument("--bytes", type=float, default=256e6, help="weight copies per shape, in bytes (beyond the caches)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--width", type=int, default=0, choices=[0, 256],
+                   help="the kernel's tiles: 0 the widest built (AVX-512 where the CPU has it), 256 the AVX2 ones")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     why = rows_kernel_problem()
     if why:
         raise SystemExit(f"the rows kernel cannot run here: {why}")
     torch.set_grad_enabled(False)
+
+    def kernel(x, w):  # the AVX2 tiles at the rows the wrapper would give them on an AVX2 machine, else MKL's
+        return cpu_build.build()[0].linear_rows(x, w, args.width) \
+            if MIN_ROWS <= x.shape[0] <= MAX_ROWS_BY_WIDTH[256] else F.linear(x, w)
     rows = [int(r) for r in args.rows.split(",")]
     products = {"F.linear plain": (F.linear, False), "F.linear input-major": (F.linear, True)}
     if onednn_available():
         products |= {"oneDNN plain": (onednn_linear, False), "oneDNN input-major": (onednn_linear, True)}
-    result = {**base_info(), "model": args.model, "rows": rows, "shapes": {}}
-    print(f"{args.model}, float32, {torch.get_num_threads()} threads: GB/s of weights read; kernel / best library")
+    width = args.width or cpu_build.build()[0].linear_rows_width()
+    result = {**base_info(), "model": args.model, "rows": rows, "kernel_width": width, "shapes": {}}
+    print(f"{args.model}, float32, {torch.get_num_threads()} threads, the kernel's {width}-bit tiles: GB/s of "
+          f"weights read; kernel / best library")
     for name, (out, inp) in shapes(args.model).items():
         copies = max(2, min(64, int(args.bytes // (out * inp * 4))))
         plain = [torch.randn(out, inp) for _ in range(copies)]
@@ -71,7 +80,8 @@ def main(argv=None) -> dict:
             x = torch.randn(m, inp)
             times = {label: seconds(fn, x, laid if major else plain, args.reps)
                      for label, (fn, major) in products.items()}
-            times["rows kernel"] = seconds(linear_rows, x, plain, args.reps)
+            times["rows kernel"] = seconds(kernel, x, plain, args.reps) if args.width else \
+                seconds(linear_rows, x, plain, args.reps)
             best_library = min(v for k, v in times.items() if k != "rows kernel")
             table[m] = {"gb_per_s": {k: nbytes / v / 1e9 for k, v in times.items()},
                         "speedup_over_best_library": best_library / times["rows kernel"]}

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fivefold.serve.cpu_linear as cl
 from fivefold.kernels import cpu_build
-from fivefold.kernels.cpu_linear_rows import MAX_ROWS, MIN_ROWS, linear_rows, rows_kernel_problem
+from fivefold.kernels.cpu_linear_rows import MIN_ROWS, linear_rows, max_rows, rows_kernel_problem
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM, SamplingParams
@@ -23,9 +23,14 @@ if rows_kernel_problem():
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def kernel(x, w):
-    """The C++ product itself, at any row count (the wrapper sends only MIN_ROWS..MAX_ROWS rows to it)."""
-    return cpu_build.build()[0].linear_rows(x, w)
+def kernel(x, w, width=0):
+    """The C++ product itself, at any row count (the wrapper sends only MIN_ROWS..max_rows() rows to it): the
+    widest tiles built here, or the AVX2 ones (width 256)."""
+    return cpu_build.build()[0].linear_rows(x, w, width)
+
+
+# The tile widths this build has: an AVX-512 build runs the AVX2 tiles too, so both are tested on such a host.
+WIDTHS = sorted({cpu_build.build()[0].linear_rows_width(), 256})
 
 
 def randn(*shape, seed=0):
@@ -44,62 +49,65 @@ def assert_within_float32_sums(y, x, w):
     assert float((err / scale.clamp_min(1e-30)).max()) < 1e-6 * k ** 0.5
 
 
-@pytest.mark.parametrize("k", [1, 15, 16, 17, 100, 576])
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 37])
-def test_every_tail_of_rows_columns_and_k_against_float64(n, k):
-    """Full tiles and every tail: rows 1-3 past a multiple of 4, weight rows 1-3 past one, K not a multiple
-    of 16 (masked loads)."""
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 15, 16, 17, 100, 576])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 37])
+def test_every_tail_of_rows_columns_and_k_against_float64(n, k, width):
+    """Full tiles and every tail: rows 1-3 past a multiple of 4, weight rows 1-3 past a tile's 4 (AVX-512) or
+    3 (AVX2), K not a multiple of the 16 or 8 lanes (masked loads)."""
     w = randn(n, k, seed=1)
     for m in (1, 2, 3, 4, 5, 7, 16, 33):
         x = randn(m, k, seed=m)
-        y = kernel(x, w)
+        y = kernel(x, w, width)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert_within_float32_sums(y, x, w)
 
 
-def test_a_real_shape_and_strided_rows():
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_real_shape_and_strided_rows(width):
     """smollm2-135m's down projection (K 1536) at 4 and 32 rows, and x and w given as row slices of wider
     tensors (row strides larger than K)."""
     w = randn(576, 1536, seed=3)
     for m in (4, 32):
         x = randn(m, 1536, seed=m)
-        assert_within_float32_sums(kernel(x, w), x, w)
+        assert_within_float32_sums(kernel(x, w, width), x, w)
     wide_x, wide_w = randn(9, 700, seed=5), randn(50, 600, seed=6)
     x, w = wide_x[:, 10:110], wide_w[:, :100]
     assert x.stride(0) == 700 and w.stride(0) == 600
-    torch.testing.assert_close(kernel(x, w), kernel(x.contiguous(), w.contiguous()), rtol=0, atol=0)
+    torch.testing.assert_close(kernel(x, w, width), kernel(x.contiguous(), w.contiguous(), width), rtol=0, atol=0)
 
 
-def test_a_row_alone_equals_the_row_in_any_batch_and_any_thread_count():
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_row_alone_equals_the_row_in_any_batch_and_any_thread_count(width):
     """Each output is one dot product summed in one order: a row's result is bit for bit the same alone, at
     any position of a batch of any size, and on 1 or 2 threads (the engine's batch-independence guarantee)."""
     w = randn(203, 576, seed=7)
     batch = randn(32, 576, seed=8)
-    alone = torch.cat([kernel(batch[i:i + 1], w) for i in range(32)])
+    alone = torch.cat([kernel(batch[i:i + 1], w, width) for i in range(32)])
     for m in (2, 3, 4, 5, 13, 32):
-        torch.testing.assert_close(kernel(batch[:m], w), alone[:m], rtol=0, atol=0)
+        torch.testing.assert_close(kernel(batch[:m], w, width), alone[:m], rtol=0, atol=0)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(batch, w)
+        one = kernel(batch, w, width)
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(one, alone, rtol=0, atol=0)
 
 
 def test_the_wrapper_runs_the_kernel_only_where_it_applies():
-    """MIN_ROWS..MAX_ROWS float32 rows over an (out, in) weight: the kernel (any leading shape, a bias
+    """MIN_ROWS..max_rows() float32 rows over an (out, in) weight: the kernel (any leading shape, a bias
     added); anything else: F.linear itself, bit for bit (fewer or more rows, an input-major weight, bfloat16,
     autograd)."""
     w, b = randn(64, 48, seed=9), randn(64, seed=10)
     with torch.no_grad():
-        for m in (MIN_ROWS, 9, MAX_ROWS):
+        for m in (MIN_ROWS, 9, max_rows()):
             x = randn(m, 48, seed=m)
             torch.testing.assert_close(linear_rows(x, w), kernel(x, w), rtol=0, atol=0)
             torch.testing.assert_close(linear_rows(x, w, b), kernel(x, w) + b, rtol=0, atol=0)
         x3 = randn(2, 3, 48, seed=11)  # 6 rows as (2, 3)
         torch.testing.assert_close(linear_rows(x3, w), kernel(x3.reshape(6, 48), w).view(2, 3, 64), rtol=0, atol=0)
-        for m in (1, MIN_ROWS - 1, MAX_ROWS + 1):
+        for m in (1, MIN_ROWS - 1, max_rows() + 1):
             x = randn(m, 48, seed=m)
             assert torch.equal(linear_rows(x, w, b), F.linear(x, w, b))
         x = randn(8, 48, seed=12)

@@ -3,11 +3,12 @@
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                torch::Tensor seq_lens, double scale, int64_t splits);
-torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w);
-bool linear_rows_compiled();
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width);
+int64_t linear_rows_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged one-token attention, float32");
-  m.def("linear_rows", &linear_rows, "x w^T at a few rows, float32");
-  m.def("linear_rows_compiled", &linear_rows_compiled, "whether this build has the rows kernel (AVX-512)");
+  m.def("linear_rows", &linear_rows, "x w^T at a few rows, float32", py::arg("x"), py::arg("w"),
+        py::arg("width") = 0);
+  m.def("linear_rows_width", &linear_rows_width, "the rows kernel's widest instruction set here: 512, 256 or 0");
 }

@@ -10,7 +10,8 @@
 // overlap (prefetched all at once, the prefetches stalled the first pass and the two ran in turn).
 //
 // Every output is its own dot product, summed in one order whatever the row's position, the batch's size
-// or the thread that runs it: a row's result does not depend on its batch companions.
+// or the thread that runs it: a row's result does not depend on its batch companions. Where the CPU has no
+// AVX-512 (most laptops), tiles of 4 input rows x 3 weight rows in AVX2's 8 lanes do the same.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,11 +20,12 @@
 
 #include "cpu_simd.h"
 
-#if defined(__AVX512F__)
-namespace {
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
-constexpr int kRows = 4;  // input rows a tile multiplies at once
-constexpr int kCols = 4;  // weight rows (outputs) in a tile
+#if defined(__AVX2__) && defined(__FMA__)
+namespace {
 
 // Lines of the next tile, `per_step` of them at each step of the k loop.
 struct Prefetch {
@@ -35,96 +37,167 @@ struct Prefetch {
   }
 };
 
-// y[i][j] = x_i . w_j for i < MB input rows, j < NB weight rows; MB, NB <= 4 (missing ones are zero lanes of
-// the same tree).
-template <int MB, int NB>
-inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, float* __restrict y,
-                 int64_t ldy, int64_t K, Prefetch& prefetch) {
-  __m512 acc[kRows * kCols];
-  for (int t = 0; t < kRows * kCols; ++t) acc[t] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + k);
-    prefetch.step();
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kCols + j]);
+#if defined(__AVX512F__)
+// 16 lanes; a tile of 4 input rows x 4 weight rows, its 16 accumulators summed by one transpose tree.
+struct Avx512 {
+  static constexpr int kRows = 4, kCols = 4, kLanes = 16;
+
+  // y[i][j] = x_i . w_j for i < MB input rows, j < NB weight rows (missing ones are zero lanes of the tree).
+  template <int MB, int NB>
+  static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw,
+                          float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
+    __m512 acc[kRows * kCols];
+    for (int t = 0; t < kRows * kCols; ++t) acc[t] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + k);
+      prefetch.step();
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kCols + j]);
+      }
     }
-  }
-  if (k < K) {  // the last K % 16 columns, zeros beyond
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kCols + j]);
+    if (k < K) {  // the last K % 16 columns, zeros beyond
+      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+      __m512 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kCols + j]);
+      }
     }
+    const __m512 sums = fivefold::sum16(acc);  // 128-bit lane i holds input row i's NB outputs
+    alignas(64) float out[kRows * kCols];
+    _mm512_store_ps(out, sums);
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) y[i * ldy + j] = out[i * kCols + j];
   }
-  const __m512 sums = fivefold::sum16(acc);  // 128-bit lane i holds input row i's NB outputs
-  alignas(64) float out[kRows * kCols];
-  _mm512_store_ps(out, sums);
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) y[i * ldy + j] = out[i * kCols + j];
-}
+};
+#endif
+
+// 8 lanes in 16 registers: a tile of 4 input rows x 3 weight rows (12 accumulators, 3 weight vectors), each
+// accumulator summed on its own in one fixed order.
+struct Avx2 {
+  static constexpr int kRows = 4, kCols = 3, kLanes = 8;
+
+  static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+
+  template <int MB, int NB>
+  static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw,
+                          float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
+    __m256 acc[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+      prefetch.step();
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
+    }
+    if (k < K) {  // the last K % 8 columns, zeros beyond
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - k)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm256_maskload_ps(w + j * ldw + k, mask);
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xv = _mm256_maskload_ps(x + i * ldx + k, mask);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) y[i * ldy + j] = sum8(acc[i][j]);
+  }
+};
 
 // Every input row against one tile of NB weight rows, prefetching the next tile (up to `end`) meanwhile.
-template <int NB>
+template <class Arch, int NB>
 void column_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
                  int64_t K, const float* end) {
-  const int64_t passes = (M + kRows - 1) / kRows, steps = passes * (K / 16);
+  constexpr int R = Arch::kRows;
+  const int64_t passes = (M + R - 1) / R, steps = passes * (K / Arch::kLanes);
   Prefetch prefetch{nullptr, nullptr, 0};
   const char* next = reinterpret_cast<const char*>(w + NB * ldw);
   const char* stop = std::min(reinterpret_cast<const char*>(w + 2 * NB * ldw), reinterpret_cast<const char*>(end));
   if (next < stop && steps > 0) prefetch = Prefetch{next, stop, ((stop - next + 63) / 64 + steps - 1) / steps};
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch);
+  for (; m + R <= M; m += R) Arch::template tile<R, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch);
   switch (M - m) {
-    case 1: tile<1, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
-    case 2: tile<2, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
-    case 3: tile<3, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 1: Arch::template tile<1, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 2: Arch::template tile<2, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 3: Arch::template tile<3, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
     default: break;
   }
+}
+
+// column_tile for a tile of `nb` <= NB weight rows (the last tile of a weight may be narrower).
+template <class Arch, int NB = Arch::kCols>
+void column_tile_of(int64_t nb, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+                    int64_t M, int64_t K, const float* end) {
+  if (nb == NB) {
+    column_tile<Arch, NB>(x, ldx, w, ldw, y, ldy, M, K, end);
+  } else if constexpr (NB > 1) {
+    column_tile_of<Arch, NB - 1>(nb, x, ldx, w, ldw, y, ldy, M, K, end);
+  }
+}
+
+template <class Arch>
+void run(const float* xp, int64_t ldx, const float* wp, int64_t ldw, float* yp, int64_t M, int64_t N, int64_t K) {
+  constexpr int C = Arch::kCols;
+  at::parallel_for(0, (N + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
+    const float* stop = wp + std::min(end * C, N) * ldw;  // this thread's last weight row
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * C;
+      column_tile_of<Arch>(std::min<int64_t>(C, N - n), xp, ldx, wp + n * ldw, ldw, yp + n, N, M, K, stop);
+    }
+  });
 }
 
 }  // namespace
 #endif
 
-bool linear_rows_compiled() {
+// The widest instruction set the rows kernel was built with here: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (none:
+// the engine keeps the libraries' products).
+int64_t linear_rows_width() {
 #if defined(__AVX512F__)
-  return true;
+  return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 256;
 #else
-  return false;
+  return 0;
 #endif
 }
 
-// x (M, K) float32 with unit stride along K; w (N, K) float32 with unit stride along K. -> (M, N).
-torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(linear_rows_compiled(), "the rows kernel needs AVX-512");
+// x (M, K) float32 with unit stride along K; w (N, K) float32 with unit stride along K. -> (M, N). `width` 0:
+// the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
+  TORCH_CHECK(linear_rows_width() > 0, "the rows kernel needs AVX2 and FMA");
+  TORCH_CHECK(width == 0 || width == 256 || width == linear_rows_width(), "no rows kernel of width ", width);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K) and w (N, K)");
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "x and w need unit stride along K");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldw = w.stride(0), tiles = (N + kCols - 1) / kCols;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    const float* stop = wp + std::min(end * kCols, N) * ldw;  // this thread's last weight row
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kCols;
-      const float* wt = wp + n * ldw;
-      switch (std::min<int64_t>(kCols, N - n)) {
-        case 4: column_tile<4>(xp, ldx, wt, ldw, yp + n, N, M, K, stop); break;
-        case 3: column_tile<3>(xp, ldx, wt, ldw, yp + n, N, M, K, stop); break;
-        case 2: column_tile<2>(xp, ldx, wt, ldw, yp + n, N, M, K, stop); break;
-        default: column_tile<1>(xp, ldx, wt, ldw, yp + n, N, M, K, stop); break;
-      }
-    }
-  });
+#if defined(__AVX512F__)
+  if (width != 256) {
+    run<Avx512>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
+    return y;
+  }
+#endif
+  run<Avx2>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
 #endif
   return y;
 }

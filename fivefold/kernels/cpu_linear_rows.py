@@ -5,12 +5,14 @@ rows (the decode steps of a few sequences) they read it at a third to a half of 
 host: the step pays for its rows as if each re-read the weights. cpu_linear_rows.cpp multiplies each tile of
 four weight rows against every input row while the tile is in the first-level cache, and prefetches the next
 tile while it works. fivefold.serve.cpu_linear times it against the libraries for each weight shape and keeps
-it where it is faster (serve.linear=auto); below MIN_ROWS rows and past MAX_ROWS (a prompt chunk) it hands
-over to F.linear.
+it where it is faster (serve.linear=auto); below MIN_ROWS rows and past `max_rows()` (32 with AVX-512, 16 with AVX2;
+prompt chunks) it hands over to F.linear.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
-or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. float32 and AVX-512
-only: elsewhere `rows_kernel_problem()` says why and the libraries' products run.
+or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. float32 only, on a CPU
+with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA (4 x 3 in 8 lanes, as most laptops have; an
+AVX-512 build has both, and the tests run both); elsewhere `rows_kernel_problem()` says why and the libraries'
+products run. Where it runs, the per-shape timing keeps it only where it is faster.
 """
 
 from __future__ import annotations
@@ -21,9 +23,17 @@ import torch.nn.functional as F
 from fivefold.kernels import cpu_build
 
 # The rows the kernel takes. Below MIN_ROWS MKL runs its one-row product (sgemv), as fast or faster (at 1-3
-# rows the kernel's was 0.76-1.15x it on smollm2-135m's shapes, at 4 rows 1.2-2.0x); beyond MAX_ROWS the
-# libraries' blocked products are (at 64 rows MKL's was 1.1-1.5x the kernel's, at 32 the kernel's 1.1-1.4x MKL's).
-MIN_ROWS, MAX_ROWS = 4, 32
+# rows the kernel's was 0.76-1.15x it on smollm2-135m's shapes, at 4 rows 1.2-2.0x); beyond the tiles' most
+# rows the libraries' blocked products are: with AVX-512 past 32 (at 64 rows MKL's was 1.1-1.5x the kernel's,
+# at 32 the kernel's 1.1-1.4x MKL's), with AVX2 past 16 (its tiles ran 0.55-0.78x MKL's at 24-32 rows and
+# 0.93-1.27x at 16 on the Intel host, bench/cpu_linear_rows.py --width 256).
+MIN_ROWS, MAX_ROWS_BY_WIDTH = 4, {512: 32, 256: 16}
+
+
+def max_rows() -> int:
+    """The most rows this machine's build of the kernel takes (0 where it has none)."""
+    module = cpu_build.build()[0]
+    return MAX_ROWS_BY_WIDTH.get(module.linear_rows_width(), 0) if module is not None else 0
 
 _LIB = torch.library.Library("fivefold", "FRAGMENT")
 _LIB.define("cpu_linear_rows(Tensor x, Tensor w) -> Tensor")
@@ -36,15 +46,25 @@ def rows_kernel_problem() -> str | None:
     module, why = cpu_build.build()
     if why:
         return why
-    return None if module.linear_rows_compiled() else "this CPU has no AVX-512"
+    _max_rows()
+    return None if module.linear_rows_width() else "this CPU has neither AVX-512 nor AVX2 with FMA"
+
+
+_limit: list[int] = []  # max_rows(), once known: a plain value a compiled graph reads (serve.compile_decode)
+
+
+def _max_rows() -> int:
+    if not _limit:  # the engine asks rows_kernel_problem() first, which sets it before anything compiles
+        _limit.append(max_rows())
+    return _limit[0]
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..MAX_ROWS rows of float32 with the
+    """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..max_rows() rows of float32 with the
     weight in its (out, in) layout, else F.linear. No autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (not MIN_ROWS <= rows <= _max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or weight.stride(1) != 1 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
