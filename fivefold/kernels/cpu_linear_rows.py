@@ -5,8 +5,8 @@ rows (the decode steps of a few sequences) they read it at a third to a half of 
 host: the step pays for its rows as if each re-read the weights. cpu_linear_rows.cpp multiplies each tile of
 four weight rows against every input row while the tile is in the first-level cache, and prefetches the next
 tile while it works. fivefold.serve.cpu_linear times it against the libraries for each weight shape and keeps
-it where it is faster (serve.linear=auto); below MIN_ROWS rows and past `max_rows()` (32 with AVX-512, 16 with AVX2;
-prompt chunks) it hands over to F.linear.
+it where it is faster (serve.linear=auto); below MIN_ROWS rows and past `max_rows()` (32 with AVX-512, 16
+with AVX2; prompt chunks) it hands over to F.linear.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
 or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. float32 only, on a CPU
@@ -35,6 +35,16 @@ def max_rows() -> int:
     module = cpu_build.build()[0]
     return MAX_ROWS_BY_WIDTH.get(module.linear_rows_width(), 0) if module is not None else 0
 
+
+_limit: list[int] = []  # max_rows(), once known: a plain value a compiled graph reads (serve.compile_decode)
+
+
+def _max_rows() -> int:
+    if not _limit:  # the engine asks rows_kernel_problem() first, which sets it before anything compiles
+        _limit.append(max_rows())
+    return _limit[0]
+
+
 _LIB = torch.library.Library("fivefold", "FRAGMENT")
 _LIB.define("cpu_linear_rows(Tensor x, Tensor w) -> Tensor")
 _LIB.impl("cpu_linear_rows", lambda x, w: cpu_build.build()[0].linear_rows(x, w), "CPU")
@@ -48,15 +58,6 @@ def rows_kernel_problem() -> str | None:
         return why
     _max_rows()
     return None if module.linear_rows_width() else "this CPU has neither AVX-512 nor AVX2 with FMA"
-
-
-_limit: list[int] = []  # max_rows(), once known: a plain value a compiled graph reads (serve.compile_decode)
-
-
-def _max_rows() -> int:
-    if not _limit:  # the engine asks rows_kernel_problem() first, which sets it before anything compiles
-        _limit.append(max_rows())
-    return _limit[0]
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
