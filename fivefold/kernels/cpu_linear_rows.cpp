@@ -22,9 +22,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
 
-#if defined(__AVX2__) && defined(__FMA__)
 namespace {
 
 // Lines of the next tile, `per_step` of them at each step of the k loop.
