@@ -104,7 +104,8 @@ def is_input_major(weight: torch.Tensor) -> bool:
 # cache, as a served model's weights are); and the smallest weight whose layout is worth timing (below it a
 # product is its call's cost, whatever the layout, and only the library is chosen). The sizes between 1 and
 # 16 count: on the Intel host MKL's product over the LM head's plain (out, in) weight took 4.3 ms at 1 row
-# and 8.8 at 16, on par with oneDNN, but 10-22 ms at 4-14 rows, where oneDNN's took 7-9.
+# and 8.8 at 16, on par with oneDNN, but 10-22 ms at 4-14 rows, where oneDNN's took 7-9. 32 counts since
+# the rows kernel takes up to 32 rows, about on par with the libraries there.
 LAYOUT_ROWS, LAYOUT_BYTES, LAYOUT_MIN_BYTES = (1, 4, 8, 16, 32), 96 * 2**20, 2**20
 PRODUCTS_FILE = "cpu_products.json"  # in the cache directory (fivefold.data.corpus.cache_dir)
 _chosen: dict[str, Product] = {}
