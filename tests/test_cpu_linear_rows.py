@@ -225,7 +225,7 @@ def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(m
 
 
 def test_an_engine_where_the_kernel_cannot_run_keeps_the_libraries(monkeypatch, tmp_path):
-    import fivefold.serve.engine as engine
+    import fivefold.kernels.cpu_linear_rows as rows
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
-    monkeypatch.setattr(engine, "rows_kernel_problem", lambda: "this CPU has no AVX-512")
+    monkeypatch.setattr(rows, "rows_kernel_problem", lambda: "this CPU has no AVX-512")
     assert "rows kernel" not in LLM(tiny()).engine.linears

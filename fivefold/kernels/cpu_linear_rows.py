@@ -30,18 +30,15 @@ from fivefold.kernels import cpu_build
 MIN_ROWS, MAX_ROWS_BY_WIDTH = 4, {512: 32, 256: 16}
 
 
-def max_rows() -> int:
-    """The most rows this machine's build of the kernel takes (0 where it has none)."""
-    module = cpu_build.build()[0]
-    return MAX_ROWS_BY_WIDTH.get(module.linear_rows_width(), 0) if module is not None else 0
-
-
 _limit: list[int] = []  # max_rows(), once known: a plain value a compiled graph reads (serve.compile_decode)
 
 
-def _max_rows() -> int:
-    if not _limit:  # the engine asks rows_kernel_problem() first, which sets it before anything compiles
-        _limit.append(max_rows())
+def max_rows() -> int:
+    """The most rows this machine's build of the kernel takes (0 where it has none). Known once the engine has
+    asked rows_kernel_problem(), before anything compiles."""
+    if not _limit:
+        module = cpu_build.build()[0]
+        _limit.append(MAX_ROWS_BY_WIDTH.get(module.linear_rows_width(), 0) if module is not None else 0)
     return _limit[0]
 
 
@@ -56,8 +53,14 @@ def rows_kernel_problem() -> str | None:
     module, why = cpu_build.build()
     if why:
         return why
-    _max_rows()
+    max_rows()
     return None if module.linear_rows_width() else "this CPU has neither AVX-512 nor AVX2 with FMA"
+
+
+def offered(cpu_kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether serve.cpu_kernel=`cpu_kernel` puts the rows kernel among the products a `dtype` engine on
+    `device` chooses from (the engine and the serving calibration alike): float32 on a CPU where it runs."""
+    return cpu_kernel != "false" and device.type == "cpu" and dtype == torch.float32 and rows_kernel_problem() is None
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,7 +68,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     weight in its (out, in) layout, else F.linear. No autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (not MIN_ROWS <= rows <= _max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (not MIN_ROWS <= rows <= max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or weight.stride(1) != 1 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)

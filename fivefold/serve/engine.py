@@ -21,7 +21,7 @@ import torch
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
 from fivefold.data.tokenizer import load_tokenizer
 from fivefold.kernels import apply_kernels, check_usable, triton_available
-from fivefold.kernels.cpu_linear_rows import rows_kernel_problem
+from fivefold.kernels.cpu_linear_rows import offered as rows_kernel_offered
 from fivefold.kernels.cpu_paged_decode import kernel_problem, unsupported
 from fivefold.kernels.paged_attention import warm_up
 from fivefold.model import ForwardContext, Transformer
@@ -220,14 +220,9 @@ class Engine:
             None if candidates(mode, False) else "this torch has no oneDNN"
         if mode == "onednn" and why:
             raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
-        return Counter() if why else route_linears(self.model, mode, rows_kernel=self._use_rows_kernel())
-
-    def _use_rows_kernel(self) -> bool:
-        """serve.cpu_kernel: whether fivefold's rows kernel (fivefold.kernels.cpu_linear_rows) is among the
-        products a float32 linear is chosen from on this CPU (it needs AVX-512, and the CPU kernels built)."""
-        if self.cfg.cpu_kernel == "false" or self.device.type != "cpu" or self.dtype != torch.float32:
-            return False
-        return rows_kernel_problem() is None
+        # serve.cpu_kernel: fivefold's rows kernel (fivefold.kernels.cpu_linear_rows) among the candidates
+        rows_kernel = rows_kernel_offered(self.cfg.cpu_kernel, self.device, self.dtype)
+        return Counter() if why else route_linears(self.model, mode, rows_kernel=rows_kernel)
 
     def _use_huge_pages(self) -> bool:
         """serve.huge_pages: whether the weights (moved here, once) and the KV pool live in transparent huge

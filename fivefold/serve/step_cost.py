@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fivefold.config import Config, ModelConfig, ServeConfig
-from fivefold.kernels.cpu_linear_rows import rows_kernel_problem
+from fivefold.kernels.cpu_linear_rows import offered as rows_kernel_offered
 from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.model import build_model
 from fivefold.parallel.mesh import synchronize
@@ -200,9 +200,10 @@ class StepCostModel:
 
 def _linear_rates(device: torch.device, dtype: torch.dtype, rows_kernel: bool = False) -> tuple[float, float]:
     """(the square-product rate, the skinny knee) of the linear the engine runs (serve.linear: on a CPU the
-    product chosen for this shape, with fivefold's rows kernel among the candidates where `rows_kernel`). The rate: m = 2048 rows; the knee: products of m rows by weights larger
-    than any cache (as a served model's are), timed at m = 2, 8 and 32 (a decode tail, a small and a full
-    batch), each giving knee = m (rate / measured - 1); their median."""
+    product chosen for this shape, with fivefold's rows kernel among the candidates where `rows_kernel`). The
+    rate: m = 2048 rows; the knee: products of m rows by weights larger than any cache (as a served model's
+    are), timed at m = 2, 8 and 32 (a decode tail, a small and a full batch), each giving knee = m (rate /
+    measured - 1); their median."""
     k = n = 2048
     linear, layout = serving_product(device, (n, k), dtype, rows_kernel=rows_kernel)
     weights = [layout(torch.randn(n, k, device=device).to(dtype)) for _ in range(8 if device.type == "cpu" else 64)]
@@ -379,8 +380,8 @@ def measure_serving(device: torch.device, profile: HardwareProfile, dtype: str =
     the engine's host work from decode steps of 2- and 4-layer models at batch 1 and 32, and the rate of its
     elementwise work from a prefill step of a 4-layer block (on a CPU also of its attention's cache reads, from
     decode steps at two contexts, through the decode path `cpu_kernel`, serve.cpu_kernel, chooses)."""
-    rows_kernel = device.type == "cpu" and cpu_kernel != "false" and rows_kernel_problem() is None
-    rate, knee = _linear_rates(device, TORCH_DTYPES[dtype], rows_kernel)
+    torch_dtype = TORCH_DTYPES[dtype]
+    rate, knee = _linear_rates(device, torch_dtype, rows_kernel_offered(cpu_kernel, device, torch_dtype))
     t = {(layers, b): _engine_step_seconds(device, layers, b) for layers in (2, 4) for b in (1, 32)}
     per_layer = {b: (t[4, b] - t[2, b]) / 2 for b in (1, 32)}
     base = {b: t[2, b] - 2 * per_layer[b] for b in (1, 32)}
