@@ -67,11 +67,14 @@ CASES = [(32, 8, 64, 16), (9, 3, 64, 32), (9, 3, 16, 16), (4, 4, 128, 16), (8, 1
          (4, 2, 256, 16), (6, 2, 48, 16), (4, 2, 96, 16), (4, 2, 32, 8)]
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", CASES,
                          ids=[f"{h}/{kv}h-d{d}-bs{bs}" for h, kv, d, bs in CASES])
-def test_decode_rows_match_sdpa_over_the_whole_context(heads, kv_heads, head_dim, block_size):
+def test_decode_rows_match_sdpa_over_the_whole_context(heads, kv_heads, head_dim, block_size, portable):
+    """Both forms of scoring the keys: this CPU's (AVX-512's transposed sums where it has them) and the one a
+    CPU without AVX-512 compiles (one dot product a key)."""
     args, expected = make_decodes(LENGTHS, heads, kv_heads, head_dim, block_size)
-    out = decode_attention(*args)
+    out = decode_attention(*args, portable=portable)
     assert out.shape == (len(LENGTHS), heads, head_dim)
     for row, want in enumerate(expected):
         if want is None:
@@ -85,10 +88,12 @@ def test_a_row_alone_equals_that_row_in_a_batch_bit_for_bit():
     of their own (fewer sequences than twice the threads) or not."""
     args, _ = make_decodes(LENGTHS * 2, 9, 3, 64, 16, seed=1)
     q, k_pool, v_pool, tables, lens = args
-    batch = decode_attention(*args)
-    for row in range(len(lens)):
-        alone = decode_attention(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1])
-        assert torch.equal(alone[0], batch[row])
+    for portable in (False, True):
+        batch = decode_attention(*args, portable=portable)
+        for row in range(len(lens)):
+            alone = decode_attention(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1],
+                                     portable=portable)
+            assert torch.equal(alone[0], batch[row])
 
 
 def test_queries_are_read_through_their_strides():

@@ -56,10 +56,15 @@ inline float dot(const float* __restrict a, const float* __restrict b) {
 }
 
 // scores[t] = q . k_t for the n <= 16 keys of k (row stride `stride`), into scores[0..n).
+// `wide`: the AVX-512 form where it is compiled; else (and on CPUs without AVX-512) one dot product a key.
 template <int D>
 inline void scores16(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
-                     float* __restrict scores) {
+                     float* __restrict scores, bool wide) {
 #if defined(__AVX512F__)
+  if (!wide) {
+    for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
+    return;
+  }
   // Each key's products in 16 lanes, then the 16 vectors summed as a transpose (reducing each vector on its
   // own was the kernel's bottleneck).
   __m512 qv[D / 16];
@@ -78,6 +83,7 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
   const __m512 all = fivefold::sum16(p);
   _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), all);
 #else
+  (void)wide;
   for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
 #endif
 }
@@ -98,7 +104,7 @@ struct Scratch {
 template <int D>
 void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool, const float* v_pool,
                      const int32_t* table, int64_t length, int64_t block_size, int64_t kv_heads, int64_t groups,
-                     int64_t h0, int64_t h1, float scale, float* out, Scratch& s) {
+                     int64_t h0, int64_t h1, float scale, float* out, Scratch& s, bool wide) {
   const int64_t rows = (h1 - h0) * groups, token_stride = kv_heads * D;
   float* acc = s.acc.data();
   float* scores = s.scores.data();
@@ -123,7 +129,7 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
       const float* k = k_pool + base + head * D;
       float* sr = scores + r * block_size;
       for (int64_t t0 = 0; t0 < n; t0 += 16)
-        scores16<D>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0);
+        scores16<D>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0, wide);
       float block_max = s.max[r];
       for (int64_t t = 0; t < n; ++t) {
         sr[t] *= scale;
@@ -162,7 +168,7 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
 template <int D>
 torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                                 int64_t splits) {
+                                 int64_t splits, bool wide) {
   const int64_t batch = q.size(0), heads = q.size(1);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), groups = heads / kv_heads;
   const int64_t table_stride = block_tables.stride(0), q_stride = q.stride(0), q_head_stride = q.stride(1);
@@ -181,7 +187,7 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
       if (lens[b] <= 0) continue;  // a padding row reads nothing and stays zero
       attend_sequence<D>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
                          kv_heads, groups, part * per_item, (part + 1) * per_item, static_cast<float>(scale),
-                         op + b * heads * D, scratch);
+                         op + b * heads * D, scratch, wide);
     }
   });
   return out;
@@ -191,9 +197,10 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
 
 // q (B, H, D) float32 with unit stride along D; k_pool, v_pool (blocks, block_size, Hkv, D) contiguous;
 // block_tables int32 (B, max_blocks); seq_lens int32 (B,), each row's context including its own token;
-// `splits` divides Hkv: the work items per sequence. -> (B, H, D); rows of length 0 are zeros.
+// `splits` divides Hkv: the work items per sequence. `portable`: score keys as a CPU without AVX-512 does
+// (for testing that form here). -> (B, H, D); rows of length 0 are zeros.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale, int64_t splits) {
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
               "float32 only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, D) with unit stride along D");
@@ -203,15 +210,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   TORCH_CHECK(seq_lens.dtype() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0 && k_pool.size(2) % splits == 0, "heads do not divide");
   TORCH_CHECK(q.size(2) == k_pool.size(3), "head sizes differ");
+  const bool wide = !portable;
   switch (q.size(2)) {
-    case 16: return decode_attention_d<16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 32: return decode_attention_d<32>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 48: return decode_attention_d<48>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 64: return decode_attention_d<64>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 80: return decode_attention_d<80>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 96: return decode_attention_d<96>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 128: return decode_attention_d<128>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
-    case 256: return decode_attention_d<256>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits);
+    case 16: return decode_attention_d<16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 32: return decode_attention_d<32>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 48: return decode_attention_d<48>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 64: return decode_attention_d<64>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 80: return decode_attention_d<80>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 96: return decode_attention_d<96>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 128: return decode_attention_d<128>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 256: return decode_attention_d<256>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
     default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
   }
 }

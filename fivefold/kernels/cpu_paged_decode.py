@@ -41,13 +41,14 @@ def unsupported(head_size: int, dtype: torch.dtype) -> str | None:
 
 
 def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor) -> torch.Tensor:
+                     seq_lens: torch.Tensor, portable: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for one query token per sequence over its paged context.
 
     q (B, H, d) float32, any row and head strides; k_blocks, v_blocks (blocks, block_size, Hkv, d) contiguous;
     block_tables int32 (B, max_blocks); seq_lens int32 (B,), each sequence's keys including its own token's,
     which must already be stored. -> (B, H, d); a row of length 0 is zeros. Query head h reads key/value head
-    h // (H // Hkv)."""
+    h // (H // Hkv). `portable` scores the keys in the form built for CPUs without AVX-512 (one dot product a
+    key; elsewhere it is the only form), so that a test on an AVX-512 machine covers it too."""
     module, why = _build()
     if module is None:
         raise RuntimeError(f"the CPU paged-decode kernel is not available: {why}")
@@ -56,4 +57,5 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     # Work items are sequences; with fewer sequences than threads, each key/value head is an item of its own.
     kv_heads = k_blocks.shape[2]
     splits = kv_heads if q.shape[0] < 2 * torch.get_num_threads() else 1
-    return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5, splits)
+    return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5, splits,
+                                   portable)
