@@ -185,52 +185,149 @@ class Timeline:
         return (self.makespan - busy) / busy
 
 
-def simulate(lists: list[list[Action]], costs=None) -> Timeline:
-    """Run the lists with costs per kind (default F=1, B=2, or B=W=1 when W passes exist) or from a
-    function (rank, action) -> seconds (the step-time model's per-stage costs), each action as soon as
-    its rank is free and its input has arrived. Raises if the lists deadlock."""
+class SimulatedTimeline(Timeline):
+    """A simulation's timeline, kept per rank (a rank's actions run in list order, each starting after the
+    one before ends): the step-time model asks only for the makespan and each rank's busy time, so the
+    event list is made only when something reads it (a drawing)."""
+
+    def __init__(self, lists, starts: list[list[float]], ends: list[list[float]]):
+        self.pp, self._lists, self._starts, self._ends = len(lists), lists, starts, ends
+
+    @functools.cached_property
+    def events(self) -> list[tuple[int, Action, float, float]]:
+        return [(r, a, start, end) for r in range(self.pp)
+                for a, start, end in zip(self._lists[r], self._starts[r], self._ends[r])]
+
+    @functools.cached_property
+    def makespan(self) -> float:
+        ranks = [r for r in range(self.pp) if self._starts[r]]
+        return max(self._ends[r][-1] for r in ranks) - min(self._starts[r][0] for r in ranks)
+
+    @functools.cached_property
+    def _busy(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for r in range(self.pp):
+            for start, end in zip(self._starts[r], self._ends[r]):
+                out[r] = out.get(r, 0.0) + end - start  # Timeline's sum, term for term
+        return out
+
+
+KINDS = "FBW"
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A schedule compiled for simulation: per rank, each action's id (kind, micro-batch, stage as one
+    int), the id of the action on another rank whose result it waits for (-1: none) and its class
+    (chunk * 3 + kind), so that the simulation runs over plain ints and lists."""
+    lists: tuple[tuple[Action, ...], ...]
+    keys: tuple[list[int], ...]
+    needs: tuple[list[int], ...]
+    classes: tuple[list[int], ...]
+    chunks: int
+    size: int
+
+
+def _compile(lists) -> _Program:
     pp = len(lists)
-    split = any(a.kind == "W" for lst in lists for a in lst)
-    costs = costs or {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
-    cost = costs if callable(costs) else (lambda rank, action: costs[action.kind])
-    chunks = 1 + max(a.chunk for lst in lists for a in lst)
-    # Per action: what it finishes, what it waits for (_ready_time's rule; None: nothing) and its cost.
-    rows = []
+    chunks = 1 + max((a.chunk for lst in lists for a in lst), default=0)
+    stages = pp * chunks
+    mbs = 1 + max((a.mb for lst in lists for a in lst), default=0)
+
+    f, b = 0, mbs * stages  # the ids of F(mb, stage) and B(mb, stage): f or b + mb * stages + stage
+    base = {"F": f, "B": b, "W": 2 * b}
+    keys, needs, classes = [], [], []
     for r, actions in enumerate(lists):
-        row = []
+        k, n, c = [], [], []
         for a in actions:
-            stage = stage_of(r, a.chunk, pp)
-            need = (None if a.kind == "F" and stage == 0 else
-                    ("F", a.mb, stage - 1) if a.kind == "F" else
-                    ("F", a.mb, stage) if a.kind == "B" and stage == pp * chunks - 1 else
-                    ("B", a.mb, stage + 1) if a.kind == "B" else ("B", a.mb, stage))
-            row.append((a, (a.kind, a.mb, stage), need, cost(r, a)))
-        rows.append(row)
+            kind, stage = a.kind, a.chunk * pp + r
+            at = a.mb * stages + stage
+            # _ready_time's rule: F waits for the stage before, B for the stage after (the last stage for its
+            # own F), W for its own B.
+            n.append((-1 if stage == 0 else f + at - 1) if kind == "F" else
+                     (f + at if stage == stages - 1 else b + at + 1) if kind == "B" else b + at)
+            k.append(base[kind] + at)
+            c.append(a.chunk * 3 + KINDS.index(kind))
+        keys.append(k)
+        needs.append(n)
+        classes.append(c)
+    return _Program(tuple(tuple(lst) for lst in lists), tuple(keys), tuple(needs), tuple(classes), chunks,
+                    3 * mbs * stages)
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled(name: str, pp: int, m: int, v: int) -> _Program:
+    return _compile(_built(name, pp, m, v))
+
+
+def _run(program: _Program, costs: list[list[float]]) -> SimulatedTimeline:
+    """Each action as soon as its rank is free and its input has arrived; `costs[r][i]`: rank r's action
+    i. Event-driven: a rank runs until an input is missing, then waits on that one action, which wakes it
+    when it completes, so every action is visited once."""
+    pp = len(program.keys)
+    done = [-1.0] * program.size  # completion times; -1: not yet
+    waiter: dict[int, list[int]] = {}  # action id -> the ranks whose next action waits for it
     position, free = [0] * pp, [0.0] * pp
-    done: dict[tuple[str, int, int], float] = {}
-    events = []
-    remaining = sum(len(row) for row in rows)
-    while remaining:
-        progressed = False
-        for r, row in enumerate(rows):
-            i, now = position[r], free[r]
-            while i < len(row):
-                action, key, need, seconds = row[i]
-                ready = 0.0 if need is None else done.get(need)
-                if ready is None:
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    ends: list[list[float]] = [[] for _ in range(pp)]
+    runnable = list(range(pp - 1, -1, -1))
+    while runnable:
+        r = runnable.pop()
+        keys, needs, cost, start_r, end_r = program.keys[r], program.needs[r], costs[r], starts[r], ends[r]
+        i, now, n = position[r], free[r], len(keys)
+        while i < n:
+            need = needs[i]
+            if need >= 0:
+                ready = done[need]
+                if ready < 0.0:
+                    waiter.setdefault(need, []).append(r)
                     break
                 start = now if now > ready else ready
-                now = start + seconds
-                done[key] = now
-                events.append((r, action, start, now))
-                i += 1
-            if i > position[r]:
-                progressed, remaining = True, remaining - (i - position[r])
-                position[r], free[r] = i, now
-        if not progressed:
-            stuck = {r: str(lists[r][position[r]]) for r in range(pp) if position[r] < len(lists[r])}
-            raise RuntimeError(f"pipeline schedule deadlocks; waiting actions: {stuck}")
-    return Timeline(events, pp)
+            else:
+                start = now
+            now = start + cost[i]
+            start_r.append(start)
+            end_r.append(now)
+            key = keys[i]
+            done[key] = now
+            if key in waiter:
+                runnable += waiter.pop(key)
+            i += 1
+        position[r], free[r] = i, now
+    stuck = {r: str(program.lists[r][position[r]]) for r in range(pp) if position[r] < len(program.keys[r])}
+    if stuck:
+        raise RuntimeError(f"pipeline schedule deadlocks; waiting actions: {stuck}")
+    return SimulatedTimeline(program.lists, starts, ends)
+
+
+def _default_costs(lists) -> dict[str, float]:
+    split = any(a.kind == "W" for lst in lists for a in lst)
+    return {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+
+
+def simulate(lists: list[list[Action]], costs=None) -> Timeline:
+    """Run the lists with costs per kind (default F=1, B=2, or B=W=1 when W passes exist) or from a
+    function (rank, action) -> seconds, each action as soon as its rank is free and its input has arrived.
+    Raises if the lists deadlock."""
+    program = _compile(lists)
+    costs = costs or _default_costs(lists)
+    if callable(costs):
+        per_action = [[costs(r, a) for a in actions] for r, actions in enumerate(program.lists)]
+    else:
+        per_action = [[costs[a.kind] for a in actions] for actions in program.lists]
+    return _run(program, per_action)
+
+
+def simulate_schedule(name: str, pp: int, m: int, v: int, stage_costs: dict[tuple[int, int, str], float]) -> Timeline:
+    """`simulate` of `build_schedule(name, pp, m, v)` with each action costing `stage_costs[rank, chunk,
+    kind]`: what the step-time model runs for every layout it prices, so the schedule is compiled once per
+    shape and an action's cost is looked up by its class."""
+    program = _compiled(name, pp, m, v)
+    per_action = []
+    for r, classes in enumerate(program.classes):
+        by_class = {c: stage_costs[r, c // 3, KINDS[c % 3]] for c in set(classes)}
+        per_action.append([by_class[c] for c in classes])
+    return _run(program, per_action)
 
 
 def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:

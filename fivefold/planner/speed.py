@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from fivefold.config import Config, ModelConfig
 from fivefold.memory import formulas
 from fivefold.memory.communication import Collective, step_collectives
-from fivefold.parallel.pipeline_schedules import build_schedule, simulate
+from fivefold.parallel.pipeline_schedules import rank_schedule, simulate_schedule
 from fivefold.planner.hardware import HardwareProfile
 
 # Elementwise traffic per element, in units of the activation dtype's bytes p, plus fp32 bytes (the norms'
@@ -551,14 +551,13 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
                    for r in range(p.pp))
         if tokens / busy / p.world_size < at_least:
             return None
-    lists = build_schedule(p.pp_schedule if p.pp > 1 else "1f1b", p.pp, micro, v)
-
+    schedule = p.pp_schedule if p.pp > 1 else "1f1b"
     totals = {(rank, chunk, kind): sum(getattr(stage, kind).values())
               for (rank, chunk), stage in stages.items() for kind in "FBW"}
-    timeline = simulate(lists, lambda rank, action: totals[rank, action.chunk, action.kind])
+    timeline = simulate_schedule(schedule, p.pp, micro, v, totals)
     busiest = max(range(p.pp), key=timeline.busy)
     breakdown = dict.fromkeys(BREAKDOWN, 0.0)
-    for action in lists[busiest]:
+    for action in rank_schedule(schedule, p.pp, micro, busiest, v):
         for key, seconds in getattr(stages[busiest, action.chunk], action.kind).items():
             breakdown[key] += seconds
     breakdown["bubble"] = timeline.makespan - timeline.busy(busiest)
