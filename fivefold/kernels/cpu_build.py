@@ -1,9 +1,10 @@
-"""The C++ CPU kernels (serve.cpu_kernel), built once per machine as one torch extension.
+"""The C++ CPU kernels (serve.cpu_kernel), built once per machine (and version of fivefold) as one torch extension.
 
 cpu_paged_decode.cpp (decode attention reading the paged pool in place) and cpu_linear_rows.cpp (a linear's
 product at a decode's few rows), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
 (a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's instruction set, where torch keeps its
-extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), and loaded from there afterwards.
+extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a directory per version of the sources),
+and loaded from there afterwards.
 Where it cannot be built, `kernel_problem()` says why and the engine keeps torch's ops.
 """
 
@@ -24,17 +25,20 @@ HEADERS = [HERE / "cpu_simd.h"]
 
 
 def _signature() -> str:
-    """What the built code depends on besides the sources torch's builder hashes: the CPU it is compiled for
-    (-march=native: a cache directory shared by machines with other instruction sets must not hand them this
-    build), torch's version, and the headers the sources include (which the builder does not hash)."""
+    """What the built code depends on: the CPU it is compiled for (-march=native: a cache directory shared by
+    machines with other instruction sets must not hand them this build), torch's version, and the sources and
+    headers. torch's builder would notice changed sources by itself, but it rebuilds in place, where ninja
+    judges each object by its time stamp: a source edited while it compiled kept its old object and linked
+    against the new ones (an undefined symbol at load). A directory of its own per version cannot mix them,
+    and two checkouts of different versions sharing the cache do not rebuild each other's."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    headers = b"".join(h.read_bytes() for h in HEADERS)
-    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode() + headers).hexdigest()[:10]
+    code = b"".join(h.read_bytes() for h in SOURCES + HEADERS)
+    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode() + code).hexdigest()[:10]
 
 
 def _ninja_on_path() -> None:
