@@ -17,6 +17,7 @@ from fivefold.memory.formulas import partition
 from fivefold.parallel.pipeline_schedules import (SCHEDULES, Action, build_schedule, max_in_flight, peak_held,
                                                   simulate, simulate_schedule, theoretical_bubble)
 from fivefold.train.trainer import Trainer
+from bench_modules import bench_module
 from parity import BASE, assert_parity, assert_matches_plan, copy_checkpoint, launch_layouts, measured_memory, metrics
 
 GRID = [(pp, m) for pp in (2, 3, 4) for m in (4, 8, 12) if m % pp == 0]
@@ -84,32 +85,6 @@ def test_simulated_bubbles_are_the_textbook_ones(pp, m):
     assert bubbles["zero-bubble"] == pytest.approx((pp - 1) / (3 * m)) == theoretical_bubble("zero-bubble", pp, m)
 
 
-def sweep_reference(lists, cost):
-    """The simulation written plainly: sweep the ranks again and again, each running its next actions
-    while their inputs are done, until nothing is left. {(rank, action): (start, end)}."""
-    pp, chunks = len(lists), 1 + max(a.chunk for lst in lists for a in lst)
-    last, done, times = pp * chunks - 1, {}, {}
-    position, free = [0] * pp, [0.0] * pp
-    while any(position[r] < len(lists[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while position[r] < len(lists[r]):
-                a = lists[r][position[r]]
-                stage = a.chunk * pp + r
-                need = (None if a.kind == "F" and stage == 0 else ("F", a.mb, stage - 1) if a.kind == "F" else
-                        ("F", a.mb, stage) if a.kind == "B" and stage == last else
-                        ("B", a.mb, stage + 1) if a.kind == "B" else ("B", a.mb, stage))
-                if need is not None and need not in done:
-                    break
-                start = max(free[r], done[need] if need else 0.0)
-                free[r] = done[(a.kind, a.mb, stage)] = start + cost(r, a)
-                times[r, a] = (start, free[r])
-                position[r] += 1
-                progressed = True
-        assert progressed, "deadlock"
-    return times
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (3, 12), (8, 16)])
 def test_the_simulation_runs_every_action_when_a_plain_sweep_does(schedule, pp, m):
@@ -122,7 +97,8 @@ def test_the_simulation_runs_every_action_when_a_plain_sweep_does(schedule, pp, 
     rng = random.Random(pp * 100 + m)
     costs = {(r, c, k): rng.uniform(0.2, 3.0) for r in range(pp) for c in range(v) for k in "FBW"}
     lists = build_schedule(schedule, pp, m, v)
-    want = sweep_reference(lists, lambda r, a: costs[r, a.chunk, a.kind])
+    with bench_module("planner_search") as bench:  # the simulation written plainly
+        want = bench.sweep_times(lists, lambda r, a: costs[r, a.chunk, a.kind])
     for timeline in (simulate(lists, lambda r, a: costs[r, a.chunk, a.kind]),
                      simulate_schedule(schedule, pp, m, v, costs)):
         assert {(r, a): (start, end) for r, a, start, end in timeline.events} == want
