@@ -144,15 +144,22 @@ def peak_held(actions: list[Action], full: float, pending_w: float) -> float:
     return peak
 
 
-def _ready_time(action: Action, rank: int, pp: int, chunks: int, done: dict) -> float | None:
-    """When the cross-rank input of `action` is available (None: not yet known), for stages
-    0..pp*chunks-1."""
+def _input_of(action: Action, rank: int, pp: int, chunks: int) -> tuple[str, int, int] | None:
+    """The (kind, micro-batch, stage) whose result `action` waits for, over stages 0..pp*chunks-1 (None: the
+    first stage's forward waits for nothing): F for the stage before's F, B for the stage after's B (the last
+    stage for its own F), W for its own B."""
     stage, last = stage_of(rank, action.chunk, pp), pp * chunks - 1
     if action.kind == "F":
-        return 0.0 if stage == 0 else done.get(("F", action.mb, stage - 1))
+        return None if stage == 0 else ("F", action.mb, stage - 1)
     if action.kind == "B":
-        return done.get(("F", action.mb, stage)) if stage == last else done.get(("B", action.mb, stage + 1))
-    return done.get(("B", action.mb, stage))
+        return ("F", action.mb, stage) if stage == last else ("B", action.mb, stage + 1)
+    return ("B", action.mb, stage)
+
+
+def _ready_time(action: Action, rank: int, pp: int, chunks: int, done: dict) -> float | None:
+    """When the cross-rank input of `action` is available (None: not yet known)."""
+    need = _input_of(action, rank, pp, chunks)
+    return 0.0 if need is None else done.get(need)
 
 
 # -- simulation: the theoretical timeline -------------------------------------------------------------
@@ -224,7 +231,6 @@ class _Program:
     keys: tuple[list[int], ...]
     needs: tuple[list[int], ...]
     classes: tuple[list[int], ...]
-    chunks: int
     size: int
 
 
@@ -234,25 +240,21 @@ def _compile(lists) -> _Program:
     stages = pp * chunks
     mbs = 1 + max((a.mb for lst in lists for a in lst), default=0)
 
-    f, b = 0, mbs * stages  # the ids of F(mb, stage) and B(mb, stage): f or b + mb * stages + stage
-    base = {"F": f, "B": b, "W": 2 * b}
+    def key(kind: str, mb: int, stage: int) -> int:
+        return (KINDS.index(kind) * mbs + mb) * stages + stage
+
     keys, needs, classes = [], [], []
     for r, actions in enumerate(lists):
         k, n, c = [], [], []
         for a in actions:
-            kind, stage = a.kind, a.chunk * pp + r
-            at = a.mb * stages + stage
-            # _ready_time's rule: F waits for the stage before, B for the stage after (the last stage for its
-            # own F), W for its own B.
-            n.append((-1 if stage == 0 else f + at - 1) if kind == "F" else
-                     (f + at if stage == stages - 1 else b + at + 1) if kind == "B" else b + at)
-            k.append(base[kind] + at)
-            c.append(a.chunk * 3 + KINDS.index(kind))
+            need = _input_of(a, r, pp, chunks)
+            k.append(key(a.kind, a.mb, stage_of(r, a.chunk, pp)))
+            n.append(-1 if need is None else key(*need))
+            c.append(a.chunk * 3 + KINDS.index(a.kind))
         keys.append(k)
         needs.append(n)
         classes.append(c)
-    return _Program(tuple(tuple(lst) for lst in lists), tuple(keys), tuple(needs), tuple(classes), chunks,
-                    3 * mbs * stages)
+    return _Program(tuple(tuple(lst) for lst in lists), tuple(keys), tuple(needs), tuple(classes), 3 * mbs * stages)
 
 
 @functools.lru_cache(maxsize=128)
