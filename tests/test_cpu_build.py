@@ -1,8 +1,10 @@
 """The C++ CPU kernels' build (fivefold.kernels.cpu_build): ninja found where run.sh runs the environment's
-python without activating it."""
+python without activating it, a directory per version of the sources, shared by checkouts, and a build that
+survives one interrupted before it."""
 
 import os
 
+import pytest
 from torch.utils.cpp_extension import verify_ninja_availability
 
 from fivefold.kernels import cpu_build
@@ -36,3 +38,65 @@ def test_each_version_of_the_sources_builds_in_a_directory_of_its_own(tmp_path, 
         seen.add(cpu_build._signature())
     assert len(seen) == 4
     assert cpu_build._signature() == cpu_build._signature()
+
+
+def test_the_sources_are_staged_once_into_the_build_directory(tmp_path):
+    """The build reads copies inside its own directory, so that checkouts of one version at other paths share
+    one build. A copy is written only when missing or different: a time stamp that moved on every call would
+    make ninja rebuild every time."""
+    src = cpu_build._staged(tmp_path)
+    originals = cpu_build.SOURCES + cpu_build.HEADERS
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in originals)
+    assert all((src / p.name).read_bytes() == p.read_bytes() for p in originals)
+    stamps = {p.name: (src / p.name).stat().st_mtime_ns for p in originals}
+    damaged = src / cpu_build.SOURCES[0].name
+    damaged.write_text("// cut short")
+    os.utime(damaged, ns=(stamps[damaged.name], stamps[damaged.name]))
+    cpu_build._staged(tmp_path)
+    assert damaged.read_bytes() == cpu_build.SOURCES[0].read_bytes()
+    assert {p.name: (src / p.name).stat().st_mtime_ns for p in originals if p.name != damaged.name} == \
+        {k: v for k, v in stamps.items() if k != damaged.name}
+    assert not list(src.glob("*.partial"))
+
+
+def test_a_lock_left_by_an_interrupted_build_is_cleared_and_builders_take_turns(tmp_path, capsys):
+    """torch's lock file, left behind by a build that was killed, would make every later build wait forever.
+    While another process holds the directory, a builder waits and says so; once it holds it, a lock file
+    there can only be a dead build's, and it goes."""
+    import fcntl
+    import threading
+
+    (tmp_path / "lock").touch()
+    entered = threading.Event()
+
+    def builder():
+        with cpu_build._only_builder(tmp_path):
+            entered.set()
+
+    with open(tmp_path / "fivefold.lock", "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        thread = threading.Thread(target=builder)
+        thread.start()
+        assert not entered.wait(0.5)
+        assert (tmp_path / "lock").exists()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    thread.join(10)
+    assert entered.is_set() and not (tmp_path / "lock").exists()
+    err = capsys.readouterr().err
+    assert "waiting for another process building" in err and "left by an interrupted build" in err
+
+
+def test_a_real_build_after_an_interrupted_one_loads(tmp_path):
+    """End to end, in a fresh process: the lock file of a killed build in the real build directory, then
+    build(), which returns the module instead of waiting forever."""
+    import subprocess
+    import sys
+
+    if cpu_build.kernel_problem() is not None:
+        pytest.skip(f"the CPU kernels cannot be built here: {cpu_build.kernel_problem()}")
+    (cpu_build.build_directory() / "lock").touch()
+    code = "from fivefold.kernels import cpu_build; m, why = cpu_build.build(); print(why, hasattr(m, 'linear_rows'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.stdout.split() == ["None", "True"], done.stderr
+    assert "left by an interrupted build" in done.stderr
+    assert not (cpu_build.build_directory() / "lock").exists()

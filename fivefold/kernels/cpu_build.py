@@ -6,10 +6,19 @@ product at a decode's few rows), bound by cpu_kernels.cpp. Built at first use wi
 extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a directory per version of the sources),
 and loaded from there afterwards.
 Where it cannot be built, `kernel_problem()` says why and the engine keeps torch's ops.
+
+torch's builder guards a build directory with a lock file that only the process holding it removes: a build
+interrupted (Ctrl-C, a killed job) leaves it behind, and every later process waits on it forever, silently.
+Here each process first takes an advisory lock of the operating system's (fcntl.flock), which dies with its
+holder; whoever holds it knows that no other build of this directory runs, so a lock file found then is a
+dead build's and goes. The sources are compiled from copies inside the build directory: ninja keys its work
+by source paths, so two checkouts of the same version (a clone for CI, a worktree) share one build instead of
+each rebuilding it for the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -54,6 +63,54 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = f"{path}{os.pathsep}{ninja.BIN_DIR}" if path else ninja.BIN_DIR
 
 
+def _staged(build_dir: Path) -> Path:
+    """The sources and headers copied into build_dir/src (the directory's name fixes their content), written
+    only where missing or different, so that a copy's time stamp, which ninja reads, changes no more often than
+    its content."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for original in SOURCES + HEADERS:
+        copy, data = src / original.name, original.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            partial = copy.with_name(f"{copy.name}.{os.getpid()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, copy)
+    return src
+
+
+@contextlib.contextmanager
+def _only_builder(build_dir: Path):
+    """Hold the build directory alone among fivefold's processes, and clear a lock file an interrupted build
+    left (see the module's docstring)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's lock file alone, as before
+        yield
+        return
+    with open(build_dir / "fivefold.lock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building fivefold's CPU kernels in {build_dir}", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"removing {stale}, left by an interrupted build", file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def build_directory() -> Path:
+    """Where this version of the kernels is built: torch's own place for extensions, shared by every run on
+    this machine."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"fivefold_cpu_kernels_{_signature()}"
+
+
 @functools.cache
 def build():
     """(module, None) once built and loaded, or (None, why not)."""
@@ -64,17 +121,17 @@ def build():
         verify_ninja_availability()
     except RuntimeError:
         return None, "ninja is not installed (pip install ninja)"
-    name = f"fivefold_cpu_kernels_{_signature()}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    build_dir = Path(root) / name  # torch's own place for extensions, shared by every run on this machine
+    build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):  # on stderr: `fivefold generate` writes its text on stdout
         print(f"building fivefold's CPU kernels for this machine (once; ~1 min on 2 cores) in {build_dir}",
               file=sys.stderr, flush=True)
     try:
-        module = load(name=name, sources=[str(s) for s in SOURCES], extra_include_paths=[str(HERE)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                      build_directory=str(build_dir), verbose=False)
+        with _only_builder(build_dir):
+            src = _staged(build_dir)
+            module = load(name=build_dir.name, sources=[str(src / s.name) for s in SOURCES],
+                          extra_include_paths=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - whatever failed (no compiler, a linker error), the answer is the same
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return None, f"building it failed: {type(e).__name__}: {first}"[:300]
