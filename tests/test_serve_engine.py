@@ -435,3 +435,36 @@ def test_top_p_at_the_nucleus_boundary(top_p, kept):
     expected = torch.zeros(4)
     expected[kept] = base[kept] / base[kept].sum()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.5, [1, 3]), (0.375, [0, 1, 3]), (0.125, [0, 1, 2, 3]), (1.0, [1])])
+def test_min_p_keeps_a_token_exactly_at_the_threshold(min_p, kept):
+    """Probabilities exact in binary (sorted 0.5, 0.25, 0.1875, 0.0625), so min_p x 0.5 lands exactly on a
+    token: that token stays. Only tokens below the threshold go, as in transformers' MinPLogitsWarper."""
+    base = torch.tensor([0.1875, 0.5, 0.0625, 0.25])
+    got = filtered_probs(base.log()[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                         torch.tensor([min_p]))[0]
+    assert set(got.nonzero().flatten().tolist()) == set(kept)
+    expected = torch.zeros(4)
+    expected[kept] = base[kept] / base[kept].sum()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("probs, params, u, token", [
+    ([0.5, 0.25, 0.25], dict(temperature=1.0), 0.6, 1),  # cdf 0.5, 0.75, 1
+    ([0.5, 0.25, 0.25], dict(temperature=0.5), 0.6, 0),  # p^2: 2/3, 1/6, 1/6
+    ([0.5, 0.25, 0.25], dict(temperature=0.5), 0.7, 1),
+    ([0.5, 0.25, 0.25], dict(temperature=2.0), 0.45, 1),  # sqrt(p): 0.414, 0.293, 0.293
+    ([0.125, 0.5, 0.375], dict(top_k=2), 0.0, 1),  # u = 0 never draws the token top-k dropped
+    ([0.125, 0.5, 0.375], dict(top_k=2), 0.999, 2),
+])
+def test_a_draw_is_the_inverse_cdf_of_the_tempered_filtered_distribution(probs, params, u, token):
+    """The engine's draw with a chosen uniform: the first token whose cumulative probability under
+    softmax(logits / temperature), filtered, exceeds u. Sampling tests at temperature 1 cannot see a wrong
+    temperature; a uniform of exactly 0 must not pick a token of probability 0."""
+    from fivefold.serve.sampling import sample_rows, slot_params
+
+    logits = torch.tensor(probs).log()[None]
+    req = type("R", (), dict(params=SamplingParams(**params), prompt_ids=[], output_ids=[]))()
+    tokens, _ = sample_rows(logits, slot_params([req], uniforms=[u]), [req])
+    assert tokens == [token]
