@@ -242,6 +242,23 @@ def test_packed_windows_are_contiguous_with_shifted_labels(tmp_path, tok):
         seq.batch([len(seq)])
 
 
+@pytest.mark.parametrize("tokens, windows", [(48, 2), (49, 3), (50, 3), (17, 1)])
+def test_every_window_has_its_last_label(tokens, windows):
+    """A window needs seq_len + 1 tokens: 48 tokens hold two windows of 16, not three (a third would end past
+    the split), and 49 hold three. Every window counted can be read."""
+    class ArrayStore:  # the part of TokenStore a PackedSequences reads
+        split, data_dir, num_tokens = "train", "memory", tokens
+
+        def read(self, start, length):
+            assert 0 <= start and start + length <= tokens, (start, length)
+            return np.arange(start, start + length)
+
+    seq = PackedSequences(ArrayStore(), seq_len=16)
+    assert len(seq) == windows
+    batch = seq.batch(range(len(seq)))
+    assert batch[-1, -1] == windows * 16 <= tokens - 1
+
+
 def test_packed_sequences_too_short_split_names_the_fix(tmp_path, tok):
     prepare_documents(make_docs(5), ["tiny"], tmp_path / "d", tok)
     store = TokenStore(tmp_path / "d", "val")

@@ -208,3 +208,42 @@ def test_qlora_group_size_must_divide_the_widths():
         load_config(preset="tiny", overrides=["lora.r=4", "lora.quantize_base=int4", "lora.group_size=48"])
     with pytest.raises(ConfigError, match="set lora.r"):
         load_config(preset="tiny", overrides=["lora.quantize_base=int4"])
+
+
+def test_adapter_a_is_drawn_like_peft_kaiming_uniform():
+    """A (r x in) uniform in +-1/sqrt(in), PEFT's kaiming_uniform_(a=sqrt(5)): its bound is set by the input
+    width, not by r (a bound of 1/sqrt(r) would start every adapter several times too loud)."""
+    from fivefold.finetune.lora import adapter_value
+
+    a = adapter_value("layers.0.attn.q_proj.lora_A.weight", torch.Size([4, 256]), seed=0)
+    peft_like = torch.nn.init.kaiming_uniform_(torch.empty(4, 256), a=math.sqrt(5))
+    bound = 1 / math.sqrt(256)
+    assert float(peft_like.abs().max()) <= bound and float(a.abs().max()) <= bound
+    assert float(a.abs().max()) > 0.95 * bound
+    assert torch.equal(adapter_value("layers.0.attn.q_proj.lora_B.weight", torch.Size([64, 4]), seed=0),
+                       torch.zeros(64, 4))
+
+
+def test_adapter_dropout_acts_in_training_only():
+    """lora.dropout drops the adapters' input while training; in eval the adapted model is deterministic and
+    computes exactly what its merged weights compute."""
+    from fivefold.config import LoraConfig
+    from fivefold.finetune.lora import apply_lora, merge
+    from fivefold.model import build_model
+    from fivefold.presets import PRESETS
+
+    lora = LoraConfig(r=4, alpha=8, dropout=0.5)
+    model = build_model(PRESETS["tiny"], seed=0)
+    apply_lora(model, lora)
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    ids = torch.randint(0, 512, (2, 16), generator=g)
+    model.train()
+    assert not torch.equal(logits(model, ids), logits(model, ids))
+    model.eval()
+    adapted = logits(model, ids)
+    assert torch.equal(adapted, logits(model, ids))
+    merge(model, lora)
+    torch.testing.assert_close(logits(model, ids), adapted, rtol=1e-5, atol=1e-5)

@@ -159,10 +159,13 @@ def test_an_infinite_gradient_with_a_finite_loss_changes_no_weight(tiny_config, 
     assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
 
+@pytest.mark.parametrize("grad_clip", [0.0, 1e4])
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
-def test_the_chunked_update_is_torch_adamw_step_bit_for_bit(tiny_config, impl):
+def test_the_chunked_update_is_torch_adamw_step_bit_for_bit(tiny_config, impl, grad_clip):
     """MasterWeightAdamW calls the functional AdamW chunk by chunk (told on the device that the step is finite):
-    masters, moments and step counts equal torch.optim.AdamW.step's over the same gradients, bit for bit."""
+    masters, moments and step counts equal torch.optim.AdamW.step's over the same gradients, bit for bit. A
+    clipping norm far above the gradients' changes nothing: clipping only ever scales down (a coefficient above
+    1 would move every bit of Adam's update, though hardly its size)."""
     from fivefold.memory.formulas import is_no_decay
 
     trainer = Trainer(tiny_config(**{"train.optimizer_impl": impl, "train.precision": "bf16-mixed"}), quiet=True)
@@ -176,7 +179,8 @@ def test_the_chunked_update_is_torch_adamw_step_bit_for_bit(tiny_config, impl):
         trainer.accumulate_gradients(*trainer.global_batch(1))
         for m, p in zip(masters, trainer.model.parameters()):
             m.grad = p.grad.float()
-        norm = opt.step(1e-3 * (step + 1), 0.0, torch.tensor(2.5))
+        norm = opt.step(1e-3 * (step + 1), grad_clip, torch.tensor(2.5))
+        assert float(norm) < grad_clip or not grad_clip
         opt.zero_grad()
         for group in reference.param_groups:
             group["lr"] = 1e-3 * (step + 1)
