@@ -64,6 +64,22 @@ def test_int4_error_is_at_most_half_a_step_and_bytes_match(group_size):
     assert qw.nbytes == expected_bytes((24, 64), "int4", group_size) == 24 * 32 + 24 * (64 // g) * 3
 
 
+def test_int4_grid_covers_groups_whose_float16_scale_rounds_down():
+    """Groups built to be the hard case: a range of 15 s whose s float16 rounds down, placed so that both the
+    zero point and the top element sit at x.5 steps. A scale rounded to nearest leaves the top element past
+    code 15, clipped by more than half a step; rounded up, every element stays within half a step."""
+    g = gen(3)
+    s = torch.rand(256, generator=g) * 0.5 + 0.01
+    s = s[s.half().float() < s][:64]
+    assert len(s) == 64
+    lo, hi = -(7.5 + 1e-4) * s, (7.5 - 1e-4) * s
+    w = torch.rand(len(s), 16, generator=g) * (hi - lo)[:, None] + lo[:, None]
+    w[:, 0], w[:, 1] = lo, hi
+    qw = quantize_int4(w, 16)
+    step = qw.scales.float().repeat_interleave(16, dim=1)
+    assert ((w - qw.dequantize()).abs() <= step / 2 * (1 + 1e-6)).all()
+
+
 def test_int8_error_is_at_most_half_a_step_and_bytes_match():
     w = torch.randn(24, 40, generator=gen(2)) * torch.logspace(-2, 1, 24)[:, None]
     qw = quantize_int8(w)
@@ -245,6 +261,32 @@ def test_quantize_model_covers_the_block_linears_and_leaves_the_model_unchanged(
         swap_linears(fresh, rtn)
         err_rtn = (fresh(ids) - ref).norm()
     assert err_gptq < err_rtn
+
+
+def test_gptq_calibrates_each_block_on_the_blocks_before_it_quantized():
+    """The paper's sequential scheme: block 1's Hessian comes from the outputs of block 0 with block 0's
+    weights already quantized, so block 1 also corrects their error. Reference: block 0 replaced by its
+    dequantized GPTQ weights, block 1's q_proj input collected by a hook over the same calibration, and
+    gptq_quantize on that Hessian."""
+    import copy
+
+    _, model = tiny_model()
+    batches = calibration()
+    qweights = quantize_model(model, "gptq", 16, batches)
+    reference = copy.deepcopy(model)
+    for name, qw in qweights.items():
+        if name.startswith("layers.0."):
+            reference.get_submodule(name.removesuffix(".weight")).weight.data = qw.dequantize()
+    hessian = HessianAccumulator(model.cfg.hidden_size)
+    hook = reference.layers[1].attn.q_proj.register_forward_pre_hook(lambda m, args: hessian.add(args[0]))
+    with torch.no_grad():
+        for ids in batches:
+            reference(ids)
+    hook.remove()
+    expected = gptq_quantize(model.layers[1].attn.q_proj.weight, hessian.hessian(), 16)
+    got = qweights["layers.1.attn.q_proj.weight"]
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors().values(), expected.tensors().values()))
+
 
 
 @pytest.mark.parametrize("method, preset", [("int8", "tiny"), ("int4", "tiny"), ("gptq", "tiny"),

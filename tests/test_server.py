@@ -410,3 +410,25 @@ def test_non_positive_max_tokens_is_400_naming_the_field(server):
         r = httpx.post(f"{url}{path}", json={**body, field: 1, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_fields_at_their_edges(server):
+    """top_k -1 means off (vLLM's convention, as 0 here) and answers as 0 does; -2 is a 400 that says what
+    top_k takes. Chat's top_logprobs without logprobs: true is a 400 naming top_logprobs (OpenAI's rule),
+    not a silent answer without them."""
+    url, engine, _ = server
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 3, "seed": 1, "ignore_eos": True}
+    texts = []
+    for top_k in (0, -1):
+        r = httpx.post(f"{url}/v1/completions", json={**body, "top_k": top_k})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "top_k": -2})
+    assert r.status_code == 400 and "top_k must be an integer >= 0" in r.json()["error"]["message"]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "top_logprobs": 2, "logprobs": True})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert idle(engine)
