@@ -36,6 +36,10 @@ def test_keeps_the_last_k_and_points_latest_at_the_newest(tiny_config):
     names = [p.name for p in ckpt.list_checkpoints(trainer.checkpoint_root)]
     assert names == ["step_00000004", "step_00000005"]
     assert ckpt.resolve_checkpoint(trainer.out_dir).name == "step_00000005"
+    # `latest` names the checkpoint written last, which wins over a later step's name: a run that went back
+    # and saved step 4 again resumes from that, not from a step 5 of the abandoned line.
+    (trainer.checkpoint_root / "latest").write_text("step_00000004\n")
+    assert ckpt.resolve_checkpoint(trainer.out_dir).name == "step_00000004"
 
 
 def test_resume_refuses_a_different_model(tiny_config):
@@ -112,3 +116,21 @@ def test_loading_a_checkpoint_never_unpickles(tiny_config, monkeypatch):
     monkeypatch.setattr(torch, "load", forbidden)
     Trainer(trainer.cfg, resume=True, quiet=True)
     load_model(trainer.out_dir)
+
+
+def test_a_damaged_checkpoint_is_never_loaded_for_lack_of_a_manifest_elsewhere(tiny_config):
+    """Loading unverified is for directories where no checkpoint has a manifest (all written before
+    checksums). A damaged checkpoint beside one without a manifest is still damaged: an error naming both,
+    not the damaged one loaded unverified."""
+    cfg = tiny_config(**{"train.steps": 2, "train.save_every": 1})
+    trainer = Trainer(cfg, quiet=True)
+    trainer.fit()
+    older, newer = ckpt.list_checkpoints(trainer.checkpoint_root)
+    (older / ckpt.MANIFEST).unlink()
+    shard = next((newer / "state").iterdir())
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="no intact checkpoint") as error:
+        ckpt.resolve_checkpoint(trainer.out_dir)
+    assert "does not match its checksum" in str(error.value) and "older than checksums" in str(error.value)
