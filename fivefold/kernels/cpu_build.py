@@ -130,8 +130,8 @@ def build():
         with _only_builder(build_dir):
             src = _staged(build_dir)
             module = load(name=build_dir.name, sources=[str(src / s.name) for s in SOURCES],
-                          extra_include_paths=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                          build_directory=str(build_dir), verbose=False)
+                          extra_include_paths=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - whatever failed (no compiler, a linker error), the answer is the same
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return None, f"building it failed: {type(e).__name__}: {first}"[:300]
