@@ -240,7 +240,8 @@ def test_batched_penalties_equal_the_per_row_rule():
     for i in range(5):
         params = SamplingParams(repetition_penalty=1.0 + 0.3 * i, presence_penalty=0.1 * i, frequency_penalty=0.2 - 0.1 * i)
         prompt = torch.randint(0, 50, (3 + i,), generator=g).tolist()
-        output = torch.randint(0, 4, (2 * i,), generator=g).tolist()  # few ids: repeats, where presence != frequency
+        # Few ids, so outputs repeat some: where a presence penalty and a frequency penalty differ.
+        output = torch.randint(0, 4, (2 * i,), generator=g).tolist()
         reqs.append(type("R", (), dict(params=params, prompt_ids=prompt, output_ids=output))())
     assert any(len(set(r.output_ids)) < len(r.output_ids) for r in reqs if r.params.presence_penalty)
     expected = torch.stack([apply_penalties(logits[i].clone(), r.params, r.prompt_ids, r.output_ids)
