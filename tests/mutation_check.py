@@ -1,0 +1,246 @@
+"""A mutation check of the tests: each mutant below is a small wrong change to fivefold's source that some test
+must notice. `python tests/mutation_check.py [ID ...]` applies each one in a temporary git worktree of HEAD
+(the checkout itself is never touched), runs the tests of its module with -x, and prints whether a test
+failed ("killed") or none did ("SURVIVED"). Every mutant is killed, but one marked equivalent: it changes no
+result, so no test can see it. tests/test_mutation_check.py keeps the list applicable to the source.
+
+Each takes seconds to a few minutes on 2 cores; the whole list about 40 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = {  # the tests that cover each module
+    "serve": "tests/test_serve_blocks.py tests/test_serve_scheduler.py tests/test_serve_engine.py tests/test_server.py "
+             "tests/test_serve_fast_path.py tests/test_serve_lean_forward.py",
+    "server": "tests/test_server.py",
+    "quant": "tests/test_quant.py",
+    "lora": "tests/test_lora.py tests/test_peft_interop.py tests/test_serve_lora.py tests/test_weights.py",
+    "train": "tests/test_schedules.py tests/test_train.py",
+    "data": "tests/test_data.py tests/test_sft.py",
+    "ck": "tests/test_checkpoint.py tests/test_checkpoint_integrity.py",
+}
+
+
+class Mutant(NamedTuple):
+    id: str
+    path: str
+    tests: str  # a key of TESTS
+    old: str  # occurs exactly once in path
+    new: str
+    expected: str = "killed"  # or "equivalent": no result changes (GPTQ's update of a column already read)
+
+
+MUTANTS = [Mutant(*m) for m in [
+    ('S1', 'fivefold/serve/sampling.py', 'serve',
+     'drop = rank[None] >= k[:, None]',
+     'drop = rank[None] > k[:, None]'),
+    ('S2', 'fivefold/serve/sampling.py', 'serve',
+     'probs < min_p[:, None] * probs.max',
+     'probs <= min_p[:, None] * probs.max'),
+    ('S3', 'fivefold/serve/sampling.py', 'serve',
+     'torch.from_numpy(presence).to(device)[:, None] * (counts > 0))',
+     'torch.from_numpy(presence).to(device)[:, None] * counts)'),
+    ('S4', 'fivefold/serve/sampling.py', 'serve',
+     'sub.scatter_(1, seen, torch.where(picked > 0, picked / penalty, picked * penalty))',
+     'sub.scatter_(1, seen, picked / penalty)'),
+    ('S5', 'fivefold/serve/sampling.py', 'serve',
+     'seen, _ = _padded([sorted(set(requests[i].prompt_ids) | set(requests[i].output_ids))',
+     'seen, _ = _padded([sorted(set(requests[i].output_ids) or {0})'),
+    ('S6', 'fivefold/serve/sampling.py', 'serve',
+     '(u * cdf[:, -1])[:, None], right=True)',
+     '(u * cdf[:, -1])[:, None], right=False)'),
+    ('S7', 'fivefold/serve/sampling.py', 'serve',
+     'logits = logits / temperature[:, None]',
+     'logits = logits / temperature[:, None].sqrt()'),
+    ('S8', 'fivefold/serve/sampling.py', 'serve',
+     'counts = torch.zeros_like(sub).scatter_add_(1, out, valid.to(sub.dtype))',
+     'counts = torch.zeros_like(sub).scatter_add_(1, out, torch.ones_like(valid, dtype=sub.dtype))'),
+    ('S9', 'fivefold/serve/sampling.py', 'serve',
+     'raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None',
+     'raw = None'),
+    ('S10', 'fivefold/serve/sampling.py', 'serve',
+     'logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)',
+     'logits -= params.frequency_penalty * counts + params.presence_penalty * counts'),
+    ('B1', 'fivefold/serve/blocks.py', 'serve',
+     'for i in range((len(tokens) - 1) // bs):',
+     'for i in range(len(tokens) // bs):'),
+    ('B2', 'fivefold/serve/blocks.py', 'serve',
+     '                if self.hash_of[b] is None:\n                    self.free.move_to_end(b, last=False)\n',
+     ''),
+    ('B3', 'fivefold/serve/blocks.py', 'serve',
+     'for b in reversed(seq.block_table):',
+     'for b in seq.block_table:'),
+    ('B4', 'fivefold/serve/blocks.py', 'serve',
+     'if fresh + revived + reserve > self.num_free:',
+     'if fresh + reserve > self.num_free:'),
+    ('B5', 'fivefold/serve/blocks.py', 'serve',
+     '            del self.cached[h]\n            self.hash_of[block] = None\n',
+     '            self.hash_of[block] = None\n'),
+    ('B6', 'fivefold/serve/blocks.py', 'serve',
+     'if self.prefix_cache and h not in self.cached:',
+     'if self.prefix_cache:'),
+    ('B7', 'fivefold/serve/blocks.py', 'serve',
+     'self.hit_tokens += computed',
+     'self.hit_tokens += len(hits)'),
+    ('C1', 'fivefold/serve/scheduler.py', 'serve',
+     'victim = self.running[-1]',
+     'victim = self.running[0]'),
+    ('C2', 'fivefold/serve/scheduler.py', 'serve',
+     'self.waiting.appendleft(seq)',
+     'self.waiting.append(seq)'),
+    ('C3', 'fivefold/serve/scheduler.py', 'serve',
+     '                scheduled.append((seq, n))\n                budget -= n\n',
+     '                scheduled.append((seq, n))\n'),
+    ('C4', 'fivefold/serve/scheduler.py', 'serve',
+     'len(self.running) < self.max_num_seqs',
+     'len(self.running) <= self.max_num_seqs'),
+    ('C5', 'fivefold/serve/scheduler.py', 'serve',
+     'reserve=self.reserve if self.running else 0',
+     'reserve=0'),
+    ('C6', 'fivefold/serve/scheduler.py', 'serve',
+     'while self.waiting and budget and not preempted and',
+     'while self.waiting and budget and'),
+    ('P1', 'fivefold/serve/protocol.py', 'server',
+     'top_k=0 if body.top_k == -1 else body.top_k',
+     'top_k=max(body.top_k, 0)'),
+    ('P2', 'fivefold/serve/protocol.py', 'server',
+     '        offsets.append(offset)\n        offset += len(token)',
+     '        offset += len(token)\n        offsets.append(offset)'),
+    ('P3', 'fivefold/serve/protocol.py', 'server',
+     'self.hold = max(map(len, stop), default=1) - 1',
+     'self.hold = max(0, max(map(len, stop), default=1) - 2)'),
+    ('P4', 'fivefold/serve/protocol.py', 'server',
+     '        if len(now) > len(before) and not now.endswith("\\ufffd"):',
+     '        if len(now) > len(before):'),
+    ('P5', 'fivefold/serve/protocol.py', 'server',
+     '        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")',
+     '        pass'),
+    ('Q1', 'fivefold/quant/formats.py', 'quant',
+     '    half = torch.where(half.float() < scale, (half.view(torch.int16) + 1).view(torch.float16), half)\n',
+     ''),
+    ('Q2', 'fivefold/quant/formats.py', 'quant',
+     'zero = torch.round(-lo / scale).clamp(0, INT4_MAX)',
+     'zero = torch.floor(-lo / scale).clamp(0, INT4_MAX)'),
+    ('Q3', 'fivefold/quant/formats.py', 'quant',
+     'scale = w.abs().amax(dim=1, keepdim=True) / INT8_MAX',
+     'scale = w.abs().amax(dim=1, keepdim=True) / 128'),
+    ('Q4', 'fivefold/quant/gptq.py', 'quant',
+     '            W1[i:].addr_(U1[i, i:], err[i], alpha=-1)',
+     '            W1[i + 1:].addr_(U1[i, i + 1:], err[i], alpha=-1)', "equivalent"),
+    ('Q5', 'fivefold/quant/gptq.py', 'quant',
+     '    diag += damp * diag.mean()',
+     '    diag += damp'),
+    ('Q6', 'fivefold/quant/gptq.py', 'quant',
+     '                m.weight.data = qw.dequantize(m.weight.dtype)  # the next blocks see this block quantized\n',
+     ''),
+    ('Q7', 'fivefold/quant/gptq.py', 'quant',
+     '    W[dead] = 0\n',
+     ''),
+    ('Q8', 'fivefold/quant/gptq.py', 'quant',
+     '                    group = torch.cat([group, W[i2:col + g] - u[i1:col, i2:col + g].T @ err[:i]])',
+     '                    group = torch.cat([group, W[i2:col + g]])'),
+    ('L1', 'fivefold/finetune/lora.py', 'lora',
+     'bound = 1.0 / math.sqrt(shape[1])',
+     'bound = 1.0 / math.sqrt(shape[0])'),
+    ('L2', 'fivefold/finetune/lora.py', 'lora',
+     '            module.lora_A.weight.register_hook(all_reduce_hook(tp_group))\n',
+     ''),
+    ('L3', 'fivefold/finetune/lora.py', 'lora',
+     '                module.lora_B.weight.register_hook(all_reduce_hook(tp_group))\n',
+     ''),
+    ('L4', 'fivefold/finetune/lora.py', 'lora',
+     'delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * lora.scaling',
+     'delta = module.lora_B.weight.float() @ module.lora_A.weight.float()'),
+    ('L5', 'fivefold/finetune/lora.py', 'lora',
+     'x = F.dropout(x, self.dropout, module.training)',
+     'x = F.dropout(x, self.dropout, True)'),
+    ('L6', 'fivefold/finetune/lora.py', 'lora',
+     '    for p in model.parameters():\n        p.requires_grad_(False)\n',
+     ''),
+    ('T1', 'fivefold/train/optim.py', 'train',
+     'coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)',
+     'coef = (grad_clip / (norm + 1e-6))'),
+    ('T2', 'fivefold/train/optim.py', 'train',
+     'floor = peak * cfg.min_lr_ratio',
+     'floor = 0.0 * cfg.min_lr_ratio'),
+    ('T3', 'fivefold/train/optim.py', 'train',
+     'if tokens_seen >= threshold:',
+     'if tokens_seen > threshold:'),
+    ('D1', 'fivefold/data/dataset.py', 'data',
+     'return (self.store.num_tokens - 1) // self.seq_len',
+     'return self.store.num_tokens // self.seq_len'),
+    ('D2', 'fivefold/data/dataset.py', 'data',
+     'k = bisect.bisect_right(self._starts, start) - 1',
+     'k = bisect.bisect_left(self._starts, start) - 1'),
+    ('D3', 'fivefold/data/dataset.py', 'data',
+     'rng = np.random.default_rng([self.seed % 2**64, self.epoch])',
+     'rng = np.random.default_rng([self.seed % 2**64, 0])'),
+    ('D4', 'fivefold/data/dataset.py', 'data',
+     '            if self.position == self.num_items:\n                self.epoch, self.position = self.epoch + 1, 0',
+     '            if self.position == self.num_items:\n                self.position = 0'),
+    ('K1', 'fivefold/checkpoint/store.py', 'ck',
+     '        elif file_entry(path)[HASH_NAME] != expected[HASH_NAME]:',
+     '        elif False:'),
+    ('K2', 'fivefold/checkpoint/store.py', 'ck',
+     'for stale in list_checkpoints(root)[:-keep]:',
+     'for stale in list_checkpoints(root)[:-keep - 1]:'),
+    ('K3', 'fivefold/checkpoint/store.py', 'ck',
+     '        if target in found:\n',
+     '        if False:\n'),
+    ('K4', 'fivefold/checkpoint/store.py', 'ck',
+     '        if pid.isdigit() and not _pid_alive(int(pid)):',
+     '        if pid.isdigit():'),
+    ('K5', 'fivefold/checkpoint/store.py', 'ck',
+     '    if damaged and all(_unverifiable(found) for _, found in damaged):',
+     '    if damaged and any(_unverifiable(found) for _, found in damaged):'),
+]]
+
+
+def run(mutant: Mutant, tree: Path) -> str:
+    """Apply `mutant` in `tree`, run its tests, restore the file; the verdict and the first failure."""
+    path = tree / mutant.path
+    source = path.read_text()
+    path.write_text(source.replace(mutant.old, mutant.new, 1))
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               *TESTS[mutant.tests].split()], cwd=tree, capture_output=True, text=True,
+                              timeout=1800, env={**os.environ, "PYTHONPATH": str(tree)})
+    except subprocess.TimeoutExpired:
+        return "killed (timed out)"
+    finally:
+        path.write_text(source)
+    if done.returncode == 0:
+        return "SURVIVED"
+    failed = next((line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))), "")
+    return f"killed  {failed[:150]}"
+
+
+def main(ids: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not ids or m.id in ids]
+    surprises = 0
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), "HEAD"], cwd=ROOT, check=True)
+        try:
+            for mutant in chosen:
+                start = time.perf_counter()
+                verdict = run(mutant, tree)
+                surprises += verdict.startswith("SURVIVED") != (mutant.expected == "equivalent")
+                print(f"{mutant.id:4} {mutant.path:34} {verdict}  ({time.perf_counter() - start:.0f} s)", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    print(f"{len(chosen)} mutants, {surprises} not as expected")
+    return 1 if surprises else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
