@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from machine import base_info, write_results
 
 from fivefold.kernels import cpu_build
-from fivefold.kernels.cpu_linear_rows import MAX_ROWS_BY_WIDTH, MIN_ROWS, linear_rows, rows_kernel_problem
+from fivefold.kernels.cpu_linear_rows import MAX_ROWS_BY_WIDTH, rows_kernel_problem
 from fivefold.presets import get_preset
-from fivefold.serve.cpu_linear import input_major, onednn_available, onednn_linear
+from fivefold.serve.cpu_linear import input_major, onednn_available, onednn_linear, rows_kernel_all
 
 
 def shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
 
     def kernel(x, w):  # the AVX2 tiles at the rows the wrapper would give them on an AVX2 machine, else MKL's
         return cpu_build.build()[0].linear_rows(x, w, args.width) \
-            if MIN_ROWS <= x.shape[0] <= MAX_ROWS_BY_WIDTH[256] else F.linear(x, w)
+            if x.shape[0] <= MAX_ROWS_BY_WIDTH[256] else F.linear(x, w)
     rows = [int(r) for r in args.rows.split(",")]
     products = {"F.linear plain": (F.linear, False), "F.linear input-major": (F.linear, True)}
     if onednn_available():
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
             times = {label: seconds(fn, x, laid if major else plain, args.reps)
                      for label, (fn, major) in products.items()}
             times["rows kernel"] = seconds(kernel, x, plain, args.reps) if args.width else \
-                seconds(linear_rows, x, plain, args.reps)
+                seconds(rows_kernel_all, x, plain, args.reps)
             best_library = min(v for k, v in times.items() if k != "rows kernel")
             table[m] = {"gb_per_s": {k: nbytes / v / 1e9 for k, v in times.items()},
                         "speedup_over_best_library": best_library / times["rows kernel"]}

@@ -16,6 +16,8 @@
   (fivefold/kernels/cpu_paged_decode.py, serve.cpu_kernel=true) against gathering their blocks for SDPA;
 - `rows-kernel`: linears at 4-32 rows through fivefold's rows kernel where it was timed faster for their shape
   (fivefold/kernels/cpu_linear_rows.py, among serve.linear=auto's candidates) against the libraries' products;
+- `one-row`: the rows kernel's one to three rows (a batch-1 decode) run by whichever of the kernel, MKL and
+  oneDNN was timed fastest for the shape, against MKL's always (the kernel's only form before 2026-11-28);
 - `all`: the defaults against none of the lean loop, the input-major layout, huge pages and the C++ kernels.
 
 Two engines on models built from the same seed, differing only in that choice, run alternately, so that
@@ -62,8 +64,9 @@ def parse_args(argv=None):
 
 
 # Per comparison, (name, options) of the side with the choice and of the side without: serve.* options,
-# "input_major" (whether block weights may take the input-major layout) and "rows_kernel" (whether the rows
-# kernel is a candidate).
+# "input_major" (whether block weights may take the input-major layout), "rows_kernel" (whether the rows
+# kernel is a candidate) and "rows_forms" (which of its forms are: "one-row" sets the form it had before its
+# one to three rows were timed, MKL's product there).
 SIDES = {
     "products": (("chosen per shape", {}), ("oneDNN", {"linear": "onednn"})),
     "layout": (("input-major", {}), ("plain", {"input_major": False})),
@@ -73,6 +76,7 @@ SIDES = {
     "lm-head": (("LM head as chosen", {}), ("LM head on F.linear", {"lm_head": "F.linear"})),
     "cpu-kernel": (("C++ paged decode kernel", {"cpu_kernel": "true"}), ("gather + SDPA", {"cpu_kernel": "false"})),
     "rows-kernel": (("rows kernel", {}), ("libraries' products", {"rows_kernel": False})),
+    "one-row": (("one row as timed", {}), ("one row on MKL", {"rows_forms": ("rows kernel+F.linear",)})),
     "all": (("defaults", {}), ("none of the five", {"input_major": False, "fuse_launches": False,
                                                     "huge_pages": "false", "cpu_kernel": "false"})),
 }
@@ -95,18 +99,25 @@ def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager
     `lm_head` names if given, and its attention with a row per head under the context if not `heads_as_rows`."""
     options = dict(options)
     chosen = cpu_linear.chosen_product
+    listed = cpu_linear.candidates
     input_major, rows_kernel = options.pop("input_major", True), options.pop("rows_kernel", True)
+    forms = options.pop("rows_forms", None)
 
     def choose(shape, dtype, mode="auto", layouts=True, rows=False):
         return chosen(shape, dtype, mode, layouts and input_major, rows and rows_kernel)
+
+    def candidates(mode, layouts, rows=False):
+        return [p for p in listed(mode, layouts, rows) if not p.library.startswith("rows ") or p.library in forms]
     cpu_linear.chosen_product = choose
+    if forms is not None:
+        cpu_linear.candidates = candidates
     head = options.pop("lm_head", None)
     context = contextlib.nullcontext if options.pop("heads_as_rows", True) else one_row_per_head
     try:
         llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=700, max_num_seqs=64,
                   **options)
     finally:
-        cpu_linear.chosen_product = chosen
+        cpu_linear.chosen_product, cpu_linear.candidates = chosen, listed
     if head:
         llm.engine.model.lm_head.linear_fn = cpu_linear.LIBRARIES[head]
     return llm, context

@@ -265,7 +265,7 @@ class ServeConfig:
     # On a CPU, fivefold's C++ kernels (fivefold.kernels.cpu_build; a C++ compiler and ninja, built once per
     # machine, ~1 min): decode rows attend through one that reads the KV pool in place through the block tables
     # (fivefold.kernels.cpu_paged_decode) instead of gathering their blocks for SDPA (prompt chunks gather either
-    # way), and under serve.linear=auto a float32 linear's product at 4-32 rows may be the rows kernel
+    # way), and under serve.linear=auto a float32 linear's product at 1-32 rows may be the rows kernel
     # (fivefold.kernels.cpu_linear_rows, AVX-512 or AVX2) where it times faster for the weight's shape.
     # "auto" = where they can run (float32, a head size the attention instantiates, and they build; "true"
     # refuses to start where the attention kernel cannot); logits equal the libraries' and SDPA's to float

@@ -138,6 +138,57 @@ def test_it_is_a_candidate_only_where_asked_and_only_in_the_plain_layout(monkeyp
     assert cl.Product.parse(str(rows)) == rows and str(rows) == "rows kernel plain"
 
 
+@pytest.mark.skipif(not cl.onednn_available(), reason="this torch has no oneDNN inner product")
+def test_its_three_forms_differ_only_in_who_runs_one_to_three_rows():
+    """At MIN_ROWS..max_rows() rows all three forms are the kernel; below, 'rows kernel' is the kernel too,
+    '+F.linear' and '+oneDNN' are those libraries bit for bit; past max_rows() all are F.linear. Each a
+    candidate in the plain layout only."""
+    w, b = randn(64, 48, seed=15), randn(64, seed=16)
+    forms = {"rows kernel": None, "rows kernel+F.linear": F.linear, "rows kernel+oneDNN": cl.onednn_linear}
+    with torch.no_grad():
+        for name, library in forms.items():
+            fn = cl.LIBRARIES[name]
+            for m in (1, MIN_ROWS - 1):
+                x = randn(m, 48, seed=m)
+                expected = kernel(x, w) + b if library is None else library(x, w, b)
+                torch.testing.assert_close(fn(x, w, b), expected, rtol=0, atol=0)
+            for m in (MIN_ROWS, max_rows()):
+                x = randn(m, 48, seed=m)
+                torch.testing.assert_close(fn(x, w, b), kernel(x, w) + b, rtol=0, atol=0)
+            x = randn(max_rows() + 1, 48, seed=17)
+            assert torch.equal(fn(x, w, b), F.linear(x, w, b))
+    assert {p for p in cl.candidates("auto", True, rows_kernel=True) if "rows" in p.library} == {
+        cl.Product(name) for name in forms}
+
+
+@pytest.mark.parametrize("one_row", ["oneDNN", "F.linear", "kernel"])
+def test_the_kernel_is_kept_with_whichever_runs_one_row_fastest(monkeypatch, tmp_path, one_row):
+    """The kernel fastest at 4-32 rows: kept with the library whose one-row product is fastest (oneDNN's on
+    the AMD host, MKL's on the Intel one), or alone where it is itself (beside MKL it lost the AMD host's
+    batch-1 decode by half)."""
+    import time
+
+    def product(library):
+        def run(x, weight, bias=None):
+            rows = x.shape[0]
+            few = library if library in ("oneDNN", "F.linear") else library.partition("+")[2] or "kernel"
+            if rows >= MIN_ROWS:  # the kernel's rows: it is the fastest there
+                time.sleep(1e-3 if library.startswith("rows kernel") else 3e-3)
+            else:
+                time.sleep(1e-3 if few == one_row else 3e-3)
+            return x @ weight.t()
+        return run
+
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    names = ["oneDNN", "F.linear", "rows kernel", "rows kernel+F.linear", "rows kernel+oneDNN"]
+    monkeypatch.setattr(cl, "LIBRARIES", {name: product(name) for name in names})
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
+    monkeypatch.setattr(cl, "_chosen", {})
+    monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)
+    expected = "rows kernel" if one_row == "kernel" else f"rows kernel+{one_row}"
+    assert cl.chosen_product((1024, 256), torch.float32, layouts=False, rows_kernel=True) == cl.Product(expected)
+
+
 def test_a_choice_timed_without_the_kernel_is_timed_again_with_it(monkeypatch, tmp_path):
     """The products file keeps choices by their candidates: one timed before the rows kernel existed is not
     read as the choice among candidates that include it."""
@@ -152,8 +203,8 @@ def test_a_choice_timed_without_the_kernel_is_timed_again_with_it(monkeypatch, t
         return run
 
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
-    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(3e-3), "F.linear": product(2e-3),
-                                          "rows kernel": product(1e-3)})
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(3e-3), "F.linear": product(2e-3), "rows kernel": product(1e-3),
+                                          "rows kernel+F.linear": product(4e-3), "rows kernel+oneDNN": product(4e-3)})
     monkeypatch.setattr(cl, "onednn_available", lambda: True)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)
@@ -179,7 +230,7 @@ def test_a_model_routed_to_the_kernel_computes_what_f_linear_does(preset):
             routed = tiny(preset)
             fuse_projections(routed)
             counts = cl.route_linears(routed, choose=lambda shape, dtype, layouts: cl.Product("rows kernel"))
-            assert set(counts) == {"rows kernel"} and routed.lm_head.linear_fn is linear_rows
+            assert set(counts) == {"rows kernel"} and routed.lm_head.linear_fn is cl.rows_kernel_all
             assert all(p.stride(-1) == 1 for p in routed.parameters())
             torch.testing.assert_close(routed(ids), reference, rtol=1e-5, atol=1e-5)
 

@@ -165,7 +165,8 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
     assert timed and cl.chosen_product(shape, torch.float32) == expected and len(calls) == timed
     # Kept for the next start: a new process (no choices in memory) reads it instead of timing again.
     saved = json.loads((tmp_path / cl.PRODUCTS_FILE).read_text())
-    assert saved == {cl._machine(): {"1024x256 float32 auto rows 1,4,8,16,32": fastest}}
+    candidates = "oneDNN plain, oneDNN input-major, F.linear plain, F.linear input-major"
+    assert saved == {cl._machine(): {f"1024x256 float32 auto: {candidates} at rows 1,4,8,16,32": fastest}}
     monkeypatch.setattr(cl, "_chosen", {})
     assert cl.chosen_product(shape, torch.float32) == expected and len(calls) == timed
     (tmp_path / cl.PRODUCTS_FILE).write_text("{not json")  # damaged: timed again, and rewritten
@@ -178,7 +179,8 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
     assert cl.chosen_product((64, 64), torch.float32, "onednn") == cl.Product("oneDNN")
     # An entry for a product this mode does not choose among (or an older file's) is timed again.
     calls.clear()
-    saved[cl._machine()]["1024x256 float32 onednn rows 1,4,8,16,32"] = "F.linear plain"
+    saved[cl._machine()]["1024x256 float32 onednn: oneDNN plain, oneDNN input-major at rows 1,4,8,16,32"] = \
+        "F.linear plain"
     (tmp_path / cl.PRODUCTS_FILE).write_text(json.dumps(saved))
     monkeypatch.setattr(cl, "_chosen", {})
     assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN" and calls
@@ -215,7 +217,7 @@ def test_without_onednn_auto_falls_back_and_onednn_is_refused(monkeypatch):
     import fivefold.serve.cpu_linear as cpu_linear
     monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
     # auto: F.linear, its layout chosen (or fivefold's rows kernel where it runs and timed faster)
-    assert set(LLM(tiny()).engine.linears) <= {"F.linear", "rows kernel"}
+    assert set(LLM(tiny()).engine.linears) <= {"F.linear", "rows kernel", "rows kernel+F.linear"}
     assert set(LLM(tiny(), cpu_kernel="false").engine.linears) == {"F.linear"}
     with pytest.raises(ConfigError, match="serve.linear=onednn cannot be used here: this torch has no oneDNN; set "
                                           "serve.linear=auto or torch"):

@@ -5,8 +5,9 @@ rows (the decode steps of a few sequences) they read it at a third to a half of 
 host: the step pays for its rows as if each re-read the weights. cpu_linear_rows.cpp multiplies each tile of
 four weight rows against every input row while the tile is in the first-level cache, and prefetches the next
 tile while it works. fivefold.serve.cpu_linear times it against the libraries for each weight shape and keeps
-it where it is faster (serve.linear=auto); below MIN_ROWS rows and past `max_rows()` (32 with AVX-512, 16
-with AVX2; prompt chunks) it hands over to F.linear.
+it where it is faster (serve.linear=auto). Past `max_rows()` (32 with AVX-512, 16 with AVX2; prompt chunks) it
+hands over to F.linear; below MIN_ROWS rows (a batch-1 decode) the timing chooses between the kernel itself and
+a library's one-row product, F.linear's or oneDNN's.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
 or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. float32 only, on a CPU
@@ -17,13 +18,17 @@ products run. Where it runs, the per-shape timing keeps it only where it is fast
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from fivefold.kernels import cpu_build
 
-# The rows the kernel takes. Below MIN_ROWS MKL runs its one-row product (sgemv), as fast or faster (at 1-3
-# rows the kernel's was 0.76-1.15x it on smollm2-135m's shapes, at 4 rows 1.2-2.0x); beyond the tiles' most
+# The rows the kernel takes. Below MIN_ROWS a library's one-row product may be as fast or faster: on the
+# Intel host MKL's sgemv (at 1-3 rows the kernel's was 0.76-1.15x it on smollm2-135m's shapes, at 4 rows
+# 1.2-2.0x), though not on the AMD host (there the kernel read one row at 25-28 GB/s, oneDNN 13-19, MKL 8-14),
+# so whether the kernel takes them too is timed per shape (fivefold.serve.cpu_linear); beyond the tiles' most
 # rows the libraries' blocked products are: with AVX-512 past 32 (at 64 rows MKL's was 1.1-1.5x the kernel's,
 # at 32 the kernel's 1.1-1.4x MKL's), with AVX2 past 16 (its tiles ran 0.55-0.78x MKL's at 24-32 rows and
 # 0.93-1.27x at 16 on the Intel host, bench/cpu_linear_rows.py --width 256).
@@ -63,15 +68,20 @@ def offered(cpu_kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     return cpu_kernel != "false" and device.type == "cpu" and dtype == torch.float32 and rows_kernel_problem() is None
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                few_rows: Callable | None = F.linear) -> torch.Tensor:
     """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..max_rows() rows of float32 with the
-    weight in its (out, in) layout, else F.linear. No autograd: gradients take F.linear."""
+    weight in its (out, in) layout, and below MIN_ROWS through `few_rows` (a library's product: which one
+    streams one row fastest depends on the CPU), or the kernel too where it is None; else F.linear. No
+    autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (not MIN_ROWS <= rows <= max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (rows > max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or weight.stride(1) != 1 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
+    if rows < MIN_ROWS and (few_rows is not None or rows == 0):
+        return (few_rows or F.linear)(x, weight, bias)
     x2 = x.reshape(rows, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()

@@ -52,10 +52,24 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def rows_kernel_all(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fivefold's rows kernel at every row count from one to its most, F.linear's product past them."""
+    return linear_rows(x, weight, bias, few_rows=None)
+
+
+def rows_kernel_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fivefold's rows kernel at 4 rows to its most, oneDNN's product below, F.linear's past them."""
+    return linear_rows(x, weight, bias, few_rows=onednn_linear)
+
+
 # The products a CPU linear can run on, by the name a choice is kept under; looked up at each use, so that
-# the tests can stand in for them. "rows kernel": fivefold's own at 4-32 rows (fivefold.kernels.cpu_linear_rows,
-# serve.cpu_kernel), F.linear's at other row counts; it reads the weight in its (out, in) layout only.
-LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear, "rows kernel": linear_rows}
+# the tests can stand in for them. The rows kernel (fivefold.kernels.cpu_linear_rows, serve.cpu_kernel) comes
+# in three forms that differ in who runs one to three rows (a batch-1 decode; each hands prompt chunks past
+# its most rows to F.linear): "rows kernel" the kernel itself, "rows kernel+F.linear" MKL's sgemv (on par on
+# the Intel host), "rows kernel+oneDNN" oneDNN's (on the AMD host, where MKL streamed one row at 8-14 GB/s,
+# oneDNN at 13-19 and the kernel at 25-28). All three read the weight in its (out, in) layout only.
+LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear, "rows kernel": rows_kernel_all,
+                                  "rows kernel+F.linear": linear_rows, "rows kernel+oneDNN": rows_kernel_onednn}
 
 
 @dataclass(frozen=True)
@@ -142,12 +156,15 @@ def _save(key: str, choice: Product) -> None:
 def candidates(mode: str, layouts: bool, rows_kernel: bool = False) -> list[Product]:
     """The products serve.linear=`mode` chooses among on this CPU: "auto" both libraries (oneDNN where this
     torch has it), "onednn" oneDNN only; each in both layouts where `layouts`, else plain. With `rows_kernel`
-    (it runs here, and serve.cpu_kernel allows it), "auto" adds fivefold's rows kernel, in the plain layout."""
+    (it runs here, and serve.cpu_kernel allows it), "auto" adds fivefold's rows kernel in its three forms, in
+    the plain layout."""
     libraries = ["oneDNN", "F.linear"] if mode == "auto" else ["oneDNN"]
     if not onednn_available():
         libraries.remove("oneDNN")
     options = [Product(lib, major) for lib in libraries for major in ((False, True) if layouts else (False,))]
-    return options + [Product("rows kernel")] if rows_kernel and mode == "auto" else options
+    if rows_kernel and mode == "auto":
+        options += [Product("rows kernel")] + [Product(f"rows kernel+{lib}") for lib in libraries]
+    return options
 
 
 def _nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
@@ -189,9 +206,10 @@ def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto
     options = candidates(mode, layouts, rows_kernel)
     if len(options) == 1:
         return options[0]
-    # The row counts are part of the key: a choice timed at other sizes is timed again.
-    key = (f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}{'' if layouts else ' plain'}"
-           f"{' +rows kernel' if Product('rows kernel') in options else ''} rows {','.join(map(str, LAYOUT_ROWS))}")
+    # The candidates and row counts are part of the key: a choice timed among others or at other sizes is
+    # timed again.
+    key = (f"{out}x{inp} {str(dtype).removeprefix('torch.')} {mode}: {', '.join(map(str, options))}"
+           f" at rows {','.join(map(str, LAYOUT_ROWS))}")
     if key not in _chosen:
         saved = Product.parse(_saved().get(_machine(), {}).get(key))
         if saved in options:
