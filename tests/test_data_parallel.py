@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from parity import assert_parity, torchrun
@@ -41,6 +43,13 @@ def test_data_parallel_matches_one_process(single, data_cache, tmp_path, dp, acc
     train(out, data_cache, "--nproc", str(dp), "--set", f"train.micro_batch_size={micro}",
           "--set", f"train.grad_accum={accum}", "--set", f"parallel.bucket_mb={bucket_mb}")
     assert_parity(out, single)
+
+
+def test_a_parameter_no_rank_touched_keeps_no_gradient():
+    """The experts' reduction (overlap=False): sums over the ranks that had a gradient, and None where no rank
+    had one (tests/reducer_worker.py), so that the optimizer skips it as one process does."""
+    proc = torchrun(2, Path(__file__).parent / "reducer_worker.py")
+    assert proc.returncode == 0 and "reduced as one process" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_layout_errors_come_before_any_worker_starts(data_cache, tmp_path):
