@@ -27,7 +27,7 @@ def _record() -> None:
 
     def init(self, *args, **kwargs):
         frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_name == "__init__":  # a subclass's own __init__
+        while frame is not None and frame.f_locals.get("self") is self:  # a subclass's own __init__
             frame = frame.f_back
         if frame is not None:
             HITS.add((os.path.realpath(frame.f_code.co_filename), frame.f_lineno))

@@ -258,7 +258,7 @@ def test_no_serving_layout_meeting_the_latency_bound_says_to_relax_it():
 
 def test_a_model_whose_weights_fill_the_device_leaves_no_kv_block():
     """llama3-70b's 141 GB of bf16 weights on a 40 GB A100: nothing is left for the KV pool."""
-    with says("the KV pool holds no block on this hardware"):
+    with says("the KV pool holds no block on this hardware", "raise serve.kv_memory or set serve.num_blocks"):
         fivefold("plan", "--preset", "llama3-70b", "--serve", "--cluster", "a100-40gb",
                  "--workload", "requests=2,prompt=8,output=4")
 
@@ -345,6 +345,23 @@ def test_serve_lora_that_is_not_name_equals_path_shows_the_form(lora, hf_dir, tm
                    tmp_path / "tokenizer.json")
     with says(f"--lora {lora!r} must look like NAME=PATH (e.g. --lora sql=runs/sql-lora)"):
         fivefold("serve", hf_dir, "--tokenizer", tmp_path / "tokenizer.json", "--device", "cpu", "--lora", lora)
+
+
+def test_serve_lora_naming_one_adapter_twice_is_refused(hf_dir, tmp_path):
+    """Two --lora with one name would otherwise keep the last path silently."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    save_tokenizer(train_tokenizer(["the cat sat on the mat", "a dog ran far"] * 20, 300),
+                   tmp_path / "tokenizer.json")
+    with says("--lora names the adapter 'sql' twice (runs/a and runs/b); give each adapter its own name"):
+        fivefold("serve", hf_dir, "--tokenizer", tmp_path / "tokenizer.json", "--device", "cpu",
+                 "--lora", "sql=runs/a", "--lora", "sql=runs/b")
+
+
+def test_a_latency_bound_under_a_millisecond_is_printed_as_given():
+    with says("no serving layout meets p99 TPOT <= 0.1 ms"):
+        fivefold("plan", *TINY, "--serve", "--cluster", "h200", "--search", "--max-tpot", "0.0001",
+                 "--workload", "requests=4,prompt=8:16,output=4:8")
 
 
 def test_tensor_parallel_serving_of_a_model_object_asks_for_torchrun():

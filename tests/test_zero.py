@@ -6,6 +6,8 @@ All layouts of one world size train in turn inside a single torchrun launch (tes
 so the matrix costs two launches."""
 
 
+import json
+
 import pytest
 import torch
 
@@ -77,6 +79,19 @@ def test_zero3_under_bf16_mixed_matches_the_unsharded_run(runs):
     assert ours.keys() == ref.keys()
     apart = {name: float((ours[name] - ref[name]).norm() / ref[name].norm()) for name in ref}
     assert max(apart.values()) <= 2e-2, sorted(apart.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_zero3_gathers_each_block_while_the_one_before_computes(data_cache, tmp_path):
+    """One step at dp=2: the order of the gathers (tests/zero3_prefetch_worker.py), forward and backward."""
+    from pathlib import Path
+
+    from parity import torchrun
+
+    spec = tmp_path / "run.json"
+    spec.write_text(json.dumps(config(data_cache, tmp_path / "run", **layout(2, 3, 1),
+                                      **{"train.steps": 1, "train.eval_every": 0})))
+    proc = torchrun(2, Path(__file__).parent / "zero3_prefetch_worker.py", str(spec))
+    assert proc.returncode == 0 and "gathers in order" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def test_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, data_cache):

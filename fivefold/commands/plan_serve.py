@@ -141,7 +141,7 @@ def _search(args, cfg: Config, profile: HardwareProfile, workload: Workload) -> 
               f"{r['dtype']:>9} | {r['output_tokens_per_s']:>9,.0f} {r['output_tokens_per_s_per_gpu']:>9,.0f} | "
               f"{_ms(r['ttft_p50_s'])} {_ms(r['tpot_p50_s'])} {_ms(r['tpot_p99_s'])}    | {r['preemptions']:>7}")
     if not ok:
-        raise ConfigError(f"no serving layout meets p99 TPOT <= {1e3 * bound:.0f} ms for this workload; "
+        raise ConfigError(f"no serving layout meets p99 TPOT <= {1e3 * bound:.3g} ms for this workload; "
                           f"raise --max-tpot or lighten the workload")
     return 0
 

@@ -78,6 +78,9 @@ def run_serve(args) -> int:
         name, sep, path = text.partition("=")
         if not sep or not name or not path:
             raise ConfigError(f"--lora {text!r} must look like NAME=PATH (e.g. --lora sql=runs/sql-lora)")
+        if name in adapters:
+            raise ConfigError(f"--lora names the adapter {name!r} twice ({adapters[name]} and {path}); give each "
+                              f"adapter its own name")
         adapters[name] = path
     engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed, tp=loaded.tp, adapters=adapters)
     if loaded.tp and not loaded.tp.is_driver:

@@ -62,7 +62,9 @@ def simulate(cfg: Config, cost: StepCostModel, workload: Workload, num_blocks: i
     s, m = cfg.serve, cfg.model
     max_len = s.max_model_len or m.max_seq_len
     if num_blocks < 1:
-        raise ConfigError("the KV pool holds no block on this hardware: lower serve.kv_memory's share or the model")
+        raise ConfigError("the KV pool holds no block on this hardware: the weights leave no room for it; raise "
+                          "serve.kv_memory or set serve.num_blocks, or use more memory (a larger device or serve "
+                          "tp>1) or a smaller model")
     for i, r in enumerate(workload.requests):
         need = r.prompt + r.output
         if need > max_len or blocks_for(need, s.block_size) > num_blocks:
