@@ -121,6 +121,9 @@ LAYOUTS = {  # name -> (processes, overrides)
     "dp2_zero2": (2, {"parallel.dp": 2, "parallel.zero": 2}),
     "tp2": (2, {"parallel.tp": 2}),
     "tp2_sp": (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    # op-level recomputation keeps every other matmul output, the adapters' too: a row-parallel adapter's
+    # A x is all-reduced, and the kept partial product must stay partial for the replayed reduction
+    "tp2_ops": (2, {"parallel.tp": 2, "train.recompute": "ops"}),
     "pp2_1f1b": (2, {"parallel.pp": 2, "train.grad_accum": 2}),
     "pp2_zb": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble", "train.grad_accum": 2}),
     "tp2_sp_dp2_zero1": (4, {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.dp": 2,
