@@ -364,6 +364,27 @@ def test_a_latency_bound_under_a_millisecond_is_printed_as_given():
                  "--workload", "requests=4,prompt=8:16,output=4:8")
 
 
+@pytest.mark.parametrize("flags, parts", [
+    (["--lora", "sql=runs/sql-lora"], ["LoRA adapters are served with tp=1"]),
+    (["--set", "serve.async_scheduling=true"], ["serve.async_scheduling=true cannot be used with tensor parallelism",
+                                                "set it to auto"]),
+], ids=["lora", "async-scheduling"])
+def test_what_tensor_parallel_serving_cannot_do_is_refused_before_launching(flags, parts, hf_dir, monkeypatch):
+    """Refused by the command itself: no torchrun is started (the launcher would fail the test if called)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import fivefold.commands.serve as serve_command
+
+    monkeypatch.setattr(serve_command, "launch", lambda *a, **k: pytest.fail("launched torchrun"))
+    with says(*parts):
+        fivefold("serve", hf_dir, "--device", "cpu", "--tp", 2, *flags)
+
+
+def test_llm_refuses_adapters_under_tensor_parallelism_before_anything_starts(hf_dir):
+    with says("LoRA adapters are served with tp=1"):
+        LLM(hf_dir, tp=2, adapters={"sql": "runs/sql-lora"})
+
+
 def test_tensor_parallel_serving_of_a_model_object_asks_for_torchrun():
     with says("tp=2 serves a model from its path on 2 processes", "torchrun --nproc-per-node 2"):
         LLM(tiny_model(), tp=2)

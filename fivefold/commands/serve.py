@@ -14,7 +14,7 @@ from fivefold.config_load import load_config
 from fivefold.data.chat import special_tokens
 from fivefold.parallel.mesh import local_device, resolve_device
 from fivefold.serve import LLM, RequestError, SamplingParams
-from fivefold.serve.engine import Engine
+from fivefold.serve.engine import Engine, check_tp_serving
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sharded import launch
 
@@ -64,15 +64,6 @@ def run_serve(args) -> int:
     if other:
         raise ConfigError(f"--set {other[0]!r}: fivefold serve takes only serve.* keys (the model comes from MODEL)")
     cfg = load_config(args.config, None, args.overrides).serve
-    if args.tp > 1 and "LOCAL_RANK" not in os.environ:
-        return launch(args.model, args.tp, sys.argv[1:], "serve")
-    device = local_device(resolve_device(args.device))
-    try:
-        loaded = load_model_for_serving(args.model, args.tokenizer, cfg.dtype, device, args.tp)
-    except ValueError as e:  # e.g. an architecture import_hf does not support
-        return _fail(e)
-    if loaded.tokenizer is None:
-        return _fail(f"{args.model} has no tokenizer.json; pass --tokenizer tokenizer.json")
     adapters = {}
     for text in args.lora:
         name, sep, path = text.partition("=")
@@ -82,6 +73,16 @@ def run_serve(args) -> int:
             raise ConfigError(f"--lora names the adapter {name!r} twice ({adapters[name]} and {path}); give each "
                               f"adapter its own name")
         adapters[name] = path
+    check_tp_serving(args.tp, cfg, adapters)  # before any process starts
+    if args.tp > 1 and "LOCAL_RANK" not in os.environ:
+        return launch(args.model, args.tp, sys.argv[1:], "serve")
+    device = local_device(resolve_device(args.device))
+    try:
+        loaded = load_model_for_serving(args.model, args.tokenizer, cfg.dtype, device, args.tp)
+    except ValueError as e:  # e.g. an architecture import_hf does not support
+        return _fail(e)
+    if loaded.tokenizer is None:
+        return _fail(f"{args.model} has no tokenizer.json; pass --tokenizer tokenizer.json")
     engine = Engine(loaded.model, loaded.tokenizer, cfg, seed=args.seed, tp=loaded.tp, adapters=adapters)
     if loaded.tp and not loaded.tp.is_driver:
         # Ctrl-C reaches every rank; the driver's server stops first and then releases us.

@@ -90,6 +90,15 @@ def serve_config(options: Mapping) -> ServeConfig:
     return cfg.serve
 
 
+def check_tp_serving(tp: int, cfg: ServeConfig, adapters) -> None:
+    """What tensor-parallel serving over `tp` ranks cannot do: refused before any process starts (the launcher
+    and LLM ask first) and again by each rank's engine."""
+    if tp > 1 and adapters:
+        raise ConfigError("LoRA adapters are served with tp=1 (each rank would need its slices of them)")
+    if tp > 1 and cfg.async_scheduling == "true":
+        raise ConfigError("serve.async_scheduling=true cannot be used with tensor parallelism; set it to auto")
+
+
 class Engine:
     """`tp`: this rank's tensor-parallel group (fivefold.serve.sharded) when the model is a shard;
     rank 0 then drives (schedules, samples, broadcasts each batch) and the others `follow()`."""
@@ -98,12 +107,11 @@ class Engine:
                  tp=None, adapters: Mapping[str, str | Path] | None = None):
         """`adapters`: {name: a LoRA run, checkpoint or PEFT directory} served beside the base
         (fivefold.serve.adapters); a request names one with add_request(..., adapter=name)."""
+        check_tp_serving(tp.size if tp else 1, serve or ServeConfig(), adapters)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.adapters = None
         take_model(model, self, adapters=bool(adapters))
         if adapters:
-            if tp:
-                raise ConfigError("LoRA adapters are served with tp=1 (each rank would need its slices of them)")
             self.adapters = AdapterSet(model)
             for name, source in adapters.items():
                 self.adapters.add(load_adapter(name, source, model.cfg))
@@ -157,8 +165,6 @@ class Engine:
         # would need the driver's device tokens, so tp serves synchronously.
         choice = self.cfg.async_scheduling
         self.async_scheduling = choice == "true" or (choice == "auto" and self.device.type == "cuda" and not tp)
-        if self.async_scheduling and tp:
-            raise ConfigError("serve.async_scheduling=true cannot be used with tensor parallelism; set it to auto")
         self.pending: Pending | None = None
         self.undelivered: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -608,6 +614,7 @@ class LLM:
     def __init__(self, model: str | Path | Transformer, tokenizer=None, device: str = "auto", seed: int = 0,
                  tp: int = 1, adapters: Mapping[str, str | Path] | None = None, **engine_options):
         serve = serve_config(engine_options)
+        check_tp_serving(tp, serve, adapters)
         self.chat_template = None
         group = None
         if tp > 1 and (isinstance(model, Transformer) or launched_world_size() != tp):
