@@ -449,11 +449,11 @@ def _divisors(n: int) -> list[int]:
 
 def validate_serve(cfg: Config) -> None:
     s = cfg.serve
-    # The choices (dtype, kernels, cuda_graphs, async_scheduling) as --set checks them, also for values given
-    # through the Python API (LLM(..., cuda_graphs=True)): booleans become "true" / "false".
+    # Every value as --set checks it, also for values given through the Python API: a choice (dtype, kernels,
+    # cuda_graphs, ...) takes booleans as "true" / "false" (LLM(..., cuda_graphs=True)), and a count refuses
+    # them (LLM(..., block_size=True) would otherwise serve blocks of one token).
     for key, typ in _field_types(ServeConfig).items():
-        if get_origin(typ) is Literal:
-            setattr(s, key, _coerce(f"serve.{key}", getattr(s, key), typ))
+        setattr(s, key, _coerce(f"serve.{key}", getattr(s, key), typ))
     for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
         if getattr(s, key) < 1:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be at least 1")

@@ -404,6 +404,16 @@ def test_engine_options_that_leave_no_kv_pool_name_the_option(options, parts):
         LLM(tiny_model(), device="cpu", **options)
 
 
+@pytest.mark.parametrize("options, parts", [
+    ({"block_size": True}, ["serve.block_size=True is not valid; expected an integer"]),
+    ({"max_num_seqs": 2.5}, ["serve.max_num_seqs=2.5 is not valid; expected an integer"]),
+], ids=["bool-for-a-count", "fraction-for-a-count"])
+def test_engine_options_of_the_wrong_type_are_refused_as_set_would(options, parts):
+    """Python's bool is an int: unchecked, block_size=True served blocks of one token."""
+    with says(*parts):
+        LLM(tiny_model(), device="cpu", **options)
+
+
 @pytest.fixture
 def peft_adapter(tmp_path):
     """A rank-4 PEFT adapter for the 'tiny' model (zeros: only its shapes matter here)."""
@@ -416,10 +426,12 @@ def peft_adapter(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["", "base:sql"], ids=["empty", "colon"])
-def test_an_adapter_name_clients_could_not_address_is_refused(name, peft_adapter):
-    """Clients ask for an adapter as model 'BASE:NAME', so a name must be non-empty and free of ':'."""
-    with says(f"adapter name {name!r}: give a non-empty name without ':'"):
-        LLM(tiny_model(), device="cpu", adapters={name: peft_adapter})
+def test_an_adapter_name_clients_could_not_address_is_refused(name, peft_adapter, tmp_path):
+    """Clients ask for an adapter as model 'BASE:NAME', so a name must be non-empty and free of ':'; the name
+    is the error even where the adapter's path is wrong too (it is checked before the weights are read)."""
+    for source in (peft_adapter, tmp_path / "no-adapter"):
+        with says(f"adapter name {name!r}: give a non-empty name without ':'"):
+            LLM(tiny_model(), device="cpu", adapters={name: source})
 
 
 def test_a_peft_adapter_on_a_gpt2_layout_model_is_refused(tmp_path):

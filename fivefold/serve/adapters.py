@@ -88,11 +88,16 @@ class AdapterSet:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
 
+    def check_name(self, name: str) -> None:
+        """Refuse a name clients could not address (they ask for 'BASE:NAME') or one already taken; asked
+        before the adapter's weights are read, so that a bad name is the error reported."""
+        if name in self.adapters:
+            raise ConfigError(f"an adapter named {name!r} is already loaded")
+        if not name or ":" in name:
+            raise ConfigError(f"adapter name {name!r}: give a non-empty name without ':'")
+
     def add(self, adapter: Adapter) -> None:
-        if adapter.name in self.adapters:
-            raise ConfigError(f"an adapter named {adapter.name!r} is already loaded")
-        if not adapter.name or ":" in adapter.name:
-            raise ConfigError(f"adapter name {adapter.name!r}: give a non-empty name without ':'")
+        self.check_name(adapter.name)
         modules = dict(self.model.named_modules())
         missing = sorted(set(adapter.weights) - set(modules))
         if missing:

@@ -114,6 +114,7 @@ class Engine:
         if adapters:
             self.adapters = AdapterSet(model)
             for name, source in adapters.items():
+                self.adapters.check_name(name)
                 self.adapters.add(load_adapter(name, source, model.cfg))
         for module in model.modules():
             if isinstance(module, MoE):  # dropping tokens would make an output depend on its batch companions
