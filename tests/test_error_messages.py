@@ -251,7 +251,8 @@ def test_plan_search_errors_name_the_flag_and_the_fix(argv, parts):
 
 
 def test_no_serving_layout_meeting_the_latency_bound_says_to_relax_it():
-    with says("no serving layout meets p99 TPOT <=", "raise --max-tpot or lighten the workload"):
+    """The bound as given, under a millisecond too."""
+    with says("no serving layout meets p99 TPOT <= 0.1 ms", "raise --max-tpot or lighten the workload"):
         fivefold("plan", *TINY, "--serve", "--cluster", "h200", "--search", "--max-tpot", "0.0001",
                  "--workload", "requests=4,prompt=8:16,output=4:8")
 
@@ -338,30 +339,20 @@ def test_exporting_to_an_unknown_architecture_lists_the_known_ones(tmp_path):
 
 
 @pytest.mark.parametrize("lora", ["sql", "=runs/sql-lora", "sql="])
-def test_serve_lora_that_is_not_name_equals_path_shows_the_form(lora, hf_dir, tmp_path):
+def test_serve_lora_that_is_not_name_equals_path_shows_the_form(lora, hf_dir):
+    """Refused before the model is loaded."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    save_tokenizer(train_tokenizer(["the cat sat on the mat", "a dog ran far"] * 20, 300),
-                   tmp_path / "tokenizer.json")
     with says(f"--lora {lora!r} must look like NAME=PATH (e.g. --lora sql=runs/sql-lora)"):
-        fivefold("serve", hf_dir, "--tokenizer", tmp_path / "tokenizer.json", "--device", "cpu", "--lora", lora)
+        fivefold("serve", hf_dir, "--device", "cpu", "--lora", lora)
 
 
-def test_serve_lora_naming_one_adapter_twice_is_refused(hf_dir, tmp_path):
+def test_serve_lora_naming_one_adapter_twice_is_refused(hf_dir):
     """Two --lora with one name would otherwise keep the last path silently."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    save_tokenizer(train_tokenizer(["the cat sat on the mat", "a dog ran far"] * 20, 300),
-                   tmp_path / "tokenizer.json")
     with says("--lora names the adapter 'sql' twice (runs/a and runs/b); give each adapter its own name"):
-        fivefold("serve", hf_dir, "--tokenizer", tmp_path / "tokenizer.json", "--device", "cpu",
-                 "--lora", "sql=runs/a", "--lora", "sql=runs/b")
-
-
-def test_a_latency_bound_under_a_millisecond_is_printed_as_given():
-    with says("no serving layout meets p99 TPOT <= 0.1 ms"):
-        fivefold("plan", *TINY, "--serve", "--cluster", "h200", "--search", "--max-tpot", "0.0001",
-                 "--workload", "requests=4,prompt=8:16,output=4:8")
+        fivefold("serve", hf_dir, "--device", "cpu", "--lora", "sql=runs/a", "--lora", "sql=runs/b")
 
 
 @pytest.mark.parametrize("flags, parts", [

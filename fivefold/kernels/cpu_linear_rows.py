@@ -76,12 +76,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (rows > max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (not 0 < rows <= max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or weight.stride(1) != 1 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
-    if rows < MIN_ROWS and (few_rows is not None or rows == 0):
-        return (few_rows or F.linear)(x, weight, bias)
+    if rows < MIN_ROWS and few_rows is not None:
+        return few_rows(x, weight, bias)
     x2 = x.reshape(rows, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
