@@ -96,15 +96,32 @@ def test_overrides_that_do_not_fit_the_model_name_the_keys_and_the_fix(preset, o
 
 def test_a_device_that_is_neither_cpu_nor_cuda_is_refused(tmp_path):
     """`meta` is a torch device, so only the cpu/cuda rule catches it (before calibrate measures anything)."""
-    with says("'meta': fivefold trains on cpu or cuda", "use auto, cpu, cuda or cuda:N"):
+    with says("--device meta: fivefold runs on cpu or cuda", "use auto, cpu, cuda or cuda:N"):
         fivefold("calibrate", "--device", "meta", "--out", tmp_path / "profile.toml")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_training_on_cuda_without_cuda_suggests_the_cpu(tmp_path, data_cache):
-    with says("train.device='cuda' but CUDA is not available", "use train.device=cpu or auto"):
+    with says("train.device='cuda' but CUDA is not available", "use train.device=cpu or train.device=auto"):
         fivefold("train", *TINY, "--out", tmp_path / "run", "--set", "train.device=cuda",
                  "--set", f"data.cache_dir={data_cache}")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "quantize"])
+def test_each_command_names_its_own_device_flag(command, tmp_path, hf_dir):
+    """A command's --device is quoted as the flag the user typed, not as train.device, and is checked before
+    any weights are read (the model path here does not exist for the ones that would read it first)."""
+    missing = tmp_path / "no-such-model"
+    argv = {"generate": ["generate", "--checkpoint", hf_dir, "--tokenizer", "tok.json", "--prompt", "hi"],
+            "serve": ["serve", hf_dir],
+            "quantize": ["quantize", missing, "--method", "int8"]}[command]
+    with says("--device gpu0 is not a device", "use auto, cpu, cuda or cuda:N"):
+        fivefold(*argv, "--device", "gpu0")
+
+
+def test_the_python_api_names_its_device_argument(hf_dir):
+    with says("device='meta': fivefold runs on cpu or cuda"):
+        LLM(hf_dir, device="meta")
 
 
 # -- training data ---------------------------------------------------------------------------------------------
@@ -169,7 +186,7 @@ def test_resuming_on_a_dataset_that_shrank_under_the_run_is_refused(tmp_path):
              "--tokenizer", tokenizer, "--val-fraction", 0.5)
     splits = json.loads((data / "index.json").read_text())["splits"]
     assert 33 <= splits["val"]["tokens"] and 33 <= splits["train"]["tokens"] < 4 * 32 + 1, splits
-    with says("cannot resume", "sampler state", "does not fit", "another dataset"):
+    with says("cannot resume", "sampler state", "does not fit", "prepared again", "Resume on the data the run started with"):
         fivefold(*train[:-1], "train.steps=2")
 
 

@@ -37,7 +37,7 @@ def register(sub) -> None:
 def run_calibrate(args) -> int:
     import torch.distributed as dist
 
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "--device")
     out = Path(args.out)
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return launch_workers(Config(), args.nproc, sys.argv[1:], "calibrate")

@@ -28,6 +28,7 @@ from fivefold.data.tokenizer import load_tokenizer
 from fivefold.errors import UserError
 from fivefold.interop.hf import read_tokenizer_files
 from fivefold.model import ForwardContext, doc_ids_from_tokens
+from fivefold.parallel.mesh import resolve_device
 from fivefold.quant.directory import check_out_dir, quantized_bytes_on_disk, safetensors_size, save_quantized
 from fivefold.quant.formats import BITS, METHODS, QuantizedWeight
 from fivefold.quant.gptq import quantize_model, quantized_linears
@@ -259,18 +260,8 @@ def format_table(rows: list[dict]) -> str:
 # -- the command ------------------------------------------------------------------------------------------
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device; use cpu or cuda (cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA device is available here; use --device cpu")
-    return device
-
-
 def run_quantize(args) -> int:
-    device = _device(args.device)
+    device = resolve_device(args.device, "--device")
     out = check_out_dir(args.out or str(args.model).rstrip("/") + f"-{args.method}")
     source = load_source(args.model)
     model = source.model.to(device)

@@ -74,9 +74,10 @@ def run_serve(args) -> int:
                               f"adapter its own name")
         adapters[name] = path
     check_tp_serving(args.tp, cfg, adapters)  # before any process starts
+    device = resolve_device(args.device, "--device")
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
         return launch(args.model, args.tp, sys.argv[1:], "serve")
-    device = local_device(resolve_device(args.device))
+    device = local_device(device)
     try:
         loaded = load_model_for_serving(args.model, args.tokenizer, cfg.dtype, device, args.tp)
     except ValueError as e:  # e.g. an architecture import_hf does not support
@@ -131,6 +132,7 @@ def run_generate(args) -> int:
                             ("top_k", "--top-k"), ("top_p", "--top-p")):
             message = message.replace(field, flag) if message.startswith(field) else message
         raise RequestError(message) from None
+    resolve_device(args.device, "--device")  # before any process starts
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
         return launch(src, args.tp, sys.argv[1:], "generate")
     # One prompt: a pool for one sequence, not for a server's worth.

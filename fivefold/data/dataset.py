@@ -364,7 +364,8 @@ class ResumableSampler:
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_items:
             raise ValueError(f"sampler state {state} does not fit {self.num_items} items; "
-                             f"was the checkpoint made with another dataset or train.seq_len?")
+                             f"was the dataset prepared again, with other data, after the checkpoint was made? Resume on "
+                             f"the data the run started with")
         self.epoch, self.position = epoch, position
 
 

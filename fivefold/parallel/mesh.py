@@ -129,18 +129,21 @@ def init_mesh(cfg: Config, device: torch.device) -> Mesh:
                 grad_mesh=grad_mesh, device_mesh=device_mesh, **_expert_groups(p, device_mesh))
 
 
-def resolve_device(name: str) -> torch.device:
-    """train.device (or --device) as a torch device: auto is cuda where there is one."""
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """train.device (or a command's --device) as a torch device: auto is cuda where there is one.
+
+    `option` is how the user gave the name, so the error quotes what they typed."""
+    given, use = (f"{option} {name}", f"{option} ") if option.startswith("--") else (f"{option}={name!r}", f"{option}=")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"{given} is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"train.device={name!r}: fivefold trains on cpu or cuda; use auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{given}: fivefold runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but CUDA is not available; use train.device=cpu or auto")
+        raise ConfigError(f"{given} but CUDA is not available; use {use}cpu or {use}auto")
     return device
 
 
