@@ -1,5 +1,6 @@
 """Tensor-parallel serving (tp=2, gloo, torchrun) against one process: the same tokens, the same logprobs,
-from a Hugging Face directory and from a fivefold checkpoint; a bad --tp is refused before any worker starts."""
+from a Hugging Face directory and from a fivefold checkpoint, before and after update_weights; a bad --tp is
+refused before any worker starts."""
 
 import json
 import subprocess
@@ -39,7 +40,7 @@ def requests(vocab: int) -> dict:
     prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in (3, 40, 17, 1, 29, 8)]
     params = [dict(max_tokens=12, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True, logprobs=2)
               for i in range(len(prompts))]
-    return {"prompts": prompts, "params": params}
+    return {"prompts": prompts, "params": params, "update_seed": 6}
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "hf"])
@@ -52,10 +53,15 @@ def test_tp2_serves_what_one_process_serves(sources, kind, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     sharded = json.loads((tmp_path / "out.json").read_text())
     llm = LLM(str(sources[kind]), device="cpu", block_size=4, max_num_batched_tokens=48)
-    single = llm.generate(spec["prompts"], [SamplingParams(**p) for p in spec["params"]])
-    for one, two in zip(single, sharded):
-        assert two["token_ids"] == one.token_ids
-        assert two["logprobs"] == pytest.approx([e["logprob"] for e in one.logprobs], abs=1e-5)
+    params = [SamplingParams(**p) for p in spec["params"]]
+    single = [llm.generate(spec["prompts"], params)]
+    llm.engine.update_weights(build_model(PRESETS["tiny"], seed=spec["update_seed"]).state_dict())
+    single.append(llm.generate(spec["prompts"], params))
+    assert [o.token_ids for o in single[0]] != [o.token_ids for o in single[1]]  # the update changed the tokens
+    for ones, twos in zip(single, sharded):
+        for one, two in zip(ones, twos):
+            assert two["token_ids"] == one.token_ids
+            assert two["logprobs"] == pytest.approx([e["logprob"] for e in one.logprobs], abs=1e-5)
 
 
 def test_bad_tp_is_refused_before_any_worker_starts(sources, capsys):

@@ -583,23 +583,23 @@ class Engine:
 
     @torch.no_grad()
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """New values for some or all parameters (fivefold names), between steps. Queued requests stay;
-        running ones are recomputed under the new weights, and the prefix cache is forgotten."""
-        if self.tp:
-            raise ConfigError("update_weights takes whole tensors: use it with tp=1 (a tensor-parallel engine "
-                              "would need each rank's shard)")
+        """New values for some or all parameters (fivefold names, whole tensors), between steps. Queued
+        requests stay; running ones are recomputed under the new weights, and the prefix cache is forgotten.
+        A tensor-parallel engine is updated on every rank with the same whole tensors (as generate is called
+        on every rank); each rank copies in its own part of them."""
         params = dict(self.model.named_parameters())
         unknown = sorted(set(weights) - set(params))
         if unknown:
             raise ValueError(f"update_weights: no parameter named {unknown[:5]}")
+        placements = self.tp.placements if self.tp else {}
         for name, value in weights.items():
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, "
-                                 f"the model's is {tuple(params[name].shape)}")
+            whole = placements[name].global_shape if name in placements else tuple(params[name].shape)
+            if tuple(value.shape) != whole:
+                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, the model's is {whole}")
         with self.lock:
             self._drain()  # the tokens being sampled were drawn under the old weights: take them in first
             for name, value in weights.items():
-                params[name].copy_(value)
+                params[name].copy_(placements[name].local(value) if name in placements else value)
             self.scheduler.preempt_all()
             self.blocks.reset_prefix_cache()
 

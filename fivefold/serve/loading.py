@@ -48,13 +48,14 @@ def load_model_for_serving(source: str | Path, tokenizer: str | Path | None = No
         return LoadedModel(found.load(device, DTYPES[dtype]), tok, found.directory, template, None)
     cfg = Config(model=found.config.model, parallel=ParallelConfig(tp=tp))
     model = meta_model(cfg.model, torch.float32)
-    axes, group = {}, None
+    placements, group = record(model, {}, set()), None
     if tp > 1:
         mesh = init_mesh(cfg, device)  # rejects e.g. heads not divisible by tp before any group starts
         axes = apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=False)
-        group = TensorParallelGroup(mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+        placements = record(model, axes, set(), mesh.tp_rank, tp)
+        group = TensorParallelGroup(mesh.tp_group, mesh.tp_rank, mesh.tp_size, placements)
     # Each rank reads only its slices, whatever layout wrote a checkpoint (a LoRA run: merged as read).
-    found.materialise(model, record(model, axes, set(), group.rank if group else 0, tp), device)
+    found.materialise(model, placements, device)
     model = model.to(DTYPES[dtype])
     model.reset_buffers(device)
     return LoadedModel(model.eval(), tok, found.directory, template, group)

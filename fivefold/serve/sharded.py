@@ -16,14 +16,16 @@ import torch.distributed as dist
 
 from fivefold.config import Config, ParallelConfig
 from fivefold.parallel.launch import launch_workers
+from fivefold.parallel.placement import Placements
 from fivefold.weights import model_config_of
 
 
 class TensorParallelGroup:
-    """The tp group's collectives the engine needs: the batch from the driver, and the logits."""
+    """The tp group's collectives the engine needs: the batch from the driver, and the logits; and where each
+    of this rank's parameters sits in the whole one (`placements`), to take its part of a new value."""
 
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group, rank: int, size: int, placements: Placements):
+        self.group, self.rank, self.size, self.placements = group, rank, size, placements
         self.driver = dist.get_global_rank(group, 0)
 
     @property
