@@ -282,6 +282,23 @@ def test_a_resumed_ramp_continues_with_its_batch(ramp_run, tmp_path):
             assert r.get(key) == records[r["step"]].get(key), (r["step"], key)
 
 
+def test_a_grown_ramp_resumed_under_a_layout_it_does_not_fit_is_refused(ramp_run, tmp_path):
+    """The same initial batch (micro-batch 1 x grad_accum 4 = 4 sequences), but the ramp had grown past what
+    train.max_grad_accum allows under micro-batch 1: refused as the run is resumed, naming the key to raise."""
+    cfg, out = ramp_run
+    records = {r["step"]: r for r in metrics(out)}
+    step = max(s for s in (10, 20, 30) if records[s + 1]["grad_accum"] > 2)
+    reached = records[step + 1]["grad_accum"] * 2  # sequences per step: grad_accum x micro-batch 2
+    resumed = tmp_path / "resumed"
+    copy_checkpoint(out, resumed, step)
+    cfg = copy.deepcopy(cfg)
+    cfg.train.out_dir, cfg.train.micro_batch_size, cfg.train.grad_accum = str(resumed), 1, 4
+    cfg.train.max_grad_accum = reached - 1
+    with pytest.raises(ConfigError, match=f"cannot resume .*grad_accum={reached} .*raise train.max_grad_accum "
+                                          f"to at least {reached}"):
+        Trainer(cfg, resume=True, quiet=True)
+
+
 def test_the_ramp_rule():
     cfg = load_config(preset="tiny", overrides=["train.grad_accum=2", "train.batch_ramp=auto", "train.max_grad_accum=6",
                                                 "train.micro_batch_size=2", "train.gns_ema=0.9"]).train
