@@ -35,7 +35,10 @@ TESTS = {  # the tests that cover each module
     "moe": "tests/test_moe.py",
     "memory": "tests/test_memory_plan.py tests/test_memory_measured.py tests/test_recompute_layers.py",
     "flops": "tests/test_flops.py tests/test_memory_plan.py",
-    "rules": "tests/test_layout_rules.py tests/test_config.py tests/test_bad_inputs.py",
+    "memory_pp": "tests/test_memory_plan.py tests/test_pipeline.py",
+    "memory_zero": "tests/test_memory_plan.py tests/test_zero.py",
+    "rules": "tests/test_layout_rules.py tests/test_config.py tests/test_bad_inputs.py tests/test_fp8.py "
+             "tests/test_noise_scale.py",
     "speed": "tests/test_speed_model.py",
 }
 
@@ -296,7 +299,7 @@ MUTANTS = [Mutant(*m) for m in [
     ('PP4', 'fivefold/parallel/pipeline_schedules.py', 'pp',
      'if ready is not None and ready <= t and not (nxt.kind == "F" and unfinished[r] >= pp):',
      'if ready is not None and ready <= t:'),
-    ('PP5', 'fivefold/parallel/pipeline_schedules.py', 'memory',
+    ('PP5', 'fivefold/parallel/pipeline_schedules.py', 'memory_pp',
      '    after_b = pending_w if any(a.kind == "W" for a in actions) else 0.0',
      '    after_b = 0.0'),
     # parameter and FLOP counts, stage partition
@@ -322,13 +325,13 @@ MUTANTS = [Mutant(*m) for m in [
      '        if groups and total + size <= budget:',
      '        if groups and total + size < budget:'),
     # the memory plan
-    ('MP1', 'fivefold/memory/plan.py', 'memory',
+    ('MP1', 'fivefold/memory/plan.py', 'memory_pp',
      '    kept = replay.saved_bytes + (d.p * d.bsh if not last else 0.0)',
      '    kept = replay.saved_bytes'),
-    ('MP2', 'fivefold/memory/plan.py', 'memory',
+    ('MP2', 'fivefold/memory/plan.py', 'memory_zero',
      '            published += bpp.parameters * (dp + 1) * size',
      '            published += bpp.parameters * dp * size'),
-    ('MP3', 'fivefold/memory/plan.py', 'memory',
+    ('MP3', 'fivefold/memory/plan.py', 'memory_zero',
      'gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer',
      'gather_forward, gather = gather_root + gathered, gather_root + gathered + layer'),
     ('MP4', 'fivefold/memory/plan.py', 'memory',
@@ -337,9 +340,6 @@ MUTANTS = [Mutant(*m) for m in [
     ('MP5', 'fivefold/memory/plan.py', 'memory',
      '    elif t.grad_accum > 1:\n        held_grads = memory["gradients"]\n',
      ''),
-    ('MP6', 'fivefold/memory/plan.py', 'memory',
-     '(t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)',
-     '(t.seq_len + 1))'),
     ('MA1', 'fivefold/memory/activations.py', 'memory',
      '        r.save(act, up, *([prod] if down_input and not d.fp8 else []))',
      '        r.save(up, *([prod] if down_input and not d.fp8 else []))'),

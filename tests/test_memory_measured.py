@@ -83,8 +83,14 @@ def test_tiny_model_matches_plan(recompute, attention, precision):
     # Op-level recomputation with eager attention: the measured peak lies in a block's backward, where the
     # plan's modelled transients are high by 116 kB in fp32 and 59 kB in bf16-mixed (total +2.6%, +1.4%).
     total = 0.03 if (recompute, attention) == ("ops", "eager") else TOLERANCE["total"]
-    assert_matches_plan(measure("tiny", f"train.recompute={recompute}", f"model.attention={attention}",
-                                f"train.precision={precision}"), total=total)
+    timeline = measure("tiny", f"train.recompute={recompute}", f"model.attention={attention}",
+                       f"train.precision={precision}")
+    assert_matches_plan(timeline, total=total)
+    # Closer than 0.5%: the replay misses at most the labels' flattened copy, which the loss saves (2 x 128
+    # int64, 2 KiB; measured +2,056 bytes, or +8 where the peak lies in backward), of 1.4-4.7 MB. A term as
+    # small as one norm's saved rsqrt (1 KiB a norm, 5 alive at the forward's end) shows.
+    (predicted, measured), = [(p, m) for name, p, m, _ in timeline.comparison() if name == "activations"]
+    assert abs(measured - predicted) <= 4096, (predicted, measured)
 
 
 @pytest.mark.parametrize("overrides", [
