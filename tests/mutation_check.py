@@ -4,7 +4,7 @@ must notice. `python tests/mutation_check.py [ID ...]` applies each one in a tem
 failed ("killed") or none did ("SURVIVED"). Every mutant is killed, but one marked equivalent: it changes no
 result, so no test can see it. tests/test_mutation_check.py keeps the list applicable to the source.
 
-Each takes seconds to a few minutes on 2 cores; the whole list about 40 minutes.
+Each takes seconds to a few minutes on 2 cores; the whole list about an hour.
 """
 
 from __future__ import annotations
