@@ -346,6 +346,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('MA2', 'fivefold/memory/activations.py', 'memory',
      '    rsqrt = r.alloc(4 * d.bs)  # saved by rsqrt and by the mul\n    save(rsqrt)\n',
      '    rsqrt = r.alloc(4 * d.bs)  # saved by rsqrt and by the mul\n'),
+    ('MA3', 'fivefold/memory/plan.py', 'memory',
+     'labels_copy=t.micro_batch_size > 1 and not cfg.data.sft and par.cp == 1)',
+     'labels_copy=False)'),
+    ('MP6', 'fivefold/memory/plan.py', 'memory',
+     '    loss_saved = saved_end - (labels_copy_bytes(d) if last else 0.0)',
+     '    loss_saved = saved_end'),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

@@ -3,7 +3,7 @@
 The issue's targets: parameters, gradients and optimizer states within 1%; the activation peak within
 5% for every recompute mode and both attention implementations. The replay in
 fivefold.memory.activations is exact on these models (errors of a few bytes: 0-dim scalars; the largest,
-the chunked loss's, 0.26%), so activations and the total are held to 0.5%: dropping eager attention's
+the chunked loss's, 0.26%; the tiny model is also held to bytes), so activations and the total are held to 0.5%: dropping eager attention's
 output from the replay moves the planned activations by 2.8%, which 5% let pass. The total also counts
 the transients of a block's backward, which the plan models (fivefold.memory.plan) rather than
 replays: the few cases where that is off by more are given their own, measured tolerance where they run.
@@ -86,11 +86,14 @@ def test_tiny_model_matches_plan(recompute, attention, precision):
     timeline = measure("tiny", f"train.recompute={recompute}", f"model.attention={attention}",
                        f"train.precision={precision}")
     assert_matches_plan(timeline, total=total)
-    # Closer than 0.5%: the replay misses at most the labels' flattened copy, which the loss saves (2 x 128
-    # int64, 2 KiB; measured +2,056 bytes, or +8 where the peak lies in backward), of 1.4-4.7 MB. A term as
-    # small as one norm's saved rsqrt (1 KiB a norm, 5 alive at the forward's end) shows.
-    (predicted, measured), = [(p, m) for name, p, m, _ in timeline.comparison() if name == "activations"]
-    assert abs(measured - predicted) <= 4096, (predicted, measured)
+    # To the bytes, not 0.5%: measured - planned is +8 bytes of activations (a 0-dim scalar) in all 16 cases,
+    # and +144 bytes in total wherever the peak is not inside a block's eager-attention backward, whose
+    # transients the plan models rather than replays. A term as small as one norm's saved rsqrt (1 KiB a norm)
+    # or the labels' flattened copy the loss saves (2 KiB) shows.
+    rows = {name: measured - predicted for name, predicted, measured, _ in timeline.comparison()}
+    assert abs(rows["activations"]) <= 64, rows
+    if not (attention == "eager" and recompute in ("ops", "full")):
+        assert abs(rows["total"]) <= 256, rows
 
 
 @pytest.mark.parametrize("overrides", [

@@ -96,6 +96,9 @@ class Shapes:
     compiled: bool = False
     # Config.compiled_loss: the final norm and the cross-entropy compiled (_compiled_head).
     compiled_loss: bool = False
+    # The plain loss flattens labels that are a strided view of the batch's windows (language-model data,
+    # more than one row): labels.flatten() copies them, and the cross-entropy saves the copy for backward.
+    labels_copy: bool = False
     # Config.fused_projections (fivefold.train.fused_projections): q/k/v, and gate/up, as one product each; the
     # concatenated weight is transient in forward and backward.
     fused_qkv: bool = False
@@ -913,6 +916,9 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
             r.save(n)
         r.free(n, x, positions, *rope, *r.shared_mask)
         as_float = logits if d.p == 4 else r.alloc(4 * d.b * d.s * d.vocab)
+        if labels_copy_bytes(d):
+            r.save(labels := r.alloc(labels_copy_bytes(d)))
+            r.free(labels)
         log_probs = r.alloc(4 * d.b * d.s * d.vocab)  # log_softmax saves its output
         r.save(log_probs)
         r.free(log_probs, as_float, logits)
@@ -962,6 +968,13 @@ def _chunked_head(r: Replay, n: _Buf, d: Shapes) -> None:
     r.free(logits, n)
     if whole is not None:
         r.free(whole)
+
+
+def labels_copy_bytes(d: Shapes) -> float:
+    """The plain loss's flattened copy of strided labels (Shapes.labels_copy), saved by the cross-entropy until
+    its own backward: the vocabulary-parallel, chunked and compiled losses keep labels of their own."""
+    plain = not (d.vocab_parallel or d.loss_chunk or d.compiled_loss)
+    return 8.0 * d.b * d.s if d.labels_copy and plain else 0.0
 
 
 def loss_backward_bytes(d: Shapes, head_grad: float = 0.0) -> float:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig
 from fivefold.finetune.qlora import quantized_weight_bytes
 from fivefold.memory import formulas
-from fivefold.memory.activations import (Shapes, layer_backward_bytes, layer_backward_parts, loss_backward_bytes,
-                                         replay_forward)
+from fivefold.memory.activations import (Shapes, labels_copy_bytes, layer_backward_bytes, layer_backward_parts,
+                                         loss_backward_bytes, replay_forward)
 from fivefold.memory.communication import step_communication
 from fivefold.memory.units import CATEGORIES, human_bytes, parse_bytes
 from fivefold.model.moe import expert_capacity, is_stacked_expert
@@ -113,7 +113,8 @@ def activation_shapes(cfg: Config, device: str = "cuda") -> Shapes:
                   shared_f=math.ceil(m.shared_expert_size / tp) if m.num_experts else 0,
                   ep=par.ep if m.num_experts else 1, capacity=_capacity(cfg),
                   compiled=compiled_blocks_modelled(cfg, device), compiled_loss=cfg.compiled_loss(device),
-                  fused_qkv=fused[0], fused_gate_up=fused[1])
+                  fused_qkv=fused[0], fused_gate_up=fused[1],
+                  labels_copy=t.micro_batch_size > 1 and not cfg.data.sft and par.cp == 1)
 
 
 def _capacity(cfg: Config) -> int:
@@ -380,7 +381,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     else:
         reduce_end, reduce_t = _reductions(cfg, inv, trained, bpp.gradients,
                                            bpp.gradients * n if zero <= 1 and t.grad_accum > 1 else 0.0)
-    batch = 8 * (t.micro_batch_size * t.grad_accum * (t.seq_len + 1) + 2 * t.micro_batch_size * t.seq_len)
+    batch = batch_bytes(cfg)
     memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t,
                               fp8_cast) + batch
 
@@ -415,7 +416,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         # later micro-batches are still held (one process has freed every activation by then), beside
         # the output and the incoming gradient.
         embedding = held + 2 * d.p * d.bsh + d.p * d.vocab * m.hidden_size
-    before_backward = max(act_peak + gather_forward, held + saved_end + loss_t + gather_root)
+    # The loss's backward peaks in log_softmax's, after nll_loss's has released the labels it saved.
+    loss_saved = saved_end - (labels_copy_bytes(d) if last else 0.0)
+    before_backward = max(act_peak + gather_forward, held + loss_saved + loss_t + gather_root)
     in_backward = max(in_block + gather, embedding + gather_root)
     if afab_first:  # the first backward without gradients; the later ones with them, one held fewer
         forward_backward = max(before_backward, in_block_first + gather, in_backward - kept + held_grads)
@@ -435,6 +438,19 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), frozen + n, memory, in_flight, detail)
+
+
+def batch_bytes(cfg: Config) -> int:
+    """The step's token ids as a rank holds them, int64: every rank reads the whole global batch, micro-batch x
+    grad_accum x dp windows of seq_len + 1 tokens, whose inputs and labels are views; fine-tuning data makes
+    its labels as a tensor of their own; under context parallelism each rank copies its columns of the inputs
+    and the labels (and of the documents' ids when they mask attention)."""
+    t, p = cfg.train, cfg.parallel
+    n = t.micro_batch_size * t.grad_accum * p.dp
+    ids = n * (t.seq_len + 1) + (n * t.seq_len if cfg.data.sft else 0)
+    if p.cp > 1:
+        ids += (2 + cfg.model.document_mask) * n * math.ceil(t.seq_len / p.cp)
+    return 8 * ids
 
 
 def stage_total(cfg: Config, stage: int, device: str, limit: float) -> float:
