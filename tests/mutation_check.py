@@ -352,6 +352,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('MP6', 'fivefold/memory/plan.py', 'memory',
      '    loss_saved = saved_end - (labels_copy_bytes(d) if last else 0.0)',
      '    loss_saved = saved_end'),
+    ('MA4', 'fivefold/memory/activations.py', 'tp',
+     '            r.save(r.alloc(9 * d.b * d.s))',
+     '            pass'),
+    ('MA5', 'fivefold/memory/activations.py', 'tp',
+     '        if d.vocab_parallel:\n            _vocab_parallel_loss(r, d)\n',
+     ''),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

@@ -864,6 +864,8 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
     positions = r.alloc(8 * d.s)  # arange(s).expand(b, s): int64, one row
     if embed:
         x = r.alloc(d.p * d.bsh)  # embedding lookup (saves the token ids, allocated before forward)
+        if d.vocab_parallel:  # VocabParallelEmbedding: the ids as rows of this rank's shard (int64, saved by
+            r.save(r.alloc(9 * d.b * d.s))  # the lookup) and the mask of the other ranks' (saved by masked_fill)
         if not d.rope:
             pos = r.alloc(d.p * d.bsh)
             r.save(positions)
@@ -919,12 +921,36 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
         if labels_copy_bytes(d):
             r.save(labels := r.alloc(labels_copy_bytes(d)))
             r.free(labels)
-        log_probs = r.alloc(4 * d.b * d.s * d.vocab)  # log_softmax saves its output
+        log_probs = r.alloc(4 * d.b * d.s * d.vocab)  # log_softmax saves its output (vocab-parallel: the softmax)
         r.save(log_probs)
+        if d.vocab_parallel:
+            _vocab_parallel_loss(r, d)
         r.free(log_probs, as_float, logits)
     else:
         r.free(positions, *rope, *r.shared_mask)
     return r
+
+
+def _vocab_parallel_loss(r: Replay, d: Shapes) -> None:
+    """fivefold.parallel.tensor_parallel._VocabParallelCrossEntropy's per-token tensors beside its softmax
+    buffer, N = b s tokens: the flattened labels it is called with (a copy when they are strided), the row
+    max, the local ids (saved), the target's mask, the row indices, the target logit, the denominator, both
+    stacked for one all-reduce (unpacked as views, so the two are freed), the kept mask (saved), the loss's
+    fp32 steps and the saved mask of targets on this rank: 46 bytes a token at the peak with the copy."""
+    n = d.b * d.s
+    copy = [r.alloc(8 * n)] if d.labels_copy else []
+    top, local, mine, rows = r.alloc(4 * n), r.alloc(8 * n), r.alloc(n), r.alloc(8 * n)
+    target, denominator = r.alloc(4 * n), r.alloc(4 * n)
+    both = r.alloc(8 * n)
+    r.free(target, denominator)
+    keep = r.alloc(n)
+    log, diff = r.alloc(4 * n), r.alloc(4 * n)
+    r.free(log)
+    loss = r.alloc(4 * n)
+    r.free(diff)
+    hit = r.alloc(n)
+    r.save(local, hit, keep)
+    r.free(*copy, top, local, mine, rows, both, keep, hit, loss)  # the loss is summed by its caller
 
 
 def _compiled_head(r: Replay, x: _Buf, d: Shapes) -> None:
