@@ -186,7 +186,8 @@ def test_resuming_on_a_dataset_that_shrank_under_the_run_is_refused(tmp_path):
              "--tokenizer", tokenizer, "--val-fraction", 0.5)
     splits = json.loads((data / "index.json").read_text())["splits"]
     assert 33 <= splits["val"]["tokens"] and 33 <= splits["train"]["tokens"] < 4 * 32 + 1, splits
-    with says("cannot resume", "sampler state", "does not fit", "prepared again", "Resume on the data the run started with"):
+    with says("cannot resume", "sampler state", "does not fit", "prepared again",
+              "Resume on the data the run started with"):
         fivefold(*train[:-1], "train.steps=2")
 
 

@@ -363,9 +363,9 @@ class ResumableSampler:
     def load_state_dict(self, state: dict) -> None:
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_items:
-            raise ValueError(f"sampler state {state} does not fit {self.num_items} items; "
-                             f"was the dataset prepared again, with other data, after the checkpoint was made? Resume on "
-                             f"the data the run started with")
+            raise ValueError(f"sampler state {state} does not fit {self.num_items} items; was the dataset "
+                             f"prepared again, with other data, after the checkpoint was made? Resume on the data "
+                             f"the run started with")
         self.epoch, self.position = epoch, position
 
 

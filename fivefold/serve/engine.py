@@ -625,7 +625,8 @@ class LLM:
             if isinstance(tokenizer, (str, Path)):
                 tokenizer = load_tokenizer(tokenizer)
         else:
-            loaded = load_model_for_serving(model, tokenizer, serve.dtype, local_device(resolve_device(device, "device")), tp)
+            where = local_device(resolve_device(device, "device"))
+            loaded = load_model_for_serving(model, tokenizer, serve.dtype, where, tp)
             model, tokenizer, self.chat_template, group = loaded.model, loaded.tokenizer, loaded.chat_template, loaded.tp
         self.engine = Engine(model, tokenizer, serve, seed, tp=group, adapters=adapters)
 
