@@ -37,7 +37,9 @@ case "$job" in
     ;;
   test)
     install dev
-    "$PY" -m pytest -q "$@"
+    # two worker processes, each taking a whole test file at a time (its module fixtures run once): the
+    # parity tests' torchrun launches leave a core idle while workers start; FIVEFOLD_TEST_WORKERS=0: one process
+    "$PY" -m pytest -q -n "${FIVEFOLD_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   *)
     echo "usage: bash run.sh demo|test [extra arguments for fivefold train / pytest]" >&2

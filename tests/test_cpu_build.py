@@ -88,15 +88,30 @@ def test_a_lock_left_by_an_interrupted_build_is_cleared_and_builders_take_turns(
 
 def test_a_real_build_after_an_interrupted_one_loads(tmp_path):
     """End to end, in a fresh process: the lock file of a killed build in the real build directory, then
-    build(), which returns the module instead of waiting forever."""
+    build(), which returns the module instead of waiting forever. Other processes of the suite (parallel
+    workers, their engines) may build at the same time and clear the file first, so the test holds the
+    directory while it leaves the file and until the fresh process waits for it: whichever builder takes the
+    directory next meets the file, and without the clearing that builder, and every one after it, would wait
+    forever (the message is checked by the test above)."""
+    import fcntl
     import subprocess
     import sys
 
     if cpu_build.kernel_problem() is not None:
         pytest.skip(f"the CPU kernels cannot be built here: {cpu_build.kernel_problem()}")
-    (cpu_build.build_directory() / "lock").touch()
+    build_dir = cpu_build.build_directory()
     code = "from fivefold.kernels import cpu_build; m, why = cpu_build.build(); print(why, hasattr(m, 'linear_rows'))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.stdout.split() == ["None", "True"], done.stderr
-    assert "left by an interrupted build" in done.stderr
-    assert not (cpu_build.build_directory() / "lock").exists()
+    with open(build_dir / "fivefold.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").touch()
+        fresh = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        waiting = fresh.stderr.readline()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    try:
+        out, err = fresh.communicate(timeout=600)
+    finally:
+        fresh.kill()
+    assert "waiting for another process building" in waiting, waiting + err
+    assert out.split() == ["None", "True"], err
+    assert not (build_dir / "lock").exists()
