@@ -40,6 +40,7 @@ TESTS = {  # the tests that cover each module
     "rules": "tests/test_layout_rules.py tests/test_config.py tests/test_bad_inputs.py tests/test_fp8.py "
              "tests/test_noise_scale.py",
     "speed": "tests/test_speed_model.py",
+    "loss": "tests/test_chunked_loss.py",
 }
 
 
@@ -358,6 +359,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('MA5', 'fivefold/memory/activations.py', 'tp',
      '        if d.vocab_parallel:\n            _vocab_parallel_loss(r, d)\n',
      ''),
+    ('MA6', 'fivefold/memory/activations.py', 'memory',
+     '    r.save(keep, local, mine)\n',
+     ''),
+    ('MA7', 'fivefold/memory/activations.py', 'loss',
+     '    scatter = (whole if d.b > 1 else 0) + d.rep * whole',
+     '    scatter = 0.0'),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

@@ -976,22 +976,50 @@ def _compiled_head(r: Replay, x: _Buf, d: Shapes) -> None:
 
 
 def _chunked_head(r: Replay, n: _Buf, d: Shapes) -> None:
-    """fivefold.train.chunked_loss forward: the normed input (this rank's part under SP) and each token's
-    log-sum-exp are saved; one chunk's logits live at a time, in the compute dtype and then in fp32 (a
-    vocabulary-parallel log-sum-exp makes one more fp32 chunk: the shifted exponentials)."""
+    """fivefold.train.chunked_loss forward: the normed input (this rank's part under SP), each token's
+    log-sum-exp and the label masks it makes once (kept: 1 byte, local ids int64, mine: 1 byte) are saved,
+    beside the flattened copy of strided labels; one chunk's logits live at a time, in the compute dtype and
+    then in fp32, with the chunk's log-sum-exp and target logit (index rows and clamped ids, int64; a later
+    chunk's beside the last chunk's target logit, which its name holds until it is replaced). A
+    vocabulary-parallel log-sum-exp makes the row max (and its int64 argmax, dropped at once), one more
+    fp32 chunk (the shifted exponentials) and the sum."""
     r.save(n)  # the logits are made again from it in backward, even when the head is frozen
-    lse = r.alloc(4 * d.b * d.s)
-    r.save(lse)
+    tokens, c = d.b * d.s, d.chunk
     whole = r.alloc(d.p * d.b * d.s * d.h) if d.rep != 1 else None  # all-gathered along the sequence
-    cv = d.chunk * d.vocab
-    logits = r.alloc(d.p * cv)
+    copy = [r.alloc(8 * tokens)] if d.labels_copy else []
+    keep, local = r.alloc(tokens), r.alloc(8 * tokens)
+    above, below = r.alloc(tokens), r.alloc(tokens)
+    both = r.alloc(tokens)
+    r.free(above, below)
+    mine = r.alloc(tokens)
+    r.free(both)
+    r.save(keep, local, mine)
+    lse = r.alloc(4 * tokens)
+    r.save(lse)
+    previous = r.alloc(4 * c) if tokens > c else None  # a later chunk runs beside the last one's target logit
+    logits = r.alloc(d.p * c * d.vocab)
     if d.p != 4:
-        as_float = r.alloc(4 * cv)
+        as_float = r.alloc(4 * c * d.vocab)
         r.free(logits)
         logits = as_float
     if d.vocab_parallel:
-        r.free(r.alloc(4 * cv))
-    r.free(logits, n)
+        top, argmax = r.alloc(4 * c), r.alloc(8 * c)
+        r.free(argmax)
+        shifted = r.alloc(4 * c * d.vocab)
+        total = r.alloc(4 * c)
+        r.free(shifted)
+        out = r.alloc(4 * c)
+        r.free(total, top)
+    else:
+        out = r.alloc(4 * c)
+    r.free(out)  # copied into lse
+    rows, ids, picked = r.alloc(8 * c), r.alloc(8 * c), r.alloc(4 * c)
+    r.free(ids)
+    target = r.alloc(4 * c)
+    r.free(picked, rows, logits, *([previous] if previous else []))
+    diff = r.alloc(4 * c)
+    kept = r.alloc(4 * c)
+    r.free(diff, kept, target, *copy, keep, local, mine, n)
     if whole is not None:
         r.free(whole)
 
@@ -1020,8 +1048,15 @@ def loss_backward_bytes(d: Shapes, head_grad: float = 0.0) -> float:
             return d.p * d.b * d.s * d.vocab if d.p != 4 else 0.0
         return 2 * 4 * d.b * d.s * d.vocab
     whole = d.p * d.b * d.s * d.h
-    cv = d.chunk * d.vocab
-    return whole * (2 if d.rep != 1 else 1) + head_grad + 4 * cv + (d.p * cv if d.p != 4 else 0)
+    cv, c = d.chunk * d.vocab, d.chunk
+    # the kept tokens' output gradient (4 bytes a token); a chunk's target ids and row indices (int64), with
+    # the target logits and mask read as fp32 beside the fp32 chunk, or its cast to the compute dtype
+    chunk = 4 * cv + (24 * c if d.p == 4 else d.p * cv + 16 * c)
+    if d.rep == 1:
+        return whole + head_grad + 4 * d.b * d.s + chunk
+    # under SP the input gradient is reduce-scattered at the end: a rank-major copy (b > 1) and this rank's part
+    scatter = (whole if d.b > 1 else 0) + d.rep * whole
+    return 2 * whole + head_grad + 4 * d.b * d.s + max(chunk, scatter)
 
 
 def layer_backward_parts(d: Shapes) -> dict[str, float]:
