@@ -172,10 +172,12 @@ def test_the_kernel_is_kept_with_whichever_runs_one_row_fastest(monkeypatch, tmp
         def run(x, weight, bias=None):
             rows = x.shape[0]
             few = library if library in ("oneDNN", "F.linear") else library.partition("+")[2] or "kernel"
+            # milliseconds apart, so that a busy host's late wake-ups (the suite runs in two workers) cannot
+            # swap two choices
             if rows >= MIN_ROWS:  # the kernel's rows: it is the fastest there
-                time.sleep(1e-3 if library.startswith("rows kernel") else 3e-3)
+                time.sleep(1e-3 if library.startswith("rows kernel") else 8e-3)
             else:
-                time.sleep(1e-3 if few == one_row else 3e-3)
+                time.sleep(1e-3 if few == one_row else 8e-3)
             return x @ weight.t()
         return run
 
@@ -203,8 +205,9 @@ def test_a_choice_timed_without_the_kernel_is_timed_again_with_it(monkeypatch, t
         return run
 
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
-    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(3e-3), "F.linear": product(2e-3), "rows kernel": product(1e-3),
-                                          "rows kernel+F.linear": product(4e-3), "rows kernel+oneDNN": product(4e-3)})
+    # milliseconds apart, so that a busy host's late wake-ups (the suite runs in two workers) cannot swap them
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(20e-3), "F.linear": product(6e-3), "rows kernel": product(1e-3),
+                                          "rows kernel+F.linear": product(20e-3), "rows kernel+oneDNN": product(20e-3)})
     monkeypatch.setattr(cl, "onednn_available", lambda: True)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)

@@ -151,7 +151,9 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
         def product(x, weight, bias=None):  # the other library sleeps, and longer the other layout
             calls.append(1)
             layout = "input-major" if cl.is_input_major(weight) else "plain"
-            time.sleep(1e-3 * (name != expected.library) + 2e-3 * (layout != fastest.split()[-1]))
+            # milliseconds apart, so that a busy host's late wake-ups (the suite runs in two workers) cannot
+            # swap two choices
+            time.sleep(2e-3 * (name != expected.library) + 4e-3 * (layout != fastest.split()[-1]))
             return x @ weight.t()
         return product
 
@@ -201,7 +203,8 @@ def test_a_product_slow_only_between_one_and_sixteen_rows_is_not_chosen(monkeypa
 
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
     # F.linear twice as fast at 1 and 16 rows (what timing at those alone would pick), 4x slower at 4 and 8
-    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(4e-3, 4e-3), "F.linear": product(2e-3, 16e-3, (4, 8))})
+    # (milliseconds apart, so that a busy host's late wake-ups cannot swap them)
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(12e-3, 12e-3), "F.linear": product(6e-3, 48e-3, (4, 8))})
     monkeypatch.setattr(cl, "onednn_available", lambda: True)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)
