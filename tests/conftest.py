@@ -33,3 +33,27 @@ def tiny_config(data_cache, tmp_path):
                   **overrides}
         return load_config(preset=preset, overrides=[f"{k}={v}" for k, v in values.items()])
     return make
+
+
+class FakeClock:
+    """A clock that moves only when a fake product "takes" time: what the timed product choices
+    (fivefold.serve.cpu_linear) measure, free of a busy host's late wake-ups (the suite runs in two workers)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def product_clock(monkeypatch):
+    """fivefold.serve.cpu_linear timed by a FakeClock: fake products call clock.sleep(seconds)."""
+    import fivefold.serve.cpu_linear as cl
+
+    clock = FakeClock()
+    monkeypatch.setattr(cl, "time", clock)
+    return clock

@@ -162,22 +162,18 @@ def test_its_three_forms_differ_only_in_who_runs_one_to_three_rows():
 
 
 @pytest.mark.parametrize("one_row", ["oneDNN", "F.linear", "kernel"])
-def test_the_kernel_is_kept_with_whichever_runs_one_row_fastest(monkeypatch, tmp_path, one_row):
+def test_the_kernel_is_kept_with_whichever_runs_one_row_fastest(monkeypatch, tmp_path, one_row, product_clock):
     """The kernel fastest at 4-32 rows: kept with the library whose one-row product is fastest (oneDNN's on
     the AMD host, MKL's on the Intel one), or alone where it is itself (beside MKL it lost the AMD host's
     batch-1 decode by half)."""
-    import time
-
     def product(library):
         def run(x, weight, bias=None):
             rows = x.shape[0]
             few = library if library in ("oneDNN", "F.linear") else library.partition("+")[2] or "kernel"
-            # milliseconds apart, so that a busy host's late wake-ups (the suite runs in two workers) cannot
-            # swap two choices
             if rows >= MIN_ROWS:  # the kernel's rows: it is the fastest there
-                time.sleep(1e-3 if library.startswith("rows kernel") else 8e-3)
+                product_clock.sleep(1e-3 if library.startswith("rows kernel") else 3e-3)
             else:
-                time.sleep(1e-3 if few == one_row else 8e-3)
+                product_clock.sleep(1e-3 if few == one_row else 3e-3)
             return x @ weight.t()
         return run
 
@@ -191,23 +187,21 @@ def test_the_kernel_is_kept_with_whichever_runs_one_row_fastest(monkeypatch, tmp
     assert cl.chosen_product((1024, 256), torch.float32, layouts=False, rows_kernel=True) == cl.Product(expected)
 
 
-def test_a_choice_timed_without_the_kernel_is_timed_again_with_it(monkeypatch, tmp_path):
+def test_a_choice_timed_without_the_kernel_is_timed_again_with_it(monkeypatch, tmp_path, product_clock):
     """The products file keeps choices by their candidates: one timed before the rows kernel existed is not
     read as the choice among candidates that include it."""
-    import time
     calls = []
 
     def product(delay):
         def run(x, weight, bias=None):
             calls.append(1)
-            time.sleep(delay)
+            product_clock.sleep(delay)
             return x @ weight.t()
         return run
 
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
-    # milliseconds apart, so that a busy host's late wake-ups (the suite runs in two workers) cannot swap them
-    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(20e-3), "F.linear": product(6e-3), "rows kernel": product(1e-3),
-                                          "rows kernel+F.linear": product(20e-3), "rows kernel+oneDNN": product(20e-3)})
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(3e-3), "F.linear": product(2e-3), "rows kernel": product(1e-3),
+                                          "rows kernel+F.linear": product(4e-3), "rows kernel+oneDNN": product(4e-3)})
     monkeypatch.setattr(cl, "onednn_available", lambda: True)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)

@@ -140,20 +140,17 @@ def test_input_major_block_weights_hold_nothing_twice(preset, library):
 
 
 @pytest.mark.parametrize("fastest", ["oneDNN plain", "oneDNN input-major", "F.linear plain", "F.linear input-major"])
-def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine(monkeypatch, tmp_path, fastest):
+def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine(monkeypatch, tmp_path, fastest,
+                                                                                 product_clock):
     import json
-    import time
-
     import fivefold.serve.cpu_linear as cl
     calls, shape, expected = [], (1024, 256), cl.Product.parse(fastest)
 
     def library(name):
-        def product(x, weight, bias=None):  # the other library sleeps, and longer the other layout
+        def product(x, weight, bias=None):  # the other library takes longer, and longer still the other layout
             calls.append(1)
             layout = "input-major" if cl.is_input_major(weight) else "plain"
-            # milliseconds apart, so that a busy host's late wake-ups (the suite runs in two workers) cannot
-            # swap two choices
-            time.sleep(2e-3 * (name != expected.library) + 4e-3 * (layout != fastest.split()[-1]))
+            product_clock.sleep(1e-3 + 1e-3 * (name != expected.library) + 2e-3 * (layout != fastest.split()[-1]))
             return x @ weight.t()
         return product
 
@@ -188,23 +185,20 @@ def test_each_weight_shape_takes_the_product_that_times_fastest_once_per_machine
     assert cl.chosen_product(shape, torch.float32, "onednn").library == "oneDNN" and calls
 
 
-def test_a_product_slow_only_between_one_and_sixteen_rows_is_not_chosen(monkeypatch, tmp_path):
+def test_a_product_slow_only_between_one_and_sixteen_rows_is_not_chosen(monkeypatch, tmp_path, product_clock):
     """The LM head's case on the Intel host: MKL's product on par with oneDNN's at 1 and 16 rows but twice as slow
     at 4-14. Timed at 1, 4, 8 and 16 rows, the product that is never slow is chosen."""
-    import time
-
     import fivefold.serve.cpu_linear as cl
 
     def product(fast, slow, slow_rows=()):
         def run(x, weight, bias=None):
-            time.sleep(slow if x.shape[0] in slow_rows else fast)
+            product_clock.sleep(slow if x.shape[0] in slow_rows else fast)
             return x @ weight.t()
         return run
 
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
     # F.linear twice as fast at 1 and 16 rows (what timing at those alone would pick), 4x slower at 4 and 8
-    # (milliseconds apart, so that a busy host's late wake-ups cannot swap them)
-    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(12e-3, 12e-3), "F.linear": product(6e-3, 48e-3, (4, 8))})
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": product(4e-3, 4e-3), "F.linear": product(2e-3, 16e-3, (4, 8))})
     monkeypatch.setattr(cl, "onednn_available", lambda: True)
     monkeypatch.setattr(cl, "_chosen", {})
     monkeypatch.setattr(cl, "LAYOUT_BYTES", 2**20)

@@ -1036,8 +1036,9 @@ def loss_backward_bytes(d: Shapes, head_grad: float = 0.0) -> float:
     log-probabilities (nll_loss backward) and of the fp32 logits (log_softmax backward), 4 bytes each;
     compiled (Config.compiled_loss), the logits' gradient in the compute dtype, beside the saved logits.
     The fused chunked loss instead makes the input gradient (p b s h, on the gathered sequence under
-    SP, which is gathered again too) and the head's weight gradient (`head_grad` bytes) chunk by chunk:
-    one chunk's fp32 softmax and its gradient in the compute dtype beside them. The vocabulary-parallel
+    SP, which is gathered again too), the head's weight gradient (`head_grad` bytes) and the kept tokens'
+    output gradient, then chunk by chunk one chunk's fp32 softmax beside its index tensors, and its gradient
+    in the compute dtype; under SP it ends in the input gradient's reduce-scatter. The vocabulary-parallel
     loss (fivefold.parallel.tensor_parallel) turns its saved softmax into the logits' gradient in place:
     only the cast back to the compute dtype is new."""
     if d.compiled_loss:  # one fused kernel turns the saved logits into their gradient; the head's product
