@@ -93,7 +93,6 @@ def test_a_real_build_after_an_interrupted_one_loads(tmp_path):
     directory while it leaves the file and until the fresh process waits for it: whichever builder takes the
     directory next meets the file, and without the clearing that builder, and every one after it, would wait
     forever (the message is checked by the test above)."""
-    import fcntl
     import subprocess
     import sys
 
@@ -101,13 +100,11 @@ def test_a_real_build_after_an_interrupted_one_loads(tmp_path):
         pytest.skip(f"the CPU kernels cannot be built here: {cpu_build.kernel_problem()}")
     build_dir = cpu_build.build_directory()
     code = "from fivefold.kernels import cpu_build; m, why = cpu_build.build(); print(why, hasattr(m, 'linear_rows'))"
-    with open(build_dir / "fivefold.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with cpu_build._only_builder(build_dir):  # the builders' own lock
         (build_dir / "lock").touch()
         fresh = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
         waiting = fresh.stderr.readline()
-        fcntl.flock(held, fcntl.LOCK_UN)
     try:
         out, err = fresh.communicate(timeout=600)
     finally:

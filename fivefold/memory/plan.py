@@ -675,14 +675,13 @@ def plan_memory(cfg: Config, device_memory: int | str | None = None, device: str
         notes.append(f"cp={par.cp}: off the CPU, ring attention computes each block as explicit matmuls (the "
                      f"CPU runs its fused flash kernel): a block's fp32 scores, {human_bytes(block)}, and about "
                      f"three more of that size are transient in its forward and backward, not counted here")
-    reduced = par.grad_size > 1 and (par.zero >= 1 or par.dp > 1)
-    if device == "cpu" and (reduced or (par.tp > 1 and par.sequence_parallel)):
-        what = " or ".join(w for w, used in (("one gradient bucket or gathered unit", reduced),
-                                             ("one whole sequence of the residual stream (SP)",
-                                              par.tp > 1 and par.sequence_parallel)) if used)
+    copied = (["one gradient bucket or gathered unit"] if par.grad_size > 1 and (par.zero >= 1 or par.dp > 1)
+              else []) + (["one whole sequence of the residual stream (SP)"] if par.tp > 1 and par.sequence_parallel
+                          else [])
+    if device == "cpu" and copied:
         notes.append("gloo (CPU) copies a reduce-scatter's input or an all-gather's output on its own thread "
-                     f"while the collective runs: transient, up to {what} more, not counted here (NCCL makes "
-                     "no such copy)")
+                     f"while the collective runs: transient, up to {' or '.join(copied)} more, not counted here "
+                     "(NCCL makes no such copy)")
     if compiled_blocks_modelled(cfg, device):
         ops = "; under train.recompute=ops, eager's kept op outputs less the block's last product"
         notes.append(f"train.compile={cfg.train.compile}: the blocks save what torch.compile's min-cut partitioning "
