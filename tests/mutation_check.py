@@ -41,6 +41,7 @@ TESTS = {  # the tests that cover each module
              "tests/test_noise_scale.py",
     "speed": "tests/test_speed_model.py",
     "loss": "tests/test_chunked_loss.py",
+    "ops": "tests/test_recompute_ops.py::test_tensor_parallel_memory_matches_the_plan",
 }
 
 
@@ -365,6 +366,9 @@ MUTANTS = [Mutant(*m) for m in [
     ('MA7', 'fivefold/memory/activations.py', 'loss',
      '    scatter = (whole if d.b > 1 else 0) + d.rep * whole',
      '    scatter = 0.0'),
+    ('MA8', 'fivefold/memory/activations.py', 'ops',
+     '            return sum(n for taken, at, n in alone.released if taken > alone.last_save and at <= upto)',
+     '            return 0.0'),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

@@ -86,5 +86,14 @@ def test_tensor_parallel_memory_matches_the_plan(sp):
     -1.05% before the replay counted the vocabulary-parallel embedding's and loss's per-token tensors,
     test_tensor_parallel). Without SP the all-reduce copies
     a kept partial product before summing it; under SP a recomputed block holds its gathered inputs whole
-    and a kept down_proj output is the whole partial product: the plan counts each."""
-    assert_matches_plan(measure_tp2("ops", sp), late=WHOLE_SEQUENCE if sp else 0.0)
+    and a kept down_proj output is the whole partial product: the plan counts each.
+
+    The total within 0.5% too (measured -0.03% with and without SP). It was 2.9% (2.7% under SP) under the
+    measurement: the peak is in the last block's MLP backward (the vocabulary is split, so the loss's is
+    smaller), where the policy's cache still holds the block's last product, which the recomputation stops
+    before taking back; the replay had released it."""
+    rows = measure_tp2("ops", sp)
+    assert_matches_plan(rows, late=WHOLE_SEQUENCE if sp else 0.0)
+    total = rows["total"]
+    over = total["measured"] - total["predicted"]
+    assert -0.005 * total["predicted"] <= over <= 0.005 * total["predicted"] + (WHOLE_SEQUENCE if sp else 0), total

@@ -125,10 +125,11 @@ class Shapes:
 
 
 class _Buf:
-    __slots__ = ("nbytes", "state")
+    __slots__ = ("nbytes", "state", "taken")
 
     def __init__(self, nbytes: float):
         self.nbytes, self.state = nbytes, "temp"  # temp -> saved (until backward) or freed
+        self.taken = -1  # a recomputation's kept output: the event at which it takes it from the cache
 
 
 @dataclass
@@ -145,6 +146,10 @@ class Replay:
     in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
     ops: int | None = None  # inside a train.recompute=ops region: the matmuls run so far
     recomputing: bool = False  # replaying a checkpointed block's recomputation (in backward)
+    # In a recomputation: (event taken from the cache, event released, bytes) of each kept output released,
+    # and the event of each mark of `blocks`.
+    released: list[tuple[int, int, float]] = field(default_factory=list)
+    marked_at: dict[str, int] = field(default_factory=dict)
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
 
     def _tick(self) -> None:
@@ -174,6 +179,7 @@ class Replay:
             if buf.state in ("temp", "cached"):
                 if buf.state == "cached":  # counted before the recomputation: released now
                     self.saved_bytes -= buf.nbytes
+                    self.released.append((buf.taken, len(self.events), buf.nbytes))
                 buf.state = "freed"
                 self.live -= buf.nbytes
                 self._tick()
@@ -189,9 +195,17 @@ class Replay:
         self.ops = 0 if keep_ops else None
         out = fn(self, *inputs, *args)
         self.in_region, self.ops = outer
+
+        # The recomputation stops at its last save, before the op that would take a later kept output
+        # from the cache (a block's last product): the cache holds that output until the block's
+        # backward ends, so its release in the replay did not happen.
+        def held(upto: int) -> float:
+            return sum(n for taken, at, n in alone.released if taken > alone.last_save and at <= upto)
+
+        marks = {name: saved + held(alone.marked_at[name]) for name, saved in (alone.blocks or [{}])[0].items()}
         # Held when the recomputation starts: everything saved so far, what this region kept included.
         self.regions.append((self.saved_bytes, max(alone.events[: alone.last_save + 1], default=0.0),
-                             dict(alone.blocks[0] if alone.blocks else {}, saved=alone.saved_bytes)))
+                             dict(marks, saved=alone.saved_bytes + held(len(alone.events)))))
         return out
 
     def kept(self, *bufs: _Buf) -> None:
@@ -205,7 +219,7 @@ class Replay:
                 continue
             if self.recomputing:  # held since the recomputation's start
                 self.live -= buf.nbytes
-                buf.state = "cached"
+                buf.state, buf.taken = "cached", len(self.events)
             else:
                 buf.state = "saved"
                 self.saved_bytes += buf.nbytes
@@ -238,6 +252,7 @@ class Replay:
         if name == "block":
             self.blocks.append({})
         self.blocks[-1][name] = self.saved_bytes
+        self.marked_at[name] = len(self.events)
 
 
 # ---------------------------------------------------------------------------------------------------
