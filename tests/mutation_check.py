@@ -369,6 +369,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('MA8', 'fivefold/memory/activations.py', 'ops',
      '            return sum(n for taken, at, n in alone.released if taken > alone.last_save and at <= upto)',
      '            return 0.0'),
+    ('MA9', 'fivefold/memory/activations.py', 'memory',
+     '            return sum(n for taken, n in alone.taken if after < taken <= alone.last_save)',
+     '            return 0.0'),
+    ('MP7', 'fivefold/memory/plan.py', 'memory',
+     'parts["fp8_attention"]) + mlp_grad + core_grad,',
+     'parts["fp8_attention"]) + mlp_grad,'),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

@@ -146,8 +146,9 @@ class Replay:
     in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
     ops: int | None = None  # inside a train.recompute=ops region: the matmuls run so far
     recomputing: bool = False  # replaying a checkpointed block's recomputation (in backward)
-    # In a recomputation: (event taken from the cache, event released, bytes) of each kept output released,
-    # and the event of each mark of `blocks`.
+    # In a recomputation: (event taken from the cache, bytes) of each kept output, (event taken, event
+    # released, bytes) of each one released, and the event of each mark of `blocks`.
+    taken: list[tuple[int, float]] = field(default_factory=list)
     released: list[tuple[int, int, float]] = field(default_factory=list)
     marked_at: dict[str, int] = field(default_factory=dict)
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
@@ -196,13 +197,19 @@ class Replay:
         out = fn(self, *inputs, *args)
         self.in_region, self.ops = outer
 
-        # The recomputation stops at its last save, before the op that would take a later kept output
-        # from the cache (a block's last product): the cache holds that output until the block's
-        # backward ends, so its release in the replay did not happen.
+        # A mark's bytes are what the region holds when backward reaches that point of the block (its
+        # attention's backward runs after its MLP's). The recomputation stops at its last save, before the
+        # op that would take a later kept output from the cache (a block's last product): the cache holds
+        # that output until the block's backward ends, so its release in the replay did not happen. A kept
+        # output taken after the mark (the MLP's, for the attention) is released by then: its backward ran.
         def held(upto: int) -> float:
             return sum(n for taken, at, n in alone.released if taken > alone.last_save and at <= upto)
 
-        marks = {name: saved + held(alone.marked_at[name]) for name, saved in (alone.blocks or [{}])[0].items()}
+        def gone(after: int) -> float:
+            return sum(n for taken, n in alone.taken if after < taken <= alone.last_save)
+
+        marks = {name: saved + held(alone.marked_at[name]) - gone(alone.marked_at[name])
+                 for name, saved in (alone.blocks or [{}])[0].items()}
         # Held when the recomputation starts: everything saved so far, what this region kept included.
         self.regions.append((self.saved_bytes, max(alone.events[: alone.last_save + 1], default=0.0),
                              dict(marks, saved=alone.saved_bytes + held(len(alone.events)))))
@@ -220,6 +227,7 @@ class Replay:
             if self.recomputing:  # held since the recomputation's start
                 self.live -= buf.nbytes
                 buf.state, buf.taken = "cached", len(self.events)
+                self.taken.append((buf.taken, buf.nbytes))
             else:
                 buf.state = "saved"
                 self.saved_bytes += buf.nbytes

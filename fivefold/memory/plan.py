@@ -139,6 +139,8 @@ class _Inventory:
     blocks: tuple[int, ...]  # each block's
     head: int  # the LM head's
     mlp: int  # the blocks' feed-forward layers' (a mixture of experts: router, this rank's experts, shared)
+    after_core: int  # the blocks' MLP norms' and attention output projections' (their adapters' with LoRA)
+    final_norm: int
     experts: int  # the stacked expert weights'
 
 
@@ -162,6 +164,9 @@ def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
                       root=n - sum(blocks.values()), blocks=tuple(blocks.values()),
                       head=sum(numel for name, numel in shapes if name.startswith("lm_head.")),
                       mlp=sum(numel for name, numel in shapes if ".mlp." in name),
+                      after_core=sum(numel for name, numel in shapes
+                                     if ".attn.o_proj." in name or ".mlp_norm." in name),
+                      final_norm=sum(numel for name, numel in shapes if name.startswith("norm.")),
                       experts=sum(numel for name, numel in shapes if is_stacked_expert(name)))
 
 
@@ -401,12 +406,15 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     if len(layers):
         # This rank's block and MLP parameters (split by tp, a mixture of experts' by ep too); with LoRA
         # only the adapters' gradients are made.
-        mlp = d.p * inv.mlp / len(layers)
-        grads = (0.0, mlp, d.p * n / len(layers)) if adapters else (head_grad, mlp, d.p * max(inv.blocks))
+        # The gradients made before a block's attention core's backward: the MLP's, its norm's and o_proj's.
+        mlp, after_core = d.p * inv.mlp / len(layers), d.p * inv.after_core / len(layers)
+        top = head_grad + d.p * inv.final_norm  # made before the blocks' backward
+        grads = (d.p * inv.final_norm, mlp, after_core, d.p * n / len(layers)) if adapters else (
+            top, mlp, after_core, d.p * max(inv.blocks))
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         extra = tied_pending + (d.p * d.bsh if not last else 0.0)  # a stage before the last: the output
         # it backpropagates from stays with the executor until the backward ends
-        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0)),
+        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0, 0)),
                                           deferred=zero_bubble) + extra
         if afab_first:
             in_block_first = held + _block_backward(replay, d, modes, *grads) + extra
@@ -603,11 +611,11 @@ def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
     return 4 * shard + bpp.gradients * filling
 
 
-def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_grad: float,
+def _block_backward(replay, d: Shapes, modes: list[str], top_grad: float, mlp_grad: float, core_grad: float,
                     layer_grad: float, deferred: bool = False) -> float:
     """Activations + temporaries + gradients made so far at the largest point of a block's backward:
     its MLP backward with the whole block saved; its attention backward once the MLP's tensors are
-    gone and the MLP's gradients made (eager: the output projection's input, v and the bf16
+    gone and the MLP's and the output projection's gradients made (eager: its input, v and the bf16
     probabilities are released by then); under recomputation, with the recomputed tensors back.
     Saved activations shrink and gradients grow linearly as backward moves down the layers, so the
     largest point is in the last block or in the first of each recompute mode (`modes`, block by block):
@@ -640,12 +648,13 @@ def _block_backward(replay, d: Shapes, modes: list[str], head_grad: float, mlp_g
         down = d.p * d.b * d.s * d.f if not d.experts else d.p * d.assignments * (d.expert_f + d.h)
         down_grad = mlp_grad / (3 if d.swiglu else 2)
         if deferred:  # zero-bubble: the weight gradient waits for the W pass, which keeps the input
-            down, down_grad = 0.0, 0.0
-        grads = head_grad + (last - i) * layer_grad
+            down, down_grad, core_grad = 0.0, 0.0, 0.0
+        grads = top_grad + (last - i) * layer_grad
         # fp8: a float8 linear's backward casts and products; down_proj's with every MLP tensor still saved.
         worst = max(worst, parts["residual"] + grads + max(
             mlp_end - down + down_grad + max(parts["mlp"], parts["fp8_up"]), mlp_end + parts["fp8_down"],
-            attn_end + max(parts["attention"], parts["norm"], parts["fp8_attention"]) + mlp_grad, recomputed))
+            attn_end + max(parts["attention"], parts["norm"], parts["fp8_attention"]) + mlp_grad + core_grad,
+            recomputed))
     return worst
 
 
