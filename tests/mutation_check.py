@@ -375,6 +375,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('MP7', 'fivefold/memory/plan.py', 'memory',
      'parts["fp8_attention"]) + mlp_grad + core_grad,',
      'parts["fp8_attention"]) + mlp_grad,'),
+    ('MP8', 'fivefold/memory/plan.py', 'memory',
+     '            pending = parts["residual"] if "down" in d.adapters and not d.experts else 0.0',
+     '            pending = 0.0'),
+    ('MP9', 'fivefold/memory/plan.py', 'memory',
+     '    in_backward = max(in_block + gather, embedding + gather_root, final_norm + gather_root)',
+     '    in_backward = max(in_block + gather, embedding + gather_root)'),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

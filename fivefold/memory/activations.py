@@ -152,6 +152,7 @@ class Replay:
     released: list[tuple[int, int, float]] = field(default_factory=list)
     marked_at: dict[str, int] = field(default_factory=dict)
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
+    before_loss: float = 0.0  # saved bytes once the final norm has run, before the loss saves its own
 
     def _tick(self) -> None:
         self.peak = max(self.peak, self.live)
@@ -857,13 +858,14 @@ def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool 
         return _replay(d, layers, recompute, embed, head, chosen)
     few = [_replay(d, n, recompute, embed, head) for n in (2, 3, 4)]
     steps = {key: [getattr(b, key) - getattr(a, key) for a, b in zip(few, few[1:])]
-             for key in ("peak", "saved_bytes", "live", "backward_peak")}
+             for key in ("peak", "saved_bytes", "live", "backward_peak", "before_loss")}
     if any(not math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-6) for a, b in steps.values()):
         return _replay(d, layers, recompute, embed, head)
     last = few[-1]
     more = layers - 4
     out = Replay(live=last.live + more * steps["live"][1], peak=last.peak + more * steps["peak"][1],
-                 saved_bytes=last.saved_bytes + more * steps["saved_bytes"][1])
+                 saved_bytes=last.saved_bytes + more * steps["saved_bytes"][1],
+                 before_loss=last.before_loss + more * steps["before_loss"][1])
 
     def grown(items: list, i: int, shift):  # item i of `layers`, from the 4-block replay's items 2 and 3
         if i < 3:
@@ -929,6 +931,7 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
             x = _block(r, x, d, mode == "selective", grad_in)
     if head and d.loss_chunk:  # the loss runs after the model's forward has returned its last states
         n = _norm(r, x, d)
+        r.before_loss = r.saved_bytes
         r.free(x, positions, *rope, *r.shared_mask)
         _chunked_head(r, n, d)
     elif head and d.compiled_loss:
@@ -936,6 +939,7 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
         r.free(positions, *rope, *r.shared_mask)
     elif head:
         n = _norm(r, x, d)
+        r.before_loss = r.saved_bytes
         logits = r.alloc(d.p * d.b * d.s * d.vocab)
         if not d.adapters:  # the LM head's input, for its weight's gradient
             r.save(n)

@@ -403,14 +403,13 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # fewer held. Buffers that persist from step to step (fp32 accumulation, ZeRO-2/3 shards) meet all.
     afab_first = par.pp_schedule == "afab" and par.pp > 1 and held_grads and not (accum32 or shards)
     in_block = in_block_first = 0.0
+    top = head_grad + d.p * inv.final_norm  # the gradients made before the blocks' backward
     if len(layers):
         # This rank's block and MLP parameters (split by tp, a mixture of experts' by ep too); with LoRA
-        # only the adapters' gradients are made.
-        # The gradients made before a block's attention core's backward: the MLP's, its norm's and o_proj's.
+        # only the adapters' gradients are made. Before a block's attention core's backward: the MLP's,
+        # its norm's and o_proj's.
         mlp, after_core = d.p * inv.mlp / len(layers), d.p * inv.after_core / len(layers)
-        top = head_grad + d.p * inv.final_norm  # made before the blocks' backward
-        grads = (d.p * inv.final_norm, mlp, after_core, d.p * n / len(layers)) if adapters else (
-            top, mlp, after_core, d.p * max(inv.blocks))
+        grads = (top, mlp, after_core, d.p * n / len(layers) if adapters else d.p * max(inv.blocks))
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         extra = tied_pending + (d.p * d.bsh if not last else 0.0)  # a stage before the last: the output
         # it backpropagates from stays with the executor until the backward ends
@@ -427,7 +426,16 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     # The loss's backward peaks in log_softmax's, after nll_loss's has released the labels it saved.
     loss_saved = saved_end - (labels_copy_bytes(d) if last else 0.0)
     before_backward = max(act_peak + gather_forward, held + loss_saved + loss_t + gather_root)
-    in_backward = max(in_block + gather, embedding + gather_root)
+    final_norm = 0.0
+    if last and replay.before_loss and d.rms:
+        # The final RMSNorm's backward, once the loss's saved tensors are released: its composite's
+        # intermediates beside the gradient it receives (the chunked loss's is small enough for this to
+        # be the peak, above all with a frozen head); by then it has released its saved rsqrt and, for
+        # the gain's gradient, its normalised input.
+        released = 4 * d.bs + (d.p * d.bsh if not d.adapters else 0.0)
+        final_norm = (held + replay.before_loss - released + layer_backward_parts(d)["norm"]
+                      + (top if not held_grads else 0.0))
+    in_backward = max(in_block + gather, embedding + gather_root, final_norm + gather_root)
     if afab_first:  # the first backward without gradients; the later ones with them, one held fewer
         forward_backward = max(before_backward, in_block_first + gather, in_backward - kept + held_grads)
     else:
@@ -632,7 +640,10 @@ def _block_backward(replay, d: Shapes, modes: list[str], top_grad: float, mlp_gr
     for i in ends:
         if modes[i] in ("full", "ops"):
             before, peak, alone = replay.regions[region[i]]
-            attn_end, mlp_end, recomputed = before + alone["attention"], before + alone["mlp"], before + peak
+            # An adapter on the block's last product scales its output gradient before the recomputation
+            # starts (the first saved tensor backward asks for is its A's output): held through it.
+            pending = parts["residual"] if "down" in d.adapters and not d.experts else 0.0
+            attn_end, mlp_end, recomputed = before + alone["attention"], before + alone["mlp"], before + peak + pending
         else:
             attn_end, mlp_end, recomputed = replay.blocks[i]["attention"], replay.blocks[i]["mlp"], 0.0
             if modes[i] == "selective" and core_graph:  # its output and logsumexp are back for its backward
