@@ -42,6 +42,7 @@ TESTS = {  # the tests that cover each module
     "speed": "tests/test_speed_model.py",
     "loss": "tests/test_chunked_loss.py",
     "ops": "tests/test_recompute_ops.py::test_tensor_parallel_memory_matches_the_plan",
+    "zero_plan": "tests/test_zero.py::test_measured_model_states_per_rank_match_the_plan",
 }
 
 
@@ -379,8 +380,14 @@ MUTANTS = [Mutant(*m) for m in [
      '            pending = parts["residual"] if "down" in d.adapters and not d.experts else 0.0',
      '            pending = 0.0'),
     ('MP9', 'fivefold/memory/plan.py', 'memory',
-     '    in_backward = max(in_block + gather, embedding + gather_root, final_norm + gather_root)',
-     '    in_backward = max(in_block + gather, embedding + gather_root)'),
+     '    in_backward = max(in_block + gather_block, embedding + gather_root, final_norm + gather_root)',
+     '    in_backward = max(in_block + gather_block, embedding + gather_root)'),
+    ('MP10', 'fivefold/memory/plan.py', 'zero_plan',
+     '            block_grads = (top, mlp, after_core, 0.0)',
+     '            block_grads = (0, 0, 0, 0)'),
+    ('MP11', 'fivefold/memory/plan.py', 'zero_plan',
+     '    before_backward = max(act_peak + gather_root, held + replay.blocks_peak + gather_forward,',
+     '    before_backward = max(act_peak + gather_forward, held + replay.blocks_peak + gather_forward,'),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

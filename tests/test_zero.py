@@ -135,10 +135,14 @@ def test_measured_model_states_per_rank_match_the_plan(overrides):
     1% of `fivefold plan` for the same layout; the ZeRO division shows in them. The total too: ZeRO-2/3's
     fp32 gradient shards stay beside the activations and the loss gradients (the plan had left them out:
     ZeRO-2 5% under), and at the loss's backward ZeRO-3 has the root gathered, not three layers besides
-    (the plan had added them: 19% over with accumulation and full recomputation)."""
+    (the plan had added them: 19% over with accumulation and full recomputation). To 0.2% (measured within
+    0.02%): a block's backward meets the root's gradients (made at backward's start, reduced at its end)
+    and its own made so far, not a whole layer's besides, and the head's forward meets the root alone, not
+    two blocks besides (the plan was 0.63% under with accumulation and full recomputation, 0.61% over in
+    bf16 and fp8)."""
     rows = measured_memory(2, "tiny", "train.seq_len=64", "train.micro_batch_size=2", *overrides)
     assert_matches_plan(rows, activations=False)
-    assert abs(rows["total"]["error"]) <= 0.01, rows["total"]
+    assert abs(rows["total"]["error"]) <= 0.002, rows["total"]
     zero = int(overrides[0].split("=")[1])
     params = 139_584  # the tiny preset
     bytes_per = 2 if "train.precision=bf16-mixed" in overrides or "train.precision=fp8" in overrides else 4

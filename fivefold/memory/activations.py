@@ -153,6 +153,7 @@ class Replay:
     marked_at: dict[str, int] = field(default_factory=dict)
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
     before_loss: float = 0.0  # saved bytes once the final norm has run, before the loss saves its own
+    blocks_peak: float = 0.0  # the forward's peak up to the end of the blocks (before the head and loss)
 
     def _tick(self) -> None:
         self.peak = max(self.peak, self.live)
@@ -858,14 +859,15 @@ def replay_forward(d: Shapes, layers: int, recompute: str = "none", embed: bool 
         return _replay(d, layers, recompute, embed, head, chosen)
     few = [_replay(d, n, recompute, embed, head) for n in (2, 3, 4)]
     steps = {key: [getattr(b, key) - getattr(a, key) for a, b in zip(few, few[1:])]
-             for key in ("peak", "saved_bytes", "live", "backward_peak", "before_loss")}
+             for key in ("peak", "saved_bytes", "live", "backward_peak", "before_loss", "blocks_peak")}
     if any(not math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-6) for a, b in steps.values()):
         return _replay(d, layers, recompute, embed, head)
     last = few[-1]
     more = layers - 4
     out = Replay(live=last.live + more * steps["live"][1], peak=last.peak + more * steps["peak"][1],
                  saved_bytes=last.saved_bytes + more * steps["saved_bytes"][1],
-                 before_loss=last.before_loss + more * steps["before_loss"][1])
+                 before_loss=last.before_loss + more * steps["before_loss"][1],
+                 blocks_peak=last.blocks_peak + more * steps["blocks_peak"][1])
 
     def grown(items: list, i: int, shift):  # item i of `layers`, from the 4-block replay's items 2 and 3
         if i < 3:
@@ -929,6 +931,7 @@ def _replay(d: Shapes, layers: int, recompute: str, embed: bool, head: bool,
             x = r.checkpoint(_block, [x], d, False, grad_in, keep_ops=mode == "ops")
         else:
             x = _block(r, x, d, mode == "selective", grad_in)
+    r.blocks_peak = r.peak
     if head and d.loss_chunk:  # the loss runs after the model's forward has returned its last states
         n = _norm(r, x, d)
         r.before_loss = r.saved_bytes

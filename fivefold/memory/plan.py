@@ -371,7 +371,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
             published += bpp.parameters * (dp + 1) * size
     if publishing:  # a parameter sharing its unit is reassembled from strided rows: one copy at a time
         step = max(step, published + bpp.parameters * inv.largest_shared)
-    gather = gather_root = gather_forward = 0.0
+    gather = gather_root = gather_forward = gather_block = 0.0
     if zero == 3 and dp > 1 and len(layers):
         # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward; in forward
         # beside it the current and the prefetched layer, in a layer's backward also one layer's full
@@ -381,6 +381,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers) if fp8_gathered else layer
         gather_root = d.p * inv.root
         gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer
+        gather_block = gather_forward  # a block's own gradients are counted with its backward
     if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
         reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
     else:
@@ -413,8 +414,14 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         modes = [t.recompute if chosen is None or c else "none" for c in chosen or [True] * len(layers)]
         extra = tied_pending + (d.p * d.bsh if not last else 0.0)  # a stage before the last: the output
         # it backpropagates from stays with the executor until the backward ends
-        in_block = held + _block_backward(replay, d, modes, *(grads if not held_grads else (0, 0, 0, 0)),
-                                          deferred=zero_bubble) + extra
+        if zero == 3 and dp > 1:
+            # ZeRO-3 reduce-scatters a block's full gradients into the shards and releases them as its
+            # backward ends, the root's (head, final norm) only at the end of backward: a block's backward
+            # meets the root's and its own made so far, with or without accumulation.
+            block_grads = (top, mlp, after_core, 0.0)
+        else:  # accumulating: into the .grads (or fp32 buffers, shards) held already
+            block_grads = grads if not held_grads else (0, 0, 0, 0)
+        in_block = held + _block_backward(replay, d, modes, *block_grads, deferred=zero_bubble) + extra
         if afab_first:
             in_block_first = held + _block_backward(replay, d, modes, *grads) + extra
     embedding = 0.0
@@ -425,7 +432,10 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         embedding = held + 2 * d.p * d.bsh + d.p * d.vocab * m.hidden_size
     # The loss's backward peaks in log_softmax's, after nll_loss's has released the labels it saved.
     loss_saved = saved_end - (labels_copy_bytes(d) if last else 0.0)
-    before_backward = max(act_peak + gather_forward, held + loss_saved + loss_t + gather_root)
+    # ZeRO-3 holds the current and the prefetched block gathered only while the blocks run: the head's and
+    # the loss's forward, and backward's start, meet the root alone.
+    before_backward = max(act_peak + gather_root, held + replay.blocks_peak + gather_forward,
+                          held + loss_saved + loss_t + gather_root)
     final_norm = 0.0
     if last and replay.before_loss and d.rms:
         # The final RMSNorm's backward, once the loss's saved tensors are released: its composite's
@@ -435,9 +445,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         released = 4 * d.bs + (d.p * d.bsh if not d.adapters else 0.0)
         final_norm = (held + replay.before_loss - released + layer_backward_parts(d)["norm"]
                       + (top if not held_grads else 0.0))
-    in_backward = max(in_block + gather, embedding + gather_root, final_norm + gather_root)
+    in_backward = max(in_block + gather_block, embedding + gather_root, final_norm + gather_root)
     if afab_first:  # the first backward without gradients; the later ones with them, one held fewer
-        forward_backward = max(before_backward, in_block_first + gather, in_backward - kept + held_grads)
+        forward_backward = max(before_backward, in_block_first + gather_block, in_backward - kept + held_grads)
     else:
         forward_backward = max(before_backward, in_backward) + held_grads
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
