@@ -373,9 +373,10 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         step = max(step, published + bpp.parameters * inv.largest_shared)
     gather = gather_root = gather_forward = gather_block = 0.0
     if zero == 3 and dp > 1 and len(layers):
-        # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward; in forward
-        # beside it the current and the prefetched layer, in a layer's backward also one layer's full
-        # gradients; the loss's backward starts with the root alone.
+        # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward; while the
+        # blocks run (forward and backward) the current and the prefetched layer beside it; the head, the
+        # loss and backward's start meet the root alone. `gather` bounds the temporaries with one layer's
+        # full gradients besides; in the total a block's backward counts its own (_block_backward).
         layer = d.p * formulas.layer_params(m) // par.tp
         # float8-gathered weights: 1 byte each
         gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers) if fp8_gathered else layer
