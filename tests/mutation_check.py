@@ -388,6 +388,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('MP11', 'fivefold/memory/plan.py', 'zero_plan',
      '    before_backward = max(act_peak + gather_root, held + replay.blocks_peak + gather_forward,',
      '    before_backward = max(act_peak + gather_forward, held + replay.blocks_peak + gather_forward,'),
+    ('TR1', 'fivefold/memory/tracker.py', 'pp',
+     '*([self.model.embed_tokens] if isinstance(',
+     '*([] if isinstance('),
+    ('PP6', 'fivefold/parallel/pipeline.py', 'pp',
+     '                x = out = aux = grad = None\n',
+     ''),
     # layout rules: a layout the trainer cannot run must be refused before any process starts
     ('R1', 'fivefold/parallel/rules.py', 'rules',
      '    if p.pp > 1 and p.zero >= 2 and p.dp > 1:',

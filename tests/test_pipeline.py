@@ -259,7 +259,7 @@ def test_two_stage_checkpoint_resumes_in_four_stages(runs):
 @pytest.mark.parametrize("schedule", ["1f1b", "afab", "interleaved", "zero-bubble"])
 def test_measured_stage_memory_matches_the_plan(schedule):
     """Rank 0 (the first stage) against its stage's plan: model states within 1%, activations (its
-    in-flight micro-batches: 2 under 1F1B, all 4 under AFAB) within 1.5%, the total within 0.5%. The total
+    in-flight micro-batches: 2 under 1F1B, all 4 under AFAB) within 64 bytes, the total within 0.5%. The total
     counts what the executor holds besides autograd (each held micro-batch's output, kept to start its
     backward from), the embedding's dense gradient made while later micro-batches are held, and under
     AFAB no accumulated gradient before the step's first backward, under zero-bubble a block's backward
@@ -267,8 +267,10 @@ def test_measured_stage_memory_matches_the_plan(schedule):
     1.5% under here under 1F1B, 1.8% under interleaved, 3.0% under zero-bubble and 4.3% over AFAB."""
     rows = measured_memory(2, "tiny", "model.num_layers=4", "train.seq_len=64", "train.micro_batch_size=2",
                            "train.grad_accum=4", "parallel.pp=2", f"parallel.pp_schedule={schedule}")
-    # Measured, the same in repeated runs: activations +1.05% under AFAB (49,152 B high), -0.67% under 1F1B and
-    # zero-bubble, -0.45% interleaved (15,872 B low), while the total is within 0.05%: which category the
-    # plan and the tracker count those bytes in is open.
-    assert_matches_plan(rows, tolerance=0.015)
+    # Activations to the byte (measured 0 B off under every schedule). They were +1.05% under AFAB and -0.67% /
+    # -0.45% under the others: the tracker counted the first stage's embedding as temporary when it ran before
+    # the first block (outside the model's forward), and the executor's names kept a spent micro-batch's
+    # output and received gradient alive through the next forward (released now: 2 x 32 KiB here).
+    assert_matches_plan(rows)
+    assert abs(rows["activations"]["measured"] - rows["activations"]["predicted"]) <= 64, rows["activations"]
     assert abs(rows["total"]["error"]) <= 0.005, rows["total"]

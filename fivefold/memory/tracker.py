@@ -70,8 +70,11 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self):
-        # The model's forward, or, for a pipeline stage that runs only some blocks, any block's.
-        modules = [self.model, *(b for b in getattr(self.model, "layers", []) if hasattr(b, "attn"))]
+        # The model's forward, or, for a pipeline stage that runs only some blocks, any block's, and the
+        # first stage's embedding, which it calls before its first block.
+        modules = [self.model, *(b for b in getattr(self.model, "layers", []) if hasattr(b, "attn")),
+                   *([self.model.embed_tokens] if isinstance(getattr(self.model, "embed_tokens", None),
+                                                             torch.nn.Module) else [])]
         self._hooks = [m.register_forward_pre_hook(self._on_forward) for m in modules]
         for b in self.model.buffers():
             self._track(b, "temporary")

@@ -204,6 +204,9 @@ class Pipeline:
                         torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
                 if stage > 0:
                     sends.append((x.grad, "B", action.mb, stage, stage - 1))
+                # The micro-batch's output and the gradient received for it are spent: not kept alive by
+                # these names through the next action's forward.
+                x = out = aux = grad = None
             else:
                 self.stash.run((action.mb, action.chunk))
             # Waiting for a receive counts as idle: the action starts when its input is here.
