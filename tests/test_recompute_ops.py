@@ -88,7 +88,7 @@ def test_tensor_parallel_memory_matches_the_plan(sp):
     a kept partial product before summing it; under SP a recomputed block holds its gathered inputs whole
     and a kept down_proj output is the whole partial product: the plan counts each.
 
-    The total within 0.5% too (measured -0.03% with and without SP). It was 2.9% (2.7% under SP) under the
+    The total within 0.5% too (measured -0.013% without SP, -0.014% with). It was 2.9% (2.7% under SP) under the
     measurement: the peak is in the last block's MLP backward (the vocabulary is split, so the loss's is
     smaller), where the policy's cache still holds the block's last product, which the recomputation stops
     before taking back; the replay had released it."""

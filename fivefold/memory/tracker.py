@@ -72,9 +72,9 @@ class MemoryTracker(TorchDispatchMode):
     def __enter__(self):
         # The model's forward, or, for a pipeline stage that runs only some blocks, any block's, and the
         # first stage's embedding, which it calls before its first block.
+        embed = getattr(self.model, "embed_tokens", None)
         modules = [self.model, *(b for b in getattr(self.model, "layers", []) if hasattr(b, "attn")),
-                   *([self.model.embed_tokens] if isinstance(getattr(self.model, "embed_tokens", None),
-                                                             torch.nn.Module) else [])]
+                   *([embed] if embed is not None else [])]
         self._hooks = [m.register_forward_pre_hook(self._on_forward) for m in modules]
         for b in self.model.buffers():
             self._track(b, "temporary")
