@@ -125,11 +125,12 @@ class Shapes:
 
 
 class _Buf:
-    __slots__ = ("nbytes", "state", "taken")
+    __slots__ = ("nbytes", "state", "taken", "released")
 
     def __init__(self, nbytes: float):
         self.nbytes, self.state = nbytes, "temp"  # temp -> saved (until backward) or freed
-        self.taken = -1  # a recomputation's kept output: the event at which it takes it from the cache
+        # a recomputation's kept output: the events at which it takes it from the cache and releases it
+        self.taken = self.released = -1
 
 
 @dataclass
@@ -146,10 +147,8 @@ class Replay:
     in_region: bool = False  # inside a checkpointed region its ops' saves are not kept
     ops: int | None = None  # inside a train.recompute=ops region: the matmuls run so far
     recomputing: bool = False  # replaying a checkpointed block's recomputation (in backward)
-    # In a recomputation: (event taken from the cache, bytes) of each kept output, (event taken, event
-    # released, bytes) of each one released, and the event of each mark of `blocks`.
-    taken: list[tuple[int, float]] = field(default_factory=list)
-    released: list[tuple[int, int, float]] = field(default_factory=list)
+    # In a recomputation: each kept output taken from the cache, and the event of each mark of `blocks`.
+    taken: list[_Buf] = field(default_factory=list)
     marked_at: dict[str, int] = field(default_factory=dict)
     shared_mask: list = field(default_factory=list)  # the document mask, alive for the whole forward
     before_loss: float = 0.0  # saved bytes once the final norm has run, before the loss saves its own
@@ -182,7 +181,7 @@ class Replay:
             if buf.state in ("temp", "cached"):
                 if buf.state == "cached":  # counted before the recomputation: released now
                     self.saved_bytes -= buf.nbytes
-                    self.released.append((buf.taken, len(self.events), buf.nbytes))
+                    buf.released = len(self.events)
                 buf.state = "freed"
                 self.live -= buf.nbytes
                 self._tick()
@@ -205,10 +204,10 @@ class Replay:
         # that output until the block's backward ends, so its release in the replay did not happen. A kept
         # output taken after the mark (the MLP's, for the attention) is released by then: its backward ran.
         def held(upto: int) -> float:
-            return sum(n for taken, at, n in alone.released if taken > alone.last_save and at <= upto)
+            return sum(b.nbytes for b in alone.taken if b.taken > alone.last_save and 0 <= b.released <= upto)
 
         def gone(after: int) -> float:
-            return sum(n for taken, n in alone.taken if after < taken <= alone.last_save)
+            return sum(b.nbytes for b in alone.taken if after < b.taken <= alone.last_save)
 
         marks = {name: saved + held(alone.marked_at[name]) - gone(alone.marked_at[name])
                  for name, saved in (alone.blocks or [{}])[0].items()}
@@ -229,7 +228,7 @@ class Replay:
             if self.recomputing:  # held since the recomputation's start
                 self.live -= buf.nbytes
                 buf.state, buf.taken = "cached", len(self.events)
-                self.taken.append((buf.taken, buf.nbytes))
+                self.taken.append(buf)
             else:
                 buf.state = "saved"
                 self.saved_bytes += buf.nbytes

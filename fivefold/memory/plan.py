@@ -371,7 +371,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
             published += bpp.parameters * (dp + 1) * size
     if publishing:  # a parameter sharing its unit is reassembled from strided rows: one copy at a time
         step = max(step, published + bpp.parameters * inv.largest_shared)
-    gather = gather_root = gather_forward = gather_block = 0.0
+    gather = gather_root = gather_forward = 0.0
     if zero == 3 and dp > 1 and len(layers):
         # FSDP: the root (embeddings, norm, head) gathered from forward to the end of backward; while the
         # blocks run (forward and backward) the current and the prefetched layer beside it; the head, the
@@ -382,7 +382,6 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         gathered = layer - (d.p - 1) * sum(fp8_weights) / len(layers) if fp8_gathered else layer
         gather_root = d.p * inv.root
         gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer
-        gather_block = gather_forward  # a block's own gradients are counted with its backward
     if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
         reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
     else:
@@ -446,9 +445,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         released = 4 * d.bs + (d.p * d.bsh if not d.adapters else 0.0)
         final_norm = (held + replay.before_loss - released + layer_backward_parts(d)["norm"]
                       + (top if not held_grads else 0.0))
-    in_backward = max(in_block + gather_block, embedding + gather_root, final_norm + gather_root)
+    in_backward = max(in_block + gather_forward, embedding + gather_root, final_norm + gather_root)
     if afab_first:  # the first backward without gradients; the later ones with them, one held fewer
-        forward_backward = max(before_backward, in_block_first + gather_block, in_backward - kept + held_grads)
+        forward_backward = max(before_backward, in_block_first + gather_forward, in_backward - kept + held_grads)
     else:
         forward_backward = max(before_backward, in_backward) + held_grads
     # The end of backward: activations gone, the last (largest: under ZeRO-3 the root) gradient
