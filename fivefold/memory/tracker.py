@@ -316,7 +316,11 @@ def return_freed_memory() -> None:
     import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        # Free chunks already in the heap (left there while glibc's dynamic threshold was high) would be
+        # reused, resident pages the resident set does not see grow: hand their pages back first.
+        libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: the resident set may then over-state the peak
 
