@@ -33,7 +33,7 @@ case "$job" in
       case "$arg" in --out=*) out=${arg#--out=} ;; esac
       prev=$arg
     done
-    "$PY" -m fivefold generate --checkpoint "$out" --prompt "The with statement" --max-new-tokens 80
+    "$PY" -m fivefold generate "$out" --prompt "The with statement" --max-new-tokens 80
     ;;
   test)
     install dev

@@ -5,6 +5,7 @@ messages."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import importlib
 import os
@@ -38,7 +39,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="fivefold", description=__doc__.split("\n")[0])
+    parser = Parser(prog="fivefold", description="Train, plan, measure and serve Llama-family models on one CPU or many GPUs.")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of every error (also FIVEFOLD_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, but an unknown option is reported by its subcommand's parser, which names the subcommand's
+    --help and the closest option it has (argparse leaves these to the top-level parser)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub = command.choices[args.command]
+        options = [o for action in sub._actions for o in action.option_strings]
+        close = difflib.get_close_matches(extra[0].split("=")[0], options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def _list_presets(args) -> int:
     for name, cfg in PRESETS.items():
         print(f"{name:16s} {count_params(cfg):>18,d} params  layers={cfg.num_layers} hidden={cfg.hidden_size} "
@@ -67,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     full disk) is one line `fivefold <command>: error: ...` and exit 2; anything else is a bug, shown
     with its traceback and a request to report it (exit 1). `--debug` shows tracebacks for all."""
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), argv)
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return e.code if isinstance(e.code, int) else 2
     _show_warnings_as_lines()

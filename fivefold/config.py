@@ -9,6 +9,7 @@ be valid.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -406,12 +407,22 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise TypeError(f"unsupported config type {typ} for {key}")
 
 
+def _did_you_mean(name: str, choices, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, sorted(choices), n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
 def _apply_section(obj: Any, section: str, values: dict[str, Any]) -> None:
     types = _field_types(type(obj))
     for name, value in values.items():
         key = f"{section}.{name}"
         if name not in types:
-            raise ConfigError(f"unknown config key {key!r}; valid keys in [{section}]: {', '.join(sorted(types))}")
+            sections = _field_types(Config)
+            elsewhere = [f"{other}.{name}" for other, cls in sections.items()
+                         if dataclasses.is_dataclass(cls) and name in _field_types(cls)]
+            hint = f" (it is {elsewhere[0]!r})" if elsewhere else _did_you_mean(name, types, section + ".")
+            raise ConfigError(f"unknown config key {key!r}{hint}; "
+                              f"valid keys in [{section}]: {', '.join(sorted(types))}")
         setattr(obj, name, _coerce(key, value, types[name]))
 
 
@@ -421,7 +432,8 @@ def apply_dict(cfg: Config, values: dict[str, Any]) -> Config:
         if section == "preset":
             continue
         if section not in sections:
-            raise ConfigError(f"unknown config section {section!r}; valid sections: {', '.join(sorted(sections))}")
+            raise ConfigError(f"unknown config section {section!r}{_did_you_mean(section, sections)}; "
+                              f"valid sections: {', '.join(sorted(sections))}")
         if not isinstance(body, dict):
             raise ConfigError(f"config section {section!r} must be a table of key = value")
         _apply_section(getattr(cfg, section), section, body)

@@ -36,8 +36,9 @@ def test_train_then_generate(data_cache, tmp_path):
     gen = fivefold("generate", "--checkpoint", str(out), "--prompt", "The for statement", "--max-new-tokens",
                    "12", "--temperature", "0.8", "--seed", "1", cache=data_cache)
     assert gen.stdout.startswith("The for statement") and len(gen.stdout) > len("The for statement")
-    greedy = [fivefold("generate", "--checkpoint", str(out), "--prompt", "Return the", "--temperature", "0",
-                       "--max-new-tokens", "8", cache=data_cache).stdout for _ in range(2)]
+    greedy = [fivefold("generate", *source, "--prompt", "Return the", "--temperature", "0",
+                       "--max-new-tokens", "8", cache=data_cache).stdout
+              for source in (["--checkpoint", str(out)], [str(out)])]  # the flag and the positional agree
     assert greedy[0] == greedy[1]
 
     again = fivefold(*TRAIN, "--out", str(out), cache=data_cache)  # resumes: nothing left to do

@@ -42,7 +42,9 @@ def register(sub) -> None:
     p.set_defaults(func=run_serve)
 
     gen = sub.add_parser("generate", help="generate text from a checkpoint (or a Hugging Face directory)")
-    gen.add_argument("--checkpoint", required=True, help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
+    gen.add_argument("source", nargs="?", metavar="CHECKPOINT",
+                     help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
+    gen.add_argument("--checkpoint", help="the same as CHECKPOINT")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=positive_int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -116,7 +118,11 @@ def _fail(error) -> int:
 
 
 def run_generate(args) -> int:
-    src = Path(args.checkpoint)
+    if not args.source and not args.checkpoint:
+        raise RequestError("give the checkpoint to generate from: fivefold generate RUN_OR_CHECKPOINT --prompt TEXT")
+    if args.source and args.checkpoint and args.source != args.checkpoint:
+        raise RequestError(f"two checkpoints given ({args.source} and --checkpoint {args.checkpoint}); give one")
+    src = Path(args.source or args.checkpoint)
     if not args.tokenizer:  # before loading any weights
         found = model_directory(src) / "tokenizer.json"
         if not found.is_file():
