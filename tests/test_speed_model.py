@@ -261,6 +261,11 @@ def test_plan_cli_speed_search_and_errors(tmp_path, capsys):
     run = _fivefold(*base, "--cluster", "h100-sxm", "--gpus", "1")
     assert run.returncode == 0, run.stderr
     assert "  device time by kernel kind: matmul " in run.stdout
+    # without --global-batch each rank keeps its micro-batches: the batch grows with --gpus's dp
+    run = _fivefold(*base, "--set", "train.grad_accum=2", "--cluster", "h100-sxm", "--gpus", "8", "--json")
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    assert plan["speed"]["tokens_per_step"] == 1 * 2 * 8 * 4096 and plan["speed"]["gpus"] == 8
     run = _fivefold(*base, "--cluster", "h100-sxm", "--gpus", "8", "--global-batch", "1Mi", "--search", "--top", "3",
                     "--png", str(tmp_path / "top.png"))
     assert run.returncode == 0, run.stderr

@@ -91,7 +91,8 @@ def run_plan(args) -> int:
         if args.search:
             return plan_speed.run_search(args, cfg, profile, device_memory)
         if args.gpus or args.global_batch:
-            cfg = plan_speed.placed(cfg, args.gpus, plan_speed.global_batch_tokens(cfg, args.global_batch))
+            batch = plan_speed.parse_tokens(args.global_batch) if args.global_batch else None
+            cfg = plan_speed.placed(cfg, args.gpus, batch)
         plan = plan_memory(cfg, device_memory, device=args.device)
         plan_speed.run_speed(args, cfg, plan, profile)
         return 0

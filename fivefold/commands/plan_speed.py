@@ -21,7 +21,7 @@ def add_arguments(plan) -> None:
                       help="with --cluster: devices to plan for; parallel.dp grows to fill them (tp, pp, cp kept)")
     plan.add_argument("--global-batch", metavar="TOKENS",
                       help="tokens per optimizer step, e.g. 4M (4e6), 4Mi (2^22) or 1048576; default: the "
-                           "config's micro_batch_size x grad_accum x dp x seq_len")
+                           "config's micro_batch_size x grad_accum x dp x seq_len, with --gpus's dp")
     plan.add_argument("--search", action="store_true",
                       help="with --cluster: rank every layout (dp, tp, pp, cp, ep, zero, schedule, recompute, "
                            "micro-batch) that fits the device memory by predicted tokens/s per GPU")
@@ -45,8 +45,9 @@ def global_batch_tokens(cfg: Config, text: str | None) -> int:
     return parse_tokens(text) if text else t.micro_batch_size * t.grad_accum * p.dp * t.seq_len
 
 
-def placed(cfg: Config, gpus: int | None, batch_tokens: int) -> Config:
-    """The config on `gpus` devices (dp = gpus / (tp pp cp)) with grad_accum giving `batch_tokens`."""
+def placed(cfg: Config, gpus: int | None, batch_tokens: int | None) -> Config:
+    """The config on `gpus` devices (dp = gpus / (tp pp cp)) with grad_accum giving `batch_tokens`; without
+    it, each rank keeps its micro-batches and the global batch grows with dp."""
     new = copy.deepcopy(cfg)
     t, p = new.train, new.parallel
     if gpus is not None:
@@ -56,6 +57,8 @@ def placed(cfg: Config, gpus: int | None, batch_tokens: int) -> Config:
                               f"of {model_parallel}, or --search to choose the layout")
         p.dp = gpus // model_parallel
     per_step = t.micro_batch_size * p.dp * t.seq_len
+    if batch_tokens is None:
+        return new
     if batch_tokens % per_step:
         raise ConfigError(f"a global batch of {batch_tokens:,} tokens is not a whole number of micro-batches of "
                           f"micro_batch_size x dp x seq_len = {t.micro_batch_size} x {p.dp} x {t.seq_len} tokens; "

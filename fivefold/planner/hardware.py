@@ -183,8 +183,11 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     if not path.is_file():
         path = PROFILE_DIR / f"{name_or_path}.toml"
         if not path.is_file():
-            raise ConfigError(f"no hardware profile {str(name_or_path)!r}: give a TOML file (e.g. from `fivefold "
-                              f"calibrate --out FILE`) or one of {', '.join(shipped_profiles())}")
+            shipped = shipped_profiles()
+            near = [n for n in shipped if n.startswith(str(name_or_path).lower())]
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise ConfigError(f"no hardware profile {str(name_or_path)!r}{hint}: give a TOML file (e.g. from "
+                              f"`fivefold calibrate --out FILE`) or one of {', '.join(shipped)}")
     try:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
