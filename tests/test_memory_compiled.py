@@ -1,4 +1,4 @@
-"""The compiled blocks' saved tensors in the memory plan (fivefold.memory.activations._compiled_block)
+"""The compiled blocks' saved tensors in the memory plan (fivefold.memory.replay_compiled.compiled_block)
 against torch.compile's own choice: one block traced on the CPU through AOTAutograd with inductor's
 decompositions and its min-cut partition function (what inductor runs), the forward graph's saved outputs
 summed. Measured on an H100 the planned totals of compiled rows came within -0.0% to +2.6% (bench/results/
@@ -15,8 +15,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fivefold.config import Config, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from fivefold.finetune.lora import apply_lora
-from fivefold.memory.activations import Replay, _compiled_block, replay_forward
+from fivefold.memory.activations import replay_forward
 from fivefold.memory.plan import activation_shapes, compiled_blocks_modelled, plan_memory
+from fivefold.memory.replay import Replay
+from fivefold.memory.replay_compiled import compiled_block
 from fivefold.model.context import ForwardContext
 from fivefold.model.transformer import Transformer
 from fivefold.train.fp8 import WeightCast
@@ -135,7 +137,7 @@ def test_compiled_lora_block_saves_what_the_partitioner_keeps(targets, dropout, 
                                                                          micro_batch_size=b, seq_len=s)), "cpu")
     assert d.compiled
     r = Replay()
-    _compiled_block(r, r.alloc(d.p * d.bsh), d, grad_in)
+    compiled_block(r, r.alloc(d.p * d.bsh), d, grad_in)
     assert r.saved_bytes == partitioner_saved_bytes(cfg, torch.bfloat16, b, s, lora=lora, grad_in=grad_in)
 
 

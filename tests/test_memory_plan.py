@@ -11,8 +11,9 @@ from fivefold.cli import main
 from fivefold.config import Config, ParallelConfig
 from fivefold.config_load import load_config
 from fivefold.memory import formulas
-from fivefold.memory.activations import Shapes, replay_forward
+from fivefold.memory.activations import replay_forward
 from fivefold.memory.plan import activation_shapes, plan_memory
+from fivefold.memory.replay import Shapes
 from fivefold.memory.units import parse_bytes
 from fivefold.presets import PRESETS, REAL_PARAM_COUNTS
 from fivefold.model import meta_model

@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig
 from fivefold.finetune.qlora import quantized_weight_bytes
 from fivefold.memory import formulas
-from fivefold.memory.activations import (Shapes, labels_copy_bytes, layer_backward_bytes, layer_backward_parts,
-                                         loss_backward_bytes, replay_forward)
+from fivefold.memory.activations import replay_forward
+from fivefold.memory.backward_temporaries import (labels_copy_bytes, layer_backward_bytes, layer_backward_parts,
+                                                  loss_backward_bytes)
 from fivefold.memory.communication import step_communication
+from fivefold.memory.replay import Shapes
 from fivefold.memory.units import CATEGORIES, human_bytes, parse_bytes
 from fivefold.model.moe import expert_capacity, is_stacked_expert
 from fivefold.parallel.data_parallel import size_buckets
@@ -71,7 +73,7 @@ def _weight_pass_bytes(d) -> int:
 
 
 def compiled_blocks_modelled(cfg: Config, device: str) -> bool:
-    """Whether the activations replay compiled blocks (activations._compiled_block): train.compile on
+    """Whether the activations replay compiled blocks (replay_compiled.compiled_block): train.compile on
     `device` with the blocks that list was checked for against torch.compile's partitioner: dense
     RMSNorm / SwiGLU / RoPE blocks of PyTorch ops (train.kernels=torch) under flash-style SDPA, in any
     precision (fp8: torchao's float8 linears) without recomputation, or in bf16 / fp32 without LoRA under any
