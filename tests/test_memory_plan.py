@@ -50,12 +50,12 @@ def test_joined_units_stay_within_the_largest_unit():
 def test_the_plan_steps_the_units_the_optimizer_steps(name):
     """The plan's joined units are the optimizer's chunks (fivefold.train.optim.step_chunks), decayed and not,
     and none is larger than the largest single unit: joining adds no memory to the step."""
-    from fivefold.memory.plan import _inventory
+    from fivefold.memory.model_states import inventory as read_inventory
     from fivefold.train.optim import step_chunks
 
     cfg = PRESETS[name]
     names, numels = zip(*[(n, p.numel()) for n, p in meta_model(cfg).named_parameters()])
-    inventory = _inventory(tuple(formulas.parameter_shapes(cfg)))
+    inventory = read_inventory(tuple(formulas.parameter_shapes(cfg)))
     for join, units in ((True, inventory.joined), (False, inventory.units)):
         chunks = step_chunks(list(names), list(numels), join)
         assert [(sum(numels[i] for i in c if not formulas.is_no_decay(names[i])),
@@ -269,8 +269,9 @@ def test_plan_json_and_fit_suggestions(capsys):
     assert "DOES NOT FIT" in table and "optimizer states" in table and "%" in table
     # Every suggested single change really fits.
     cfg = load_config(preset="llama3-8b", overrides=args[4:10:2])
-    from fivefold.memory.plan import _candidates, _with
-    fitting = [t for t, ch in _candidates(cfg) if plan_memory(_with(cfg, ch), suggest=False).memory["total"] <= 80e9]
+    from fivefold.memory.plan import _candidates, with_changes
+    fitting = [t for t, ch in _candidates(cfg)
+               if plan_memory(with_changes(cfg, ch), suggest=False).memory["total"] <= 80e9]
     assert [s.rsplit(":", 1)[0] for s in out["suggestions"]] == fitting[:6]
 
 

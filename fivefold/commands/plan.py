@@ -12,9 +12,9 @@ from fivefold.commands import plan_fit, plan_serve, plan_speed
 from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
 from fivefold.commands.plan_fit import run_fit
 from fivefold.config import ConfigError
-from fivefold.memory.plan import (RECOMPUTE_SWEEP_NOTE, model_name, plan_memory, recompute_sweep, sweep_replays_eager,
-                                  scores_materialised, sweep)
+from fivefold.memory.plan import model_name, plan_memory, scores_materialised
 from fivefold.memory.plots import plot_recompute_sweep, plot_sweep, plot_timeline
+from fivefold.memory.sweeps import RECOMPUTE_SWEEP_NOTE, recompute_sweep, sweep, sweep_replays_eager
 from fivefold.memory.tracker import measure_memory, random_datasets
 from fivefold.memory.units import human_bytes, parse_bytes
 from fivefold.parallel.launch import launch_workers

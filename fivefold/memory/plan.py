@@ -24,28 +24,24 @@ group is dp (expert parallelism has nothing to split until the model has experts
 from __future__ import annotations
 
 import copy
-import functools
 import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 
-from fivefold.config import recompute_layer_set, Config, ConfigError, ModelConfig
+from fivefold.config import recompute_layer_set, Config, ConfigError
 from fivefold.finetune.qlora import quantized_weight_bytes
-from fivefold.memory import formulas
+from fivefold.memory import formulas, model_states
 from fivefold.memory.activations import replay_forward
 from fivefold.memory.backward_temporaries import (labels_copy_bytes, layer_backward_bytes, layer_backward_parts,
                                                   loss_backward_bytes)
 from fivefold.memory.communication import step_communication
 from fivefold.memory.replay import Shapes
 from fivefold.memory.units import CATEGORIES, human_bytes, parse_bytes
-from fivefold.model.moe import expert_capacity, is_stacked_expert
-from fivefold.parallel.data_parallel import size_buckets
+from fivefold.model.moe import expert_capacity
 from fivefold.parallel.pipeline_schedules import peak_held, rank_schedule
 from fivefold.parallel.rules import check_layout
-from fivefold.parallel.zero import MAX_REDUCES_IN_FLIGHT
 from fivefold.presets import PRESETS
-
 
 
 def scores_materialised(cfg: Config, device: str) -> bool:
@@ -126,56 +122,6 @@ def _capacity(cfg: Config) -> int:
         return 0
     tokens = t.micro_batch_size * math.ceil(t.seq_len / cfg.parallel.cp)
     return expert_capacity(m.capacity_factor, tokens, m.experts_per_token, m.num_experts)
-
-
-@dataclass(frozen=True)
-class _Inventory:
-    """What the plan reads from a rank's parameter list (memoised: the layout search plans the same
-    stages thousands of times)."""
-    n: int
-    largest: int
-    units: tuple[tuple[int, int], ...]  # (decayed, not decayed) numels of each optimizer step unit
-    joined: tuple[tuple[int, int], ...]  # the same of the units an unsharded step takes together
-    largest_shared: int  # the largest parameter in a step unit of several (ZeRO-1/2 reassemble it on publish)
-    root: int  # outside the blocks: embeddings, final norm, LM head
-    blocks: tuple[int, ...]  # each block's
-    head: int  # the LM head's
-    mlp: int  # the blocks' feed-forward layers' (a mixture of experts: router, this rank's experts, shared)
-    after_core: int  # the blocks' MLP norms' and attention output projections' (their adapters' with LoRA)
-    final_norm: int
-    experts: int  # the stacked expert weights'
-
-
-@functools.lru_cache(maxsize=1024)
-def _inventory(shapes: tuple[tuple[str, int], ...]) -> _Inventory:
-    units: dict[str, list[int]] = {}
-    blocks: dict[str, int] = {}
-    members: dict[str, list[int]] = {}
-    for name, numel in shapes:
-        key = formulas.step_chunk_key(name)
-        units.setdefault(key, [0, 0])[formulas.is_no_decay(name)] += numel
-        members.setdefault(key, []).append(numel)
-        if key.startswith("layers."):
-            blocks[key] = blocks.get(key, 0) + numel
-    n = sum(numel for _, numel in shapes)
-    sizes = list(units.values())
-    joined = tuple((sum(sizes[j][0] for j in group), sum(sizes[j][1] for j in group))
-                   for group in formulas.joined_units([sum(size) for size in sizes]))
-    return _Inventory(n=n, largest=max(numel for _, numel in shapes), units=tuple(map(tuple, sizes)), joined=joined,
-                      largest_shared=max((max(m) for m in members.values() if len(m) > 1), default=0),
-                      root=n - sum(blocks.values()), blocks=tuple(blocks.values()),
-                      head=sum(numel for name, numel in shapes if name.startswith("lm_head.")),
-                      mlp=sum(numel for name, numel in shapes if ".mlp." in name),
-                      after_core=sum(numel for name, numel in shapes
-                                     if ".attn.o_proj." in name or ".mlp_norm." in name),
-                      final_norm=sum(numel for name, numel in shapes if name.startswith("norm.")),
-                      experts=sum(numel for name, numel in shapes if is_stacked_expert(name)))
-
-
-@functools.lru_cache(maxsize=1024)
-def _bucket_sums(numels: tuple[int, ...], bucket_bytes: int) -> tuple[int, ...]:
-    """Numels of each data-parallel gradient bucket (fivefold.parallel.data_parallel.size_buckets)."""
-    return tuple(sum(numels[i] for i in b) for b in size_buckets(list(numels), bucket_bytes))
 
 
 @dataclass
@@ -287,14 +233,14 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     shapes = tuple(formulas.parameter_shapes(m, par.tp, layers, first, last, par.ep))
     # With LoRA the base is frozen: parameters only; gradients and optimizer states are the adapters'.
     adapters = tuple(formulas.adapter_shapes(m, cfg.lora, par.tp, layers))
-    frozen = _inventory(shapes).n if adapters else 0
+    frozen = model_states.inventory(shapes).n if adapters else 0
     frozen_bytes = bpp.parameters * frozen
     if cfg.lora.quantize_base != "none":  # QLoRA: the blocks' linears as int4 codes + group scales
         linear = sum(k for name, k in shapes if re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", name))
         frozen_bytes += quantized_weight_bytes(linear, cfg.lora.group_size) - bpp.parameters * linear
     shapes = shapes + adapters
     trained = adapters or shapes
-    inv = _inventory(trained)
+    inv = model_states.inventory(trained)
     n = inv.n
 
     def shard(count: float, from_stage: int) -> float:  # ZeRO partitions over the data-parallel group
@@ -310,7 +256,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     fp8_cast = 0 if t.compiled(device) else 8 * shard(max(fp8_weights, default=0), 3)
     memory = {"parameters": frozen_bytes + bpp.parameters * shard(n, 3) + shard(sum(fp8_weights), 3)
               + 4 * len(fp8_weights),
-              "gradients": _gradients(cfg, trained, inv, bpp)}
+              "gradients": model_states.gradients(cfg, trained, inv, bpp)}
     memory["optimizer_states"] = bpp.optimizer_states * shard(n, 1)
     if limit is not None and sum(memory.values()) > limit:
         return None  # the model states alone do not fit: no need to replay the activations
@@ -385,9 +331,9 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
         gather_root = d.p * inv.root
         gather_forward, gather = gather_root + 2 * gathered, gather_root + 2 * gathered + layer
     if zero <= 1 and accum32:  # the fp32 accumulation buffers are packed in place of the .grads, and stay
-        reduce_end, reduce_t = _reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
+        reduce_end, reduce_t = model_states.reductions(cfg, inv, trained, 0, 0.0, bpp.main_gradients * n)
     else:
-        reduce_end, reduce_t = _reductions(cfg, inv, trained, bpp.gradients,
+        reduce_end, reduce_t = model_states.reductions(cfg, inv, trained, bpp.gradients,
                                            bpp.gradients * n if zero <= 1 and t.grad_accum > 1 else 0.0)
     batch = batch_bytes(cfg)
     memory["temporary"] = max(loss_t + gather_root, layer_t + tied_pending, handed + step, gather, reduce_t,
@@ -462,7 +408,7 @@ def _stage_plan(cfg: Config, stage: int, device: str, limit: float | None = None
     optimizer_step = at_step + step
     memory["total"] = (memory["parameters"] + memory["optimizer_states"]
                        + max(forward_backward, optimizer_step) + batch)
-    memory["startup"] = _startup(cfg, shapes, memory["parameters"], shard, n, bool(adapters), fp8_cast)
+    memory["startup"] = model_states.startup(cfg, shapes, memory["parameters"], shard, n, bool(adapters), fp8_cast)
     detail = {"saved_per_micro_batch": saved_end, "forward_peak": replay.peak,
               "recompute_peak": replay.backward_peak, "held_micro_batches": held}
     return StagePlan(stage, len(layers), frozen + n, memory, in_flight, detail)
@@ -488,147 +434,12 @@ def stage_total(cfg: Config, stage: int, device: str, limit: float) -> float:
     return math.inf if plan is None else plan.memory["total"]
 
 
-def _reductions(cfg: Config, inv: _Inventory, shapes: tuple, grad_bytes: float,
-                accumulated: float, kept: float = 0.0) -> tuple[float, float]:
-    """(gradients + reduction buffers, reduction buffers) at their largest while a reduced micro-batch's
-    backward hands its gradients to the data-parallel reducer (fivefold.parallel.zero: _reduce / _fold;
-    without ZeRO fivefold.parallel.data_parallel, whose MoE expert handling is not replayed), unit by
-    unit in launch order: ZeRO-1/2's size buckets (last layers first), ZeRO-3's blocks from the last,
-    then the root. Packing a unit allocates its fp32 buffer while its .grads (`grad_bytes` per
-    parameter) are still there (or, under ZeRO-1 with accumulation, every .grad not packed yet:
-    `accumulated` bytes), then releases them; `kept`: buffers that stay throughout (ZeRO-1's fp32
-    accumulation buffers). Each reduce-scatter in flight holds that buffer and its fp32 output shard
-    (gloo's copy of the input, made on its own thread while it runs, is left out: see plan_memory's
-    notes). After a launch at most MAX_REDUCES_IN_FLIGHT stay: the oldest is folded into the gradient
-    shards, which ZeRO-2/3 keep from step to step and ZeRO-1 builds from the outputs."""
-    par = cfg.parallel
-    g = par.grad_size
-    if g == 1 or (par.zero == 0 and par.ep > 1):
-        return 0.0, 0.0
-    # Without ZeRO (fivefold.parallel.data_parallel) each bucket's buffer is all-reduced in place and
-    # becomes the reduced gradients the optimizer reads: none is released before the step.
-    keep_all = par.zero == 0
-    if par.zero == 3:
-        order = [*reversed(inv.blocks), inv.root]
-    else:
-        order = list(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)))
-    shards = kept + (4 * math.ceil(inv.n / g) if par.zero >= 2 else 0.0)
-    pending, flight, total, temporary = accumulated, [], 0.0, 0.0
-    for u in order:
-        grads, flat, out = grad_bytes * u, 4 * u, 0 if keep_all else 4 * math.ceil(u / g)
-        # DDP's bucket is concatenated from fp32 copies of bf16 .grads (ZeRO packs them in place).
-        staging = 4 * u if keep_all and grad_bytes not in (0, 4) else 0
-        earlier = sum(f + o for f, o in flight)
-        total = max(total, shards + (pending or grads) + flat + staging + earlier)
-        pending = max(0.0, pending - grads)
-        flight.append((flat, out))
-        total = max(total, shards + pending + earlier + flat + out)
-        temporary = max(temporary, flat + staging + out + earlier)
-        while not keep_all and len(flight) > MAX_REDUCES_IN_FLIGHT:
-            _, out = flight.pop(0)
-            if par.zero == 1:
-                shards += out
-    return total, temporary
-
-
-def _startup(cfg: Config, shapes: list[tuple[str, int]], parameters: float, shard, n: int,
-             lora: bool, cast: float) -> float:
-    """Peak while a rank builds its part (fivefold.train.parallelize): the model is split on the meta
-    device, then each local parameter is materialised from its full fp32 initial value, one at a time.
-    Held at the end: the parameters, the fp32 masters (bf16-mixed; Adam's moments only come with the
-    first step), and the gradient buffers made up front (fp32 accumulation buffers; ZeRO-2/3's fp32
-    gradient shards), which except under ZeRO-3 are made once every parameter is. Beside them, what the
-    parameter being made adds beyond what the rank keeps of it (_being_made), as if the largest were made
-    last: a bound, reached when it is. `n`: the parameters that train (all, or LoRA's adapters;
-    `lora`: the base is frozen); `cast`: the first cast of fp8's weights cast once a step, after the rest
-    is made."""
-    t, par = cfg.train, cfg.parallel
-    masters = 4 * shard(n, 1) if t.mixed else 0.0
-    grad_buffers = 0.0
-    g = par.grad_size
-    if g > 1 and par.zero >= 2:
-        grad_buffers = 4 * shard(n, 2)
-    elif t.fp32_grad_accum:
-        grad_buffers = 4 * n
-    kept = (2 if t.mixed else 4, 1 / g if par.zero >= 3 and g > 1 else 1.0,  # the parameter: dtype, share
-            4 if t.mixed else 0, 1 / g if par.zero >= 1 and g > 1 else 1.0)  # its fp32 master: bytes, share
-    made = _being_made(tuple(shapes), cfg.model, par.tp, kept, lora)
-    if par.zero < 3 or g == 1:  # the buffers come after the parameters (the optimizer's, ZeRO's)
-        return parameters + masters + max(made, grad_buffers + cast)
-    return parameters + masters + grad_buffers + max(made, cast)  # ZeRO-3 makes its parameters inside its engine
-
-
-
-def _being_made(shapes: tuple, model, tp: int, kept: tuple, lora: bool) -> float:
-    """Bytes the parameter being made holds beyond what the rank keeps of it, for the largest case
-    among this rank's parameters. initial_value draws the full fp32 value and scales it (randn, then
-    the product: two full fp32 tensors at once, 8 bytes per element of the whole parameter); the rank
-    keeps its slice as the parameter (in its dtype; under ZeRO-3 its rows) and, for a parameter that
-    trains under bf16-mixed, as its fp32 master (under ZeRO its rows). A frozen bf16 parameter (LoRA's
-    base) thus leaves 6 bytes per element on top of itself, a trained fp32 one 4. A stacked expert
-    weight is drawn one expert's full matrix (plus its slice) at a time, 4 bytes per element of each."""
-    return _being_made_cached(shapes, tuple(vars(model).items()), tp, kept, lora)
-
-
-@functools.lru_cache(maxsize=1024)
-def _being_made_cached(shapes: tuple, model_fields: tuple, tp: int, kept: tuple, lora: bool) -> float:
-    model = ModelConfig(**dict(model_fields))
-    param_bytes, param_share, master_bytes, master_share = kept
-    matrix = model.hidden_size * model.expert_size
-    stacked = [4 * (numel + matrix + (matrix // tp if tp > 1 else 0)) for name, numel in shapes
-               if is_stacked_expert(name)]
-    layers = sorted({int(name.split(".")[1]) for name, _ in shapes if name.startswith("layers.")})
-    names = {name for name, _ in shapes}
-    full = dict(formulas.parameter_shapes(model, 1, layers, "embed_tokens.weight" in names,
-                                          "norm.weight" in names))  # global sizes of this rank's parameters
-    # (a tied model's last pipeline stage holds a copy of the embedding as lm_head.weight)
-    full.setdefault("lm_head.weight", model.vocab_size * model.hidden_size)
-
-    def beyond(numel: int, whole: int) -> float:
-        master = 0.0 if lora else master_bytes * master_share * numel  # the base is frozen under LoRA
-        return 8 * whole - param_bytes * param_share * numel - master
-
-    return max([beyond(numel, full[name]) for name, numel in shapes
-                if name in full and not is_stacked_expert(name)] + stacked)
-
-
 def _ffn_width(m) -> int:
     """Hidden width each token's feed-forward activations have: the dense MLP's, or under MoE the k
     chosen experts' plus the shared expert's."""
     if m.num_experts:
         return m.experts_per_token * m.expert_size + m.shared_expert_size
     return m.ffn_hidden_size
-
-
-def _gradients(cfg: Config, shapes: tuple, inv: _Inventory, bpp) -> float:
-    """Peak gradient memory. One process: every .grad (or the fp32 accumulation buffers plus the one
-    bf16 .grad being folded in). Data (or context) parallel (fivefold.parallel): the reduction over dp x cp
-    is in fp32 and its
-    result is what the optimizer reads, so ZeRO-0 ends backward with 4 bytes per parameter and ZeRO-1
-    with 4 per parameter of its shard, beside the full gradients held until the last micro-batch's
-    reduction. ZeRO-2/3 keep persistent fp32 gradient shards, plus the full gradients of the bucket
-    (ZeRO-2) or gather unit (ZeRO-3: a block, or the embeddings + head root) still being filled."""
-    t, par = cfg.train, cfg.parallel
-    n = inv.n
-    full = bpp.gradients * n
-    if t.fp32_grad_accum:
-        full = bpp.main_gradients * n + bpp.gradients * inv.largest
-    if par.grad_size == 1:
-        return full
-    shard = math.ceil(n / par.grad_size)
-    if par.zero <= 1:
-        reduced = 4 * (n if par.zero == 0 else shard)
-        if par.zero == 0 and par.ep == par.grad_size:
-            # Every rank holds other experts: their gradients are not reduced, so the optimizer reads them
-            # where backward left them (the .grad, or the fp32 accumulation buffer).
-            reduced -= (4 if t.fp32_grad_accum else 4 - bpp.gradients) * inv.experts
-        # fp32 buffers stay beside the reduced gradients; the bf16 .grad being folded in is gone by then.
-        return bpp.main_gradients * n + reduced if t.fp32_grad_accum else max(full, reduced)
-    if par.zero == 2:
-        filling = max(_bucket_sums(tuple(numel for _, numel in shapes), int(par.bucket_mb * 2**20)))
-    else:
-        filling = max(inv.root, inv.head + max(inv.blocks, default=0))
-    return 4 * shard + bpp.gradients * filling
 
 
 def _block_backward(replay, d: Shapes, modes: list[str], top_grad: float, mlp_grad: float, core_grad: float,
@@ -806,7 +617,7 @@ def _candidates(cfg: Config) -> list[tuple[str, dict[str, object]]]:
         if pp > par.pp and pp <= m.num_layers:
             out.append((f"parallel.pp={pp} train.grad_accum={max(t.grad_accum, pp)}",
                         {"parallel.pp": pp, "train.grad_accum": max(t.grad_accum, pp)}))
-    return [(text, changes) for text, changes in out if _valid(_with(cfg, changes))]
+    return [(text, changes) for text, changes in out if _valid(with_changes(cfg, changes))]
 
 
 def _valid(cfg: Config) -> bool:
@@ -818,7 +629,8 @@ def _valid(cfg: Config) -> bool:
     return True
 
 
-def _with(cfg: Config, changes: dict[str, object]) -> Config:
+def with_changes(cfg: Config, changes: dict[str, object]) -> Config:
+    """A copy of cfg with `changes` ({"section.key": value}) set, not validated."""
     new = copy.deepcopy(cfg)
     for key, value in changes.items():
         section, name = key.split(".")
@@ -835,7 +647,7 @@ def suggest_fixes(cfg: Config, device_memory: int, device: str, limit: int = 6) 
     """Single changes that make the plan fit, least disruptive first; else a greedy combination."""
     fits = []
     for text, changes in _candidates(cfg):
-        new = _with(cfg, changes)
+        new = with_changes(cfg, changes)
         total = plan_memory(new, device=device, suggest=False).memory["total"]
         if total <= device_memory:
             fits.append(f"{text}: {_outcome(cfg, new, total)}")
@@ -843,73 +655,14 @@ def suggest_fixes(cfg: Config, device_memory: int, device: str, limit: int = 6) 
         return fits[:limit]
     current, applied = cfg, []
     for _ in range(4):  # greedy: take the change that saves the most, until it fits
-        options = [(plan_memory(_with(current, ch), device=device, suggest=False).memory["total"], text, ch)
+        options = [(plan_memory(with_changes(current, ch), device=device, suggest=False).memory["total"], text, ch)
                    for text, ch in _candidates(current)]
         if not options:
             break
         total, text, changes = min(options, key=lambda o: o[0])
-        current = _with(current, changes)
+        current = with_changes(current, changes)
         applied.append(text)
         if total <= device_memory:
             return [" + ".join(applied) + f": {_outcome(cfg, current, total)}"]
     return ["! nothing tried fits: even " + " + ".join(applied) + " is too large; add GPUs (dp with zero=3, "
             "tp, pp) or shorten train.seq_len"]
-
-
-def sweep(cfg: Config, key: str, values: list[int], device: str = "cuda") -> dict[str, list[float]]:
-    """Activation bytes per rank over train.seq_len or train.micro_batch_size, for eager and SDPA."""
-    field_name = {"seq": "seq_len", "batch": "micro_batch_size"}[key]
-    out: dict[str, list[float]] = {"values": list(values)}
-    for attention in ("eager", "sdpa"):
-        series = []
-        for v in values:
-            new = _with(cfg, {f"train.{field_name}": v, "model.attention": attention})
-            series.append(plan_memory(new, device=device, suggest=False).memory["activations"])
-        out[attention] = series
-    return out
-
-
-RECOMPUTE_SWEEP_NOTE = ("the rows replay eager blocks: the compiled replay covers recomputation for dense bf16 / fp32 "
-                        "blocks without LoRA only; under train.compile the blocks without recomputation save less "
-                        "(the plan without --sweep shows it)")
-
-
-def sweep_replays_eager(cfg: Config, device: str) -> bool:
-    """Whether recompute_sweep compares eager blocks for a compiled run: where the compiled replay does not
-    cover recomputation (compiled_blocks_modelled), so that its rows compare like with like."""
-    return cfg.train.compiled(device) and not compiled_blocks_modelled(_with(cfg, {"train.recompute": "full"}),
-                                                                        device)
-
-
-def recompute_sweep(cfg: Config, device: str = "cuda", every: list[int] | None = None) -> list[dict]:
-    """Activation memory against the compute recomputation adds: no recomputation, full recomputation of
-    every k-th layer (train.recompute_layers="every:k") for k from the layer count down to 1, and selective.
-    `extra_compute`: the recomputed forward FLOPs as a fraction of the step's (formulas.flops_per_token).
-    Each recomputed layer gives back its saved activations but its input for one more forward, so memory
-    falls and compute grows linearly in the recomputed layers. Compiled runs replay compiled blocks in every
-    row where the compiled replay covers recomputation, and eager blocks in every row elsewhere
-    (sweep_replays_eager, RECOMPUTE_SWEEP_NOTE): a sweep compares like with like."""
-    if sweep_replays_eager(cfg, device):
-        cfg = _with(cfg, {"train.compile": "false"})
-    m, seq = cfg.model, cfg.train.seq_len
-    n = m.num_layers
-    step = formulas.flops_per_token(m, seq)
-    layer_forward = (step / 3 - 2 * m.vocab_size * m.hidden_size) / n
-    core_forward = 4 * seq * m.q_size  # the attention scores and weighted sum, per layer and token
-    ks = every or sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k <= n}
-                         | {n, max(1, round(math.sqrt(n)))}, reverse=True)
-
-    def row(label: str, mode: str, layers: str, recomputed: int, flops: float) -> dict:
-        plan = plan_memory(_with(cfg, {"train.recompute": mode, "train.recompute_layers": layers}), device=device,
-                           suggest=False)
-        return {"recompute": label, "recomputed_layers": recomputed, "activations": plan.memory["activations"],
-                "total": plan.memory["total"], "extra_compute": recomputed * flops / step}
-
-    rows = [row("none", "none", "", 0, 0.0)]
-    for k in ks:
-        count = len(recompute_layer_set(f"every:{k}", n))
-        if count != rows[-1]["recomputed_layers"]:  # e.g. every:24 and every:16 of 32 layers both take two
-            rows.append(row("full" if k == 1 else f"every:{k}", "full", "" if k == 1 else f"every:{k}", count,
-                            layer_forward))
-    rows.append(row("selective", "selective", "", n, core_forward))
-    return rows
