@@ -468,3 +468,36 @@ def test_a_draw_is_the_inverse_cdf_of_the_tempered_filtered_distribution(probs, 
     req = type("R", (), dict(params=SamplingParams(**params), prompt_ids=[], output_ids=[]))()
     tokens, _ = sample_rows(logits, slot_params([req], uniforms=[u]), [req])
     assert tokens == [token]
+
+
+def test_logit_bias_moves_its_own_rows_only():
+    """logit_bias (OpenAI's): +100 on a token makes a greedy and a sampled request emit only it; -100 on
+    the greedy choice bans it, the next most likely token taking its place; the bias is added before the
+    filters and the logprobs stay the model's own. A biased request leaves its batch companions' tokens
+    as they are alone. Out-of-range biases and token ids are refused with the field named."""
+    from fivefold.serve.sampling import sample
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]]).expand(3, 4)
+    params = [SamplingParams(temperature=0, logit_bias={3: 100}), SamplingParams(top_k=1, logit_bias={1: -100}),
+              SamplingParams(temperature=0, logprobs=1, logit_bias={2: 1.5})]
+    reqs = [type("R", (), dict(params=p, prompt_ids=[], output_ids=[],
+                                generator=torch.Generator().manual_seed(i)))() for i, p in enumerate(params)]
+    tokens, logprobs = sample(logits, reqs)
+    assert tokens == [3, 2, 2]  # forced; the top token banned (top-k 1 of what is left); 1.0 + 1.5 > 2.0
+    assert logprobs[2]["top"][0][0] == 1  # the model's own most likely token, not the biased draw
+
+    model = tiny()
+    prompts = mixed_prompts(4, model.cfg.vocab_size, seed=9)
+    plain = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+    forced = dataclasses.replace(plain[1], logit_bias={7: 100})
+    together = LLM(model).generate(prompts, [plain[0], forced, *plain[2:]])
+    alone = [LLM(model).generate(p, s)[0] for p, s in zip(prompts, plain)]
+    assert together[1].token_ids == [7] * 6
+    assert [o.token_ids for i, o in enumerate(together) if i != 1] == [o.token_ids for i, o in enumerate(alone)
+                                                                      if i != 1]
+    with pytest.raises(RequestError, match="logit_bias values must be numbers in"):
+        SamplingParams(logit_bias={1: 101})
+    with pytest.raises(RequestError, match="logit_bias keys must be token ids"):
+        SamplingParams(logit_bias={-1: 1})
+    with pytest.raises(RequestError, match=f"the vocabulary has ids 0..{model.cfg.vocab_size - 1}"):
+        LLM(model).generate(prompts[0], SamplingParams(logit_bias={model.cfg.vocab_size: 1}))

@@ -432,3 +432,36 @@ def test_sampling_fields_at_their_edges(server):
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "top_logprobs": 2, "logprobs": True})
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert idle(engine)
+
+
+def test_logit_bias_and_the_fields_it_refuses(tiny, server):
+    """logit_bias arrives as OpenAI sends it (token ids as strings) and does what the engine's does: +100
+    on a token makes every generated token that one. Fields that would change what a client gets back and
+    that this server does not do are refused with a 400 naming them, not ignored: best_of, response_format
+    other than text, suffix, tools and functions; so are logit_bias keys that are not token ids, biases
+    past +-100 and ids past the vocabulary."""
+    url, engine, _ = server
+    _, tokenizer = tiny
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "logit_bias": {"42": 100}, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tokenizer.decode([42] * 4)
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    refused = [("/v1/completions", {**body, "best_of": 3}, "best_of"),
+               ("/v1/completions", {**body, "suffix": "end"}, "suffix"),
+               ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
+               ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                "tools"),
+               ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
+               ("/v1/completions", {**body, "logit_bias": {"fox": 1}}, "logit_bias"),
+               ("/v1/completions", {**body, "logit_bias": {"1": 101}}, "logit_bias"),
+               ("/v1/completions", {**body, "frequency_penalty": 3}, "frequency_penalty")]
+    for path, request, field in refused:
+        r = httpx.post(f"{url}{path}", json=request)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = httpx.post(f"{url}/v1/completions", json={**body, "logit_bias": {"300": 1}})
+    assert r.status_code == 400 and "the vocabulary has ids 0..299" in r.json()["error"]["message"]
+    for request in ({**body, "best_of": 1}, {**chat, "response_format": {"type": "text"}}, {**chat, "tools": []}):
+        path = "/v1/chat/completions" if "messages" in request else "/v1/completions"
+        assert httpx.post(f"{url}{path}", json=request).status_code == 200
+    assert idle(engine)

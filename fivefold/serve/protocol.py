@@ -53,9 +53,24 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logit_bias: dict[str, float] = {}  # OpenAI's: token ids as strings -> bias in [-100, 100]
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Fields that would change what a client gets back, which this server does not do: refused, not ignored.
+    best_of: int | None = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n}: this server returns one choice per request; send n requests", "n")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of}: this server samples one sequence per request and "
+                                "returns it; send several requests and pick", "best_of")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain what it "
+                                "generates (only 'text')", "response_format")
 
     @field_validator("*", mode="before")
     @classmethod
@@ -69,10 +84,13 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
         if self.echo:
             raise APIError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported: this server completes the prompt only", "suffix")
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -99,9 +117,15 @@ class ChatRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+    functions: list | None = None
 
     def message_dicts(self) -> list[dict]:
         """The messages as the chat template sees them: role and text content."""
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} are not supported: this server's chat template renders text messages "
+                                    "only", name)
         messages = []
         for i, m in enumerate(self.messages):
             content = m.content or ""
@@ -119,17 +143,23 @@ class ChatRequest(SamplingRequest):
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    if body.n != 1:
-        raise APIError(400, f"n={body.n}: this server returns one choice per request; send n requests", "n")
+    body.refuse_unsupported()
+    try:
+        bias = {int(token): value for token, value in body.logit_bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers, as strings)", "logit_bias") from None
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=0 if body.top_k == -1 else body.top_k,
             top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop),
-            stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+            stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs,
+            logit_bias=bias)
+    except ValueError as e:  # "SamplingParams: FIELD must ...": the field is the one the client sent
+        message = str(e).removeprefix("SamplingParams: ")
+        field = message.split()[0]
+        raise APIError(400, message, field if field in type(body).model_fields else None) from None
 
 
 def usage(out: RequestOutput) -> dict:

@@ -36,6 +36,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit before penalties, temperature and the
+    # filters (greedy rows too); -100 bans a token in practice, +100 forces it
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -52,6 +55,11 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+            (isinstance(self.logit_bias, dict) and all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+             "logit_bias keys must be token ids"),
+            (isinstance(self.logit_bias, dict) and all(isinstance(b, (int, float)) and -100 <= b <= 100
+                                                       for b in self.logit_bias.values()),
+             "logit_bias values must be numbers in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -112,6 +120,18 @@ def _padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(valid).to(device, non_blocking=True)
 
 
+def _biased(logits: torch.Tensor, requests: list) -> torch.Tensor:
+    """The logits plus each request's logit_bias: one scatter-add over every (row, token) pair asked for."""
+    pairs = [(i, t, b) for i, r in enumerate(requests) for t, b in r.params.logit_bias.items()]
+    if not pairs:
+        return logits
+    rows, ids, bias = zip(*pairs)
+    device = logits.device
+    index = torch.from_numpy(np.array([rows, ids], dtype=np.int64)).to(device, non_blocking=True)
+    values = torch.from_numpy(np.array(bias, dtype=np.float32)).to(device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
 def _penalise(logits: torch.Tensor, rows: np.ndarray, params: SlotParams, requests: list) -> None:
     """apply_penalties for several rows at once: one gather / scatter over padded id lists."""
     device = logits.device
@@ -169,12 +189,14 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list) ->
     """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
     the next token of each, and its logprobs entry where asked for. One batched pass on the device and
     one device-to-host copy: greedy rows take the argmax, the others the first token whose cumulative
-    probability passes the row's own pre-drawn uniform (inverse-CDF sampling)."""
+    probability passes the row's own pre-drawn uniform (inverse-CDF sampling). Logit biases, then penalties,
+    apply before both; logprobs are the model's own distribution, before either."""
     device = logits.device
     logits = logits.float()
     asked = [r.params.logprobs for r in requests]
     logprob_rows = [i for i, k in enumerate(asked) if k is not None]
     raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # the model's own distribution
+    logits = _biased(logits, requests)
     penalised = np.flatnonzero((params.repetition_penalty != 1) | (params.presence_penalty != 0)
                                | (params.frequency_penalty != 0))
     if len(penalised):
