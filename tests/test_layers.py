@@ -20,6 +20,8 @@ FLOORS = {
     "fivefold.config_load": 3,  # loading checks the layout (rules) as it reads
     # pure layout arithmetic: what the planner and the runtime share
     "fivefold.memory.formulas": 3, "fivefold.memory.communication": 3, "fivefold.memory.activations": 3,
+    "fivefold.memory.replay": 3, "fivefold.memory.replay_layers": 3, "fivefold.memory.replay_moe": 3,
+    "fivefold.memory.replay_compiled": 3, "fivefold.memory.backward_temporaries": 3,
     "fivefold.memory.categories": 3, "fivefold.parallel.rules": 3, "fivefold.parallel.pipeline_schedules": 3,
     "fivefold.parallel.placement": 3, "fivefold.planner.hardware": 3,
     "fivefold.model": 4, "fivefold.kernels": 4,
