@@ -39,7 +39,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="fivefold", description="Train, plan, measure and serve Llama-family models on one CPU or many GPUs.")
+    parser = Parser(prog="fivefold",
+                    description="Train, plan, measure and serve Llama-family models on one CPU or many GPUs.")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of every error (also FIVEFOLD_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     presets = sub.add_parser("presets", help="list model presets with their parameter counts")
     presets.set_defaults(func=_list_presets)
+    parser.commands = sub.choices  # name -> its parser
     return parser
 
 
@@ -61,9 +63,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     --help and the closest option it has (argparse leaves these to the top-level parser)."""
     args, extra = parser.parse_known_args(argv)
     if extra:
-        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub = command.choices[args.command]
-        options = [o for action in sub._actions for o in action.option_strings]
+        sub = parser.commands[args.command]
+        options = [o for action in sub._actions for o in action.option_strings]  # argparse lists them nowhere public
         close = difflib.get_close_matches(extra[0].split("=")[0], options, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")

@@ -54,8 +54,8 @@ def recompute_sweep(cfg: Config, device: str = "cuda", every: list[int] | None =
                          | {n, max(1, round(math.sqrt(n)))}, reverse=True)
 
     def row(label: str, mode: str, layers: str, recomputed: int, flops: float) -> dict:
-        plan = plan_memory(with_changes(cfg, {"train.recompute": mode, "train.recompute_layers": layers}), device=device,
-                           suggest=False)
+        changed = with_changes(cfg, {"train.recompute": mode, "train.recompute_layers": layers})
+        plan = plan_memory(changed, device=device, suggest=False)
         return {"recompute": label, "recomputed_layers": recomputed, "activations": plan.memory["activations"],
                 "total": plan.memory["total"], "extra_compute": recomputed * flops / step}
 

@@ -366,7 +366,8 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids")
         vocab = self.model.cfg.vocab_size
         if any(t >= vocab for t in params.logit_bias):
-            raise RequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has ids 0..{vocab - 1}")
+            raise RequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has ids "
+                               f"0..{vocab - 1}")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self.seeds))
         with self.inbox_lock:
             request_id = request_id or f"req-{next(self.ids)}"

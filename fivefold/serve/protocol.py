@@ -86,11 +86,14 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
         if self.echo:
             raise APIError(400, "echo is not supported", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported: this server completes the prompt only", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -120,12 +123,15 @@ class ChatRequest(SamplingRequest):
     tools: list | None = None
     functions: list | None = None
 
-    def message_dicts(self) -> list[dict]:
-        """The messages as the chat template sees them: role and text content."""
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise APIError(400, f"{name} are not supported: this server's chat template renders text messages "
                                     "only", name)
+
+    def message_dicts(self) -> list[dict]:
+        """The messages as the chat template sees them: role and text content."""
         messages = []
         for i, m in enumerate(self.messages):
             content = m.content or ""
