@@ -1,6 +1,7 @@
 """Serving: a paged KV cache, continuous batching with a prefix cache, and an OpenAI-compatible server."""
 
-from fivefold.serve.engine import LLM, Engine, RequestError, RequestOutput
+from fivefold.serve.engine import Engine, RequestError, RequestOutput
+from fivefold.serve.llm import LLM
 from fivefold.serve.loading import load_model_for_serving
 from fivefold.serve.sampling import SamplingParams
 

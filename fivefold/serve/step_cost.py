@@ -36,7 +36,7 @@ from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.presets import PRESETS
 from fivefold.serve.cpu_linear import serving_product
-from fivefold.serve.engine import LLM
+from fivefold.serve.llm import LLM
 from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import SamplingParams
 
