@@ -248,8 +248,8 @@ def test_bad_requests_are_400_in_openais_shape(server, client):
         client.completions.create(model=NAME, prompt="fox " * 300, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=NAME, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="n=0: ask for 1 to 128 choices"):
+        client.completions.create(model=NAME, prompt=PROMPT, n=0)
     with pytest.raises(openai.BadRequestError, match="echo is not supported"):
         client.completions.create(model=NAME, prompt=PROMPT, echo=True)
     with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist"):
@@ -279,6 +279,10 @@ def test_full_queue_is_429(tiny):
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
             body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4}
+            # n choices take n places: two do not fit in one, all or none are queued
+            too_many = await http.post("/v1/completions", json={**body, "n": 2})
+            assert too_many.status_code == 429 and "2 choices asked" in too_many.json()["error"]["message"]
+            assert engine.num_waiting == 0
             first = asyncio.create_task(http.post("/v1/completions", json=body))
             while engine.num_waiting == 0:
                 await asyncio.sleep(0.01)
@@ -312,6 +316,10 @@ def test_clients_that_leave_abort_their_requests(server):
         assert first.startswith("data: {")
     wait_until(lambda: idle(engine))
     assert engine.stats["aborted"] == aborted + 1
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "n": 3}) as r:  # every choice goes
+        assert r.status_code == 200 and next(r.iter_lines()).startswith("data: {")
+    wait_until(lambda: idle(engine))
+    assert engine.stats["aborted"] == aborted + 4
 
     # A non-streaming client that gives up. Each step is slowed down, so that the request outlasts the
     # client's timeout on any host (the tiny model writes 240 tokens in under 0.3 s on a fast one).
@@ -322,8 +330,8 @@ def test_clients_that_leave_abort_their_requests(server):
         wait_until(lambda: idle(engine))
     finally:
         slow.remove()
-    assert engine.stats["aborted"] == aborted + 2
-    assert scrape(url)['fivefold_requests_finished_total{"reason": "abort"}'] >= 2
+    assert engine.stats["aborted"] == aborted + 5
+    assert scrape(url)['fivefold_requests_finished_total{"reason": "abort"}'] >= 5
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, client):
@@ -448,6 +456,7 @@ def test_logit_bias_and_the_fields_it_refuses(tiny, server):
     assert r.json()["choices"][0]["text"] == tokenizer.decode([42] * 4)
     chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     refused = [("/v1/completions", {**body, "best_of": 3}, "best_of"),
+               ("/v1/completions", {**body, "n": 129}, "n"),
                ("/v1/completions", {**body, "suffix": "end"}, "suffix"),
                ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
                ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -461,7 +470,48 @@ def test_logit_bias_and_the_fields_it_refuses(tiny, server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
     r = httpx.post(f"{url}/v1/completions", json={**body, "logit_bias": {"300": 1}})
     assert r.status_code == 400 and "the vocabulary has ids 0..299" in r.json()["error"]["message"]
-    for request in ({**body, "best_of": 1}, {**chat, "response_format": {"type": "text"}}, {**chat, "tools": []}):
+    for request in ({**body, "best_of": 1}, {**body, "n": 2, "best_of": 2}, {**chat, "response_format": {"type": "text"}},
+                    {**chat, "tools": []}):
         path = "/v1/chat/completions" if "messages" in request else "/v1/completions"
         assert httpx.post(f"{url}{path}", json=request).status_code == 200
+    assert idle(engine)
+
+
+def test_n_choices_are_the_seeded_requests_they_stand_for(tiny, server, client):
+    """n > 1: choice i is what one request with seed + i returns, through completions and chat, streamed
+    (each index's pieces joined) or not; usage counts the prompt once and every choice's tokens; a stream's
+    chunks name their choice; with no seed the choices still differ (each draws its own)."""
+    url, engine, _ = server
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "ignore_eos": True}
+    alone = [httpx.post(f"{url}/v1/completions", json={**body, "seed": 10 + i}).json() for i in range(3)]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "seed": 10, "n": 3})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in out["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert out["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 15
+    streamed = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, seed=10, n=3, stream=True,
+                                         extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    texts, usage = ["", "", ""], None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [c["text"] for c in out["choices"]] and usage.completion_tokens == 15
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          seed=3, n=2, extra_body={"ignore_eos": True})
+    chat_alone = [client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, seed=3 + i, extra_body={"ignore_eos": True})
+                  for i in range(2)]
+    assert [c.message.content for c in chat.choices] == [a.choices[0].message.content for a in chat_alone]
+    deltas = ["", ""]
+    for chunk in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4, seed=3, n=2, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            deltas[choice.index] += choice.delta.content or ""
+    assert deltas == [c.message.content for c in chat.choices]
+    unseeded = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8, "n": 4}).json()
+    assert len({c["text"] for c in unseeded["choices"]}) > 1
     assert idle(engine)

@@ -3,6 +3,8 @@ of a running request that is safe to stream."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticUseDefault
 
@@ -30,6 +32,9 @@ class StepFailed(APIError):
 
     def __init__(self, message: str):
         super().__init__(500, message)
+
+
+MAX_CHOICES = 128  # n, as OpenAI's API bounds it
 
 
 class StreamOptions(BaseModel):
@@ -62,11 +67,11 @@ class SamplingRequest(BaseModel):
     response_format: dict | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: this server returns one choice per request; send n requests", "n")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of={self.best_of}: this server samples one sequence per request and "
-                                "returns it; send several requests and pick", "best_of")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n={self.n}: ask for 1 to {MAX_CHOICES} choices", "n")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, f"best_of={self.best_of}: this server returns every choice it samples (n); it "
+                                "does not sample more and keep the best", "best_of")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain what it "
@@ -168,10 +173,20 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
         raise APIError(400, message, field if field in type(body).model_fields else None) from None
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One request's n choices: choice i is what a request with seed `seed + i` returns (each draws its own
+    seed from the engine when the request gives none)."""
+    if n == 1:
+        return [params]
+    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+
+def usage(outs: RequestOutput | list[RequestOutput]) -> dict:
+    """The prompt once (its cached tokens as the first choice met them), the tokens of every choice."""
+    outs = outs if isinstance(outs, list) else [outs]
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
 
 
 def token_text(tokenizer, token_id: int) -> str:

@@ -29,7 +29,7 @@ from fivefold.data.chat import ChatTemplate
 from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.metrics import ServerMetrics
 from fivefold.serve.protocol import (APIError, ChatRequest, CompletionRequest, StepFailed, TextStream, chat_logprobs,
-                                     completion_logprobs, sampling_params, usage)
+                                     choice_params, completion_logprobs, sampling_params, usage)
 
 log = logging.getLogger("fivefold.serve")
 
@@ -68,31 +68,42 @@ class EngineLoop:
             self.thread.join()
             self.thread = None
 
-    def submit(self, request_id: str, prompt, params, subscriber: Subscriber, adapter: str | None = None) -> None:
-        """Queue a request (into the engine's inbox: this does not wait for a running step)."""
+    def submit(self, request_ids: list[str], prompt, params: list, subscriber: Subscriber,
+               adapter: str | None = None) -> None:
+        """Queue a request's choices, one engine request each (into the engine's inbox: this does not wait for
+        a running step), all or none."""
         engine = self.engine
-        with self.submitting:  # the queue check and the add, as one
-            if engine.num_waiting >= self.max_waiting:
-                raise APIError(429, f"the server's queue is full ({engine.num_waiting} requests waiting, "
+        with self.submitting:  # the queue check and the adds, as one
+            if engine.num_waiting + len(request_ids) > self.max_waiting:
+                asked = f", {len(request_ids)} choices asked" if len(request_ids) > 1 else ""
+                raise APIError(429, f"the server's queue is full ({engine.num_waiting} requests waiting{asked}, "
                                     f"serve.max_waiting={self.max_waiting}); retry later")
-            self.subscribers[request_id] = subscriber  # first: the next step may already produce its output
+            added = []
             try:
-                engine.add_request(prompt, params, request_id, adapter=adapter)
+                for request_id, choice in zip(request_ids, params):
+                    self.subscribers[request_id] = subscriber  # first: the next step may already produce output
+                    engine.add_request(prompt, choice, request_id, adapter=adapter)
+                    added.append(request_id)
             except ValueError as e:  # RequestError: a request that could never be served
-                self.subscribers.pop(request_id, None)
+                for request_id in request_ids:
+                    if request_id in added:
+                        self.cancel(request_id)
+                    else:
+                        self.subscribers.pop(request_id, None)
                 raise APIError(400, str(e)) from None
         self.wake.set()
 
-    async def start_request(self, request_id: str, prompt, params, stream: bool,
+    async def start_request(self, request_ids: list[str], prompt, params: list, stream: bool,
                             adapter: str | None = None) -> asyncio.Queue:
+        """Submit the choices (`params`, one per id); their outputs arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         subscriber = Subscriber(loop, asyncio.Queue(), stream)
-        done = loop.run_in_executor(None, self.submit, request_id, prompt, params, subscriber, adapter)
+        done = loop.run_in_executor(None, self.submit, request_ids, prompt, params, subscriber, adapter)
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
             # The handler was cancelled while the worker thread submits: abort once it has.
-            done.add_done_callback(lambda f: f.cancelled() or f.exception() or self.cancel(request_id))
+            done.add_done_callback(lambda f: f.cancelled() or f.exception() or [*map(self.cancel, request_ids)])
             raise
         return subscriber.queue
 
@@ -102,14 +113,14 @@ class EngineLoop:
         self.aborts.append(request_id)
         self.wake.set()
 
-    async def outputs(self, request_id: str, queue: asyncio.Queue, request: Request | None = None
+    async def outputs(self, request_ids: list[str], queue: asyncio.Queue, request: Request | None = None
                       ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs up to its final one. Stopping early aborts the request: a stream is
-        cancelled when its client disconnects (Starlette does that), and a non-streaming handler passes
-        `request` to be checked for a disconnect while it waits."""
-        finished = False
+        """The choices' outputs, as they come, up to the final one of each. Stopping early aborts the
+        unfinished ones: a stream is cancelled when its client disconnects (Starlette does that), and a
+        non-streaming handler passes `request` to be checked for a disconnect while it waits."""
+        unfinished = set(request_ids)
         try:
-            while not finished:
+            while unfinished:
                 if request is None:
                     item = await queue.get()
                 else:
@@ -120,20 +131,23 @@ class EngineLoop:
                             return
                         continue
                 if isinstance(item, StepFailed):
-                    finished = True
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(item.request_id)
                 yield item
         finally:
-            if not finished:
+            for request_id in unfinished:
                 self.cancel(request_id)
 
-    async def final_output(self, request_id: str, queue: asyncio.Queue, request: Request) -> RequestOutput | None:
-        """The finished output, or None if the client left first."""
-        out = None
-        async for out in self.outputs(request_id, queue, request):
-            pass
-        return out if out is not None and out.finished else None
+    async def final_outputs(self, request_ids: list[str], queue: asyncio.Queue, request: Request
+                            ) -> list[RequestOutput] | None:
+        """The finished outputs in the order of `request_ids`, or None if the client left first."""
+        last = {}
+        async for out in self.outputs(request_ids, queue, request):
+            last[out.request_id] = out
+        if not all(r in last and last[r].finished for r in request_ids):
+            return None
+        return [last[r] for r in request_ids]
 
     # ---- the stepping thread
 
@@ -265,28 +279,39 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def deltas(request_id: str, queue: asyncio.Queue, stop: list[str]):
-        """(text to send, logprob entries since the last, output) whenever there is text, and at the end."""
-        text, given = TextStream(tokenizer, stop), 0
-        async for out in runner.outputs(request_id, queue):
-            delta = text.finish(out.text) if out.finished else text.push(out.token_ids)
+    async def deltas(request_ids: list[str], queue: asyncio.Queue, stop: list[str]):
+        """(choice index, text to send, logprob entries since the last, output) whenever a choice has text,
+        and at its end."""
+        texts = {r: TextStream(tokenizer, stop) for r in request_ids}
+        given = dict.fromkeys(request_ids, 0)
+        index = {r: i for i, r in enumerate(request_ids)}
+        async for out in runner.outputs(request_ids, queue):
+            r = out.request_id
+            delta = texts[r].finish(out.text) if out.finished else texts[r].push(out.token_ids)
             if delta or out.finished:
-                yield delta, (out.logprobs or [])[given:], out
-                given = len(out.token_ids)
+                yield index[r], delta, (out.logprobs or [])[given[r]:], out
+                given[r] = len(out.token_ids)
 
     async def finish_stream(events: AsyncIterator[tuple[str, RequestOutput]], request_id: str, kind: str,
-                            include_usage: bool):
+                            include_usage: bool, choices: int):
         """Relay the chunks, turn a failed step into an error event, then usage and [DONE]."""
-        last = None
+        last: dict[str, RequestOutput] = {}
         try:
-            async for chunk, last in events:
+            async for chunk, out in events:
+                last[out.request_id] = out
                 yield chunk
         except StepFailed as e:
             yield sse(e.body())
-            last = None
-        if include_usage and last is not None:
-            yield sse({**header(kind, request_id), "choices": [], "usage": usage(last)})
+            last = {}
+        if include_usage and len(last) == choices:
+            yield sse({**header(kind, request_id), "choices": [], "usage": usage(list(last.values()))})
         yield "data: [DONE]\n\n"
+
+    async def start(request_id: str, body, prompt, params, adapter):
+        """Submit the body's n choices; their engine ids (the response's id, suffixed past one choice) and
+        the queue their outputs arrive on."""
+        ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+        return ids, await runner.start_request(ids, prompt, choice_params(params, body.n), body.stream, adapter)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -294,7 +319,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         prompt = body.single_prompt()
         params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        queue = await runner.start_request(request_id, prompt, params, body.stream, adapter)
+        ids, queue = await start(request_id, body, prompt, params, adapter)
         # text_offset counts from the start of the prompt's text, as OpenAI's does.
         base = len(prompt) if isinstance(prompt, str) else len(tokenizer.decode(prompt))
 
@@ -302,25 +327,26 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def chunks():
-                offset = base
-                async for delta, entries, out in deltas(request_id, queue, params.stop):
+                offsets = [base] * len(ids)
+                async for i, delta, entries, out in deltas(ids, queue, params.stop):
                     logprobs = None
                     if params.logprobs is not None:
-                        logprobs, offset = completion_logprobs(tokenizer, entries, offset)
-                    choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                        logprobs, offsets[i] = completion_logprobs(tokenizer, entries, offsets[i])
+                    choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
                     chunk = {**header("text_completion", request_id), "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
                     yield sse(chunk), out
 
-            return event_stream(finish_stream(chunks(), request_id, "text_completion", include_usage))
+            return event_stream(finish_stream(chunks(), request_id, "text_completion", include_usage, len(ids)))
 
-        out = await runner.final_output(request_id, queue, request)
-        if out is None:
+        outs = await runner.final_outputs(ids, queue, request)
+        if outs is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads this
-        logprobs = completion_logprobs(tokenizer, out.logprobs, base)[0] if out.logprobs is not None else None
-        choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-        return {**header("text_completion", request_id), "choices": [choice], "usage": usage(out)}
+        choices = [{"index": i, "text": out.text,
+                    "logprobs": completion_logprobs(tokenizer, out.logprobs, base)[0] if out.logprobs is not None
+                    else None, "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
+        return {**header("text_completion", request_id), "choices": choices, "usage": usage(outs)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -335,36 +361,37 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                           max(1, capacity - len(prompt)))
         params = sampling_params(body, max_tokens, body.logprobs_asked())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        queue = await runner.start_request(request_id, prompt, params, body.stream, adapter)
+        ids, queue = await start(request_id, body, prompt, params, adapter)
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(delta: dict, entries, finish_reason) -> dict:
+            def chunk(i: int, delta: dict, entries, finish_reason) -> dict:
                 logprobs = chat_logprobs(tokenizer, entries) if params.logprobs is not None and entries else None
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
                 c = {**header("chat.completion.chunk", request_id), "choices": [choice]}
                 if include_usage:
                     c["usage"] = None
                 return c
 
             async def chunks():
-                first = True
-                async for delta, entries, out in deltas(request_id, queue, params.stop):
-                    if first:  # the role comes first, on its own, as OpenAI sends it
-                        yield sse(chunk({"role": "assistant", "content": ""}, [], None)), out
-                        first = False
-                    yield sse(chunk({"content": delta} if delta else {}, entries, out.finish_reason)), out
+                started = set()
+                async for i, delta, entries, out in deltas(ids, queue, params.stop):
+                    if i not in started:  # a choice's role comes first, on its own, as OpenAI sends it
+                        yield sse(chunk(i, {"role": "assistant", "content": ""}, [], None)), out
+                        started.add(i)
+                    yield sse(chunk(i, {"content": delta} if delta else {}, entries, out.finish_reason)), out
 
-            return event_stream(finish_stream(chunks(), request_id, "chat.completion.chunk", include_usage))
+            return event_stream(finish_stream(chunks(), request_id, "chat.completion.chunk", include_usage,
+                                              len(ids)))
 
-        out = await runner.final_output(request_id, queue, request)
-        if out is None:
+        outs = await runner.final_outputs(ids, queue, request)
+        if outs is None:
             return Response(status_code=499)
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": chat_logprobs(tokenizer, out.logprobs) if out.logprobs is not None else None,
-                  "finish_reason": out.finish_reason}
-        return {**header("chat.completion", request_id), "choices": [choice], "usage": usage(out)}
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": chat_logprobs(tokenizer, out.logprobs) if out.logprobs is not None else None,
+                    "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
+        return {**header("chat.completion", request_id), "choices": choices, "usage": usage(outs)}
 
     @app.get("/v1/models")
     async def models():
