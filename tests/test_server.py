@@ -279,9 +279,9 @@ def test_full_queue_is_429(tiny):
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
             body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4}
-            # n choices take n places: two do not fit in one, all or none are queued
+            # n choices take n places: two can never fit in one, which is a 400 (retrying will not help)
             too_many = await http.post("/v1/completions", json={**body, "n": 2})
-            assert too_many.status_code == 429 and "2 choices asked" in too_many.json()["error"]["message"]
+            assert too_many.status_code == 400 and "split the request" in too_many.json()["error"]["message"]
             assert engine.num_waiting == 0
             first = asyncio.create_task(http.post("/v1/completions", json=body))
             while engine.num_waiting == 0:
@@ -514,4 +514,35 @@ def test_n_choices_are_the_seeded_requests_they_stand_for(tiny, server, client):
     assert deltas == [c.message.content for c in chat.choices]
     unseeded = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8, "n": 4}).json()
     assert len({c["text"] for c in unseeded["choices"]}) > 1
+    assert idle(engine)
+
+
+def test_a_batch_of_prompts_is_each_prompt_alone(tiny, server, client):
+    """A completions request with a list of prompts (text or token ids) answers choice prompt x n + j with
+    what that prompt alone returns with seed + j, streamed or not; usage counts each prompt once. More
+    choices than the queue can ever hold is a 400, not a 429 worth retrying."""
+    url, engine, _ = server
+    _, tokenizer = tiny
+    prompts = ["The quick", "A lazy dog", "Numbers: 1, 22"]
+    body = {"model": NAME, "max_tokens": 4, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    alone = [[httpx.post(f"{url}/v1/completions", json={**body, "prompt": p, "seed": 5 + j}).json()
+              for j in range(2)] for p in prompts]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompts, "n": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert [c["text"] for c in out["choices"]] == [a[j]["choices"][0]["text"] for a in alone for j in range(2)]
+    assert out["usage"]["prompt_tokens"] == sum(a[0]["usage"]["prompt_tokens"] for a in alone)
+    assert out["usage"]["completion_tokens"] == 6 * 4
+    texts = [""] * 6
+    for chunk in client.completions.create(model=NAME, prompt=prompts, max_tokens=4, temperature=0.9, seed=5, n=2,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c["text"] for c in out["choices"]]
+    ids = [tokenizer.encode(p).ids for p in prompts]  # a batch of token-id prompts: the same answers
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ids, "n": 2})
+    assert [c["text"] for c in r.json()["choices"]] == texts
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["x"] * 3, "n": 100})
+    assert r.status_code == 400 and "serve.max_waiting" in r.json()["error"]["message"]
     assert idle(engine)

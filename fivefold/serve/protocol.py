@@ -35,6 +35,7 @@ class StepFailed(APIError):
 
 
 MAX_CHOICES = 128  # n, as OpenAI's API bounds it
+MAX_PROMPTS = 2048  # prompts in one completions request, as OpenAI's API bounds them
 
 
 class StreamOptions(BaseModel):
@@ -97,15 +98,15 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "echo is not supported", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported: this server completes the prompt only", "suffix")
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise APIError(400, f"{len(self.prompts())} prompts: send at most {MAX_PROMPTS} in one request", "prompt")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text or token-id list, or a batch of either."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request ({len(prompt)} given); send them as separate requests",
-                               "prompt")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
 
 class ContentPart(BaseModel):
@@ -181,12 +182,14 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
-def usage(outs: RequestOutput | list[RequestOutput]) -> dict:
-    """The prompt once (its cached tokens as the first choice met them), the tokens of every choice."""
+def usage(outs: RequestOutput | list[RequestOutput], n: int = 1) -> dict:
+    """Each prompt once (every n-th output starts a prompt's n choices; its cached tokens as that choice met
+    them), the tokens of every choice."""
     outs = outs if isinstance(outs, list) else [outs]
-    prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
+    firsts = outs[::n]
+    prompt, completion = sum(len(o.prompt_token_ids) for o in firsts), sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
 
 def token_text(tokenizer, token_id: int) -> str:

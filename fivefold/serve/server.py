@@ -68,11 +68,14 @@ class EngineLoop:
             self.thread.join()
             self.thread = None
 
-    def submit(self, request_ids: list[str], prompt, params: list, subscriber: Subscriber,
+    def submit(self, request_ids: list[str], prompts: list, params: list, subscriber: Subscriber,
                adapter: str | None = None) -> None:
-        """Queue a request's choices, one engine request each (into the engine's inbox: this does not wait for
-        a running step), all or none."""
+        """Queue a request's choices, one engine request each, with its prompt and parameters (into the
+        engine's inbox: this does not wait for a running step), all or none."""
         engine = self.engine
+        if len(request_ids) > self.max_waiting:
+            raise APIError(400, f"{len(request_ids)} choices (prompts x n) in one request: the queue holds "
+                                f"serve.max_waiting={self.max_waiting}; split the request")
         with self.submitting:  # the queue check and the adds, as one
             if engine.num_waiting + len(request_ids) > self.max_waiting:
                 asked = f", {len(request_ids)} choices asked" if len(request_ids) > 1 else ""
@@ -80,7 +83,7 @@ class EngineLoop:
                                     f"serve.max_waiting={self.max_waiting}); retry later")
             added = []
             try:
-                for request_id, choice in zip(request_ids, params):
+                for request_id, prompt, choice in zip(request_ids, prompts, params):
                     self.subscribers[request_id] = subscriber  # first: the next step may already produce output
                     engine.add_request(prompt, choice, request_id, adapter=adapter)
                     added.append(request_id)
@@ -93,12 +96,12 @@ class EngineLoop:
                 raise APIError(400, str(e)) from None
         self.wake.set()
 
-    async def start_request(self, request_ids: list[str], prompt, params: list, stream: bool,
+    async def start_request(self, request_ids: list[str], prompts: list, params: list, stream: bool,
                             adapter: str | None = None) -> asyncio.Queue:
-        """Submit the choices (`params`, one per id); their outputs arrive on the returned queue."""
+        """Submit the choices (a prompt and parameters per id); their outputs arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         subscriber = Subscriber(loop, asyncio.Queue(), stream)
-        done = loop.run_in_executor(None, self.submit, request_ids, prompt, params, subscriber, adapter)
+        done = loop.run_in_executor(None, self.submit, request_ids, prompts, params, subscriber, adapter)
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -293,7 +296,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                 given[r] = len(out.token_ids)
 
     async def finish_stream(events: AsyncIterator[tuple[str, RequestOutput]], request_id: str, kind: str,
-                            include_usage: bool, choices: int):
+                            include_usage: bool, ids: list[str], n: int):
         """Relay the chunks, turn a failed step into an error event, then usage and [DONE]."""
         last: dict[str, RequestOutput] = {}
         try:
@@ -303,31 +306,34 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         except StepFailed as e:
             yield sse(e.body())
             last = {}
-        if include_usage and len(last) == choices:
-            yield sse({**header(kind, request_id), "choices": [], "usage": usage(list(last.values()))})
+        if include_usage and len(last) == len(ids):
+            yield sse({**header(kind, request_id), "choices": [], "usage": usage([last[r] for r in ids], n)})
         yield "data: [DONE]\n\n"
 
-    async def start(request_id: str, body, prompt, params, adapter):
-        """Submit the body's n choices; their engine ids (the response's id, suffixed past one choice) and
-        the queue their outputs arrive on."""
-        ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
-        return ids, await runner.start_request(ids, prompt, choice_params(params, body.n), body.stream, adapter)
+    async def start(request_id: str, body, prompts: list, params, adapter):
+        """Submit n choices of each prompt (choice index: prompt x n + choice, as OpenAI numbers them);
+        their engine ids (the response's id, suffixed past one choice), each one's prompt, and the queue
+        their outputs arrive on."""
+        n = body.n
+        each = [p for p in prompts for _ in range(n)]
+        ids = [request_id] if len(each) == 1 else [f"{request_id}-{k}" for k in range(len(each))]
+        params = [choice for _ in prompts for choice in choice_params(params, n)]
+        return ids, each, await runner.start_request(ids, each, params, body.stream, adapter)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         adapter = check_model(body.model)
-        prompt = body.single_prompt()
         params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        ids, queue = await start(request_id, body, prompt, params, adapter)
+        ids, prompts, queue = await start(request_id, body, body.prompts(), params, adapter)
         # text_offset counts from the start of the prompt's text, as OpenAI's does.
-        base = len(prompt) if isinstance(prompt, str) else len(tokenizer.decode(prompt))
+        bases = [len(p) if isinstance(p, str) else len(tokenizer.decode(p)) for p in prompts]
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def chunks():
-                offsets = [base] * len(ids)
+                offsets = list(bases)
                 async for i, delta, entries, out in deltas(ids, queue, params.stop):
                     logprobs = None
                     if params.logprobs is not None:
@@ -338,15 +344,15 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                         chunk["usage"] = None
                     yield sse(chunk), out
 
-            return event_stream(finish_stream(chunks(), request_id, "text_completion", include_usage, len(ids)))
+            return event_stream(finish_stream(chunks(), request_id, "text_completion", include_usage, ids, body.n))
 
         outs = await runner.final_outputs(ids, queue, request)
         if outs is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads this
         choices = [{"index": i, "text": out.text,
-                    "logprobs": completion_logprobs(tokenizer, out.logprobs, base)[0] if out.logprobs is not None
+                    "logprobs": completion_logprobs(tokenizer, out.logprobs, bases[i])[0] if out.logprobs is not None
                     else None, "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
-        return {**header("text_completion", request_id), "choices": choices, "usage": usage(outs)}
+        return {**header("text_completion", request_id), "choices": choices, "usage": usage(outs, body.n)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -361,7 +367,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                           max(1, capacity - len(prompt)))
         params = sampling_params(body, max_tokens, body.logprobs_asked())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        ids, queue = await start(request_id, body, prompt, params, adapter)
+        ids, _, queue = await start(request_id, body, [prompt], params, adapter)
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -382,8 +388,8 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                         started.add(i)
                     yield sse(chunk(i, {"content": delta} if delta else {}, entries, out.finish_reason)), out
 
-            return event_stream(finish_stream(chunks(), request_id, "chat.completion.chunk", include_usage,
-                                              len(ids)))
+            return event_stream(finish_stream(chunks(), request_id, "chat.completion.chunk", include_usage, ids,
+                                              body.n))
 
         outs = await runner.final_outputs(ids, queue, request)
         if outs is None:
@@ -391,7 +397,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
                     "logprobs": chat_logprobs(tokenizer, out.logprobs) if out.logprobs is not None else None,
                     "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
-        return {**header("chat.completion", request_id), "choices": choices, "usage": usage(outs)}
+        return {**header("chat.completion", request_id), "choices": choices, "usage": usage(outs, body.n)}
 
     @app.get("/v1/models")
     async def models():
