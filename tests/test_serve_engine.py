@@ -501,3 +501,21 @@ def test_logit_bias_moves_its_own_rows_only():
         SamplingParams(logit_bias={-1: 1})
     with pytest.raises(RequestError, match=f"the vocabulary has ids 0..{model.cfg.vocab_size - 1}"):
         LLM(model).generate(prompts[0], SamplingParams(logit_bias={model.cfg.vocab_size: 1}))
+
+
+def test_min_tokens_holds_off_every_end():
+    """min_tokens (vLLM's): end-of-sequence and stop token ids are banned from the sampler, and stop strings
+    not looked for, until that many tokens are out. Forced by logit_bias towards ending at once, a request
+    ends at its first chance after min_tokens; without min_tokens at its first token."""
+    model = tiny()
+    eos = model.cfg.eos_token_id
+    prompt = mixed_prompts(1, model.cfg.vocab_size, seed=2)[0]
+    for end, params in (("eos", dict(logit_bias={eos: 100})), ("stop id", dict(logit_bias={7: 100}, stop_token_ids=[7]))):
+        token = eos if end == "eos" else 7
+        for min_tokens, length in ((0, 1), (3, 4)):
+            out = LLM(model).generate(prompt, SamplingParams(max_tokens=10, temperature=0.7, seed=1,
+                                                             min_tokens=min_tokens, **params))[0]
+            assert out.finish_reason == "stop" and len(out.token_ids) == length, (end, min_tokens, out.token_ids)
+            assert out.token_ids[-1] == token and token not in out.token_ids[:-1]
+    with pytest.raises(RequestError, match=r"min_tokens must be an integer in \[0, max_tokens\]"):
+        SamplingParams(max_tokens=2, min_tokens=3)

@@ -466,7 +466,7 @@ class Engine:
         if len(keep) < len(seqs):
             seqs = [seqs[i] for i in keep]
             logits = logits[torch.tensor(keep, device=logits.device)]
-        sampled = launch_sampling(logits, self.batch.sampling_params(seqs), seqs)
+        sampled = launch_sampling(logits, self.batch.sampling_params(seqs), seqs, self.eos_id)
         for row, seq in enumerate(seqs):
             seq.append(PLACEHOLDER)
             seq.pending, seq.pending_row = True, row
@@ -542,14 +542,16 @@ class Engine:
         if entry is not None:
             seq.logprobs.append(entry)
         p = seq.params
-        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
+        early = len(seq.output_ids) < p.min_tokens  # no end yet: the sampler banned the ending tokens
+        if not early and ((token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids):
             seq.finish_reason = "stop"
         elif p.stop:
             before = len(seq.text)
             self.detokenize(seq)
-            # Only the new text (and a stop string's length before it) can hold a new match.
-            start = max(0, before - max(map(len, p.stop)))
-            hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+            # A new match ends in the new text or at the last character before it (which a split multi-byte
+            # character may have changed); before min_tokens none is looked for.
+            hits = [] if early else [i for i in (seq.text.find(s, max(0, before - len(s))) for s in p.stop)
+                                     if i >= 0]
             if hits:
                 seq.text = seq.text[:min(hits)]
                 seq.finish_reason = "stop"

@@ -60,6 +60,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logit_bias: dict[str, float] = {}  # OpenAI's: token ids as strings -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM's: no end before this many tokens
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -167,7 +168,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop),
             stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs,
-            logit_bias=bias)
+            logit_bias=bias, min_tokens=body.min_tokens)
     except ValueError as e:  # "SamplingParams: FIELD must ...": the field is the one the client sent
         message = str(e).removeprefix("SamplingParams: ")
         field = message.split()[0]

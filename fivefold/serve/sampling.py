@@ -39,6 +39,8 @@ class SamplingParams:
     # OpenAI's: token id -> a number in [-100, 100] added to its logit before penalties, temperature and the
     # filters (greedy rows too); -100 bans a token in practice, +100 forces it
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's: no end (end-of-sequence, stop token ids, stop strings) before this many tokens
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +57,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "min_tokens must be an integer in [0, max_tokens]"),
             (isinstance(self.logit_bias, dict) and all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
              "logit_bias keys must be token ids"),
             (isinstance(self.logit_bias, dict) and all(isinstance(b, (int, float)) and -100 <= b <= 100
@@ -120,9 +124,15 @@ def _padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(valid).to(device, non_blocking=True)
 
 
-def _biased(logits: torch.Tensor, requests: list) -> torch.Tensor:
-    """The logits plus each request's logit_bias: one scatter-add over every (row, token) pair asked for."""
+def _biased(logits: torch.Tensor, requests: list, eos_id: int | None = None) -> torch.Tensor:
+    """The logits plus each request's logit_bias, and -inf on the tokens that would end a request short of
+    its min_tokens: one scatter-add over every (row, token) pair."""
     pairs = [(i, t, b) for i, r in enumerate(requests) for t, b in r.params.logit_bias.items()]
+    for i, r in enumerate(requests):
+        p = r.params
+        if len(r.output_ids) < p.min_tokens:
+            ends = {*p.stop_token_ids, *([eos_id] if eos_id is not None and not p.ignore_eos else [])}
+            pairs += [(i, t, float("-inf")) for t in ends if t < logits.shape[-1]]
     if not pairs:
         return logits
     rows, ids, bias = zip(*pairs)
@@ -185,18 +195,20 @@ class SampledTokens:
         return out, entries
 
 
-def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list) -> SampledTokens:
+def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eos_id: int | None = None
+                    ) -> SampledTokens:
     """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
     the next token of each, and its logprobs entry where asked for. One batched pass on the device and
     one device-to-host copy: greedy rows take the argmax, the others the first token whose cumulative
-    probability passes the row's own pre-drawn uniform (inverse-CDF sampling). Logit biases, then penalties,
-    apply before both; logprobs are the model's own distribution, before either."""
+    probability passes the row's own pre-drawn uniform (inverse-CDF sampling). Logit biases (and the bans
+    that hold a request to its min_tokens: `eos_id` and its stop token ids), then penalties, apply before
+    both; logprobs are the model's own distribution, before either."""
     device = logits.device
     logits = logits.float()
     asked = [r.params.logprobs for r in requests]
     logprob_rows = [i for i, k in enumerate(asked) if k is not None]
     raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # the model's own distribution
-    logits = _biased(logits, requests)
+    logits = _biased(logits, requests, eos_id)
     penalised = np.flatnonzero((params.repetition_penalty != 1) | (params.presence_penalty != 0)
                                | (params.frequency_penalty != 0))
     if len(penalised):
