@@ -87,7 +87,7 @@ MUTANTS = [Mutant(*m) for m in [
      'logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)',
      'logits -= params.frequency_penalty * counts + params.presence_penalty * counts'),
     ('S11', 'fivefold/serve/sampling.py', 'serve',
-     '    logits = _biased(logits, requests)\n',
+     '    logits = _biased(logits, requests, eos_id)\n',
      ''),
     ('S13', 'fivefold/serve/sampling.py', 'serve',
      '        if len(r.output_ids) < p.min_tokens:',
