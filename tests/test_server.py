@@ -566,3 +566,24 @@ def test_min_tokens_through_the_server(tiny, server):
     r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2, "min_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert idle(engine)
+
+
+def test_an_api_key_guards_the_v1_routes(tiny):
+    """With an API key, a /v1 request without `Authorization: Bearer KEY`, or with another key, is a 401 in
+    OpenAI's shape and reaches nothing; the right key (as the official client sends it) is served; /health
+    and /metrics stay open for probes and scrapers."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, serve_config(ENGINE))
+    app = create_app(engine, NAME, api_key="s3cret")
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2}
+    with running(app) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert engine.stats.get("steps", 0) == 0 and not engine.has_unfinished()  # nothing reached the engine
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert keyed.completions.create(**body).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).models.list()
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200

@@ -36,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a LoRA adapter (a fivefold LoRA run or a PEFT directory) beside the base; clients "
                         "ask for it as model 'BASE:NAME' (repeatable; one batch mixes adapters)")
+    p.add_argument("--api-key", default=os.environ.get("FIVEFOLD_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $FIVEFOLD_API_KEY; "
+                        "none: open to whoever reaches the port)")
     p.add_argument("--config", help="TOML config file; only its [serve] table is read")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
                    help="engine option, e.g. --set serve.kv_memory=0.3 --set serve.max_num_seqs=32 (repeatable)")
@@ -101,9 +104,11 @@ def run_serve(args) -> int:
     print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.data.chat)"))
     for adapter in adapters:
         print(f"LoRA adapter {adapter!r} from {adapters[adapter]}: ask for model {name + ':' + adapter!r}")
-    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    key = "an API key" if args.api_key else "no API key"
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 ({key})", flush=True)
     try:
-        serve(engine, name, args.host, args.port, loaded.chat_template, bos_token=bos_token, eos_token=eos_token or None)
+        serve(engine, name, args.host, args.port, loaded.chat_template, bos_token=bos_token,
+              eos_token=eos_token or None, api_key=args.api_key)
     finally:
         try:
             engine.release_followers()

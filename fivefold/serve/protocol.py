@@ -11,8 +11,8 @@ from pydantic_core import PydanticUseDefault
 from fivefold.serve.engine import RequestOutput
 from fivefold.serve.sampling import SamplingParams
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
 
 
 class APIError(Exception):

@@ -10,6 +10,7 @@ goes away hands its request id back to the stepping thread, which aborts it betw
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -218,10 +219,12 @@ def sse(data) -> str:
 
 
 def create_app(engine: Engine, model_name: str, chat_template: str | None = None, max_waiting: int | None = None,
-               bos_token: str = "", eos_token: str | None = None) -> FastAPI:
+               bos_token: str = "", eos_token: str | None = None, api_key: str | None = None) -> FastAPI:
     """The app over `engine`; its stepping thread runs from app startup to shutdown (the lifespan).
     `max_waiting`: queued requests before answering 429 (default serve.max_waiting); `bos_token` /
-    `eos_token`: the strings the chat template sees (eos default: the engine's eos token)."""
+    `eos_token`: the strings the chat template sees (eos default: the engine's eos token); `api_key`: the
+    key every /v1 request must bring as `Authorization: Bearer KEY` (401 otherwise; /health and /metrics
+    stay open, for probes and scrapers)."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer: pass one to the Engine (e.g. --tokenizer tokenizer.json)")
@@ -247,6 +250,17 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return error_response(exc)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+                return error_response(APIError(401, "a valid API key is needed: send the header "
+                                                    "'Authorization: Bearer KEY' with the server's --api-key"))
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
