@@ -127,9 +127,11 @@ def _padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
 def _biased(logits: torch.Tensor, requests: list, eos_id: int | None = None) -> torch.Tensor:
     """The logits plus each request's logit_bias, and -inf on the tokens that would end a request short of
     its min_tokens: one scatter-add over every (row, token) pair."""
-    pairs = [(i, t, b) for i, r in enumerate(requests) for t, b in r.params.logit_bias.items()]
-    for i, r in enumerate(requests):
+    pairs = []
+    for i, r in enumerate(requests):  # one pass over the batch; most rows add nothing
         p = r.params
+        if p.logit_bias:
+            pairs += [(i, t, b) for t, b in p.logit_bias.items()]
         if len(r.output_ids) < p.min_tokens:
             ends = {*p.stop_token_ids, *([eos_id] if eos_id is not None and not p.ignore_eos else [])}
             pairs += [(i, t, float("-inf")) for t in ends if t < logits.shape[-1]]

@@ -331,7 +331,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         n = body.n
         each = [p for p in prompts for _ in range(n)]
         ids = [request_id] if len(each) == 1 else [f"{request_id}-{k}" for k in range(len(each))]
-        params = [choice for _ in prompts for choice in choice_params(params, n)]
+        params = choice_params(params, n) * len(prompts)  # the same n choices for every prompt
         return ids, each, await runner.start_request(ids, each, params, body.stream, adapter)
 
     @app.post("/v1/completions")
