@@ -15,7 +15,7 @@ def admitted(seqs: list[list[int]], tables: list[list[int]], block_size: int, ma
     batch = InputBatch(max_num_seqs=len(seqs), max_model_len=max_model_len, block_size=block_size)
     buffers = StepBuffers(64, rows, rows, batch.max_blocks_per_seq, "cpu")
     admitted_rows = [SimpleNamespace(token_ids=s, block_table=t, num_computed=0, params=SamplingParams(),
-                                     pending=False) for s, t in zip(seqs, tables)]
+                                     pending=False, scoring=False) for s, t in zip(seqs, tables)]
     for row in admitted_rows:
         batch.admit(row)
     return batch, buffers, admitted_rows

@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def fivefold(*args, cache, check=True):
     env = {**os.environ, "FIVEFOLD_CACHE": cache}
@@ -40,6 +43,21 @@ def test_train_then_generate(data_cache, tmp_path):
                        "--max-new-tokens", "8", cache=data_cache).stdout
               for source in (["--checkpoint", str(out)], [str(out)])]  # the flag and the positional agree
     assert greedy[0] == greedy[1]
+
+    # score: the text's log-likelihood is the trained model's full forward over its tokens.
+    text = "def add(x, y):\n    return x + y\n"
+    scored = fivefold("score", str(out), "--text", text, "--per-token", cache=data_cache).stdout
+    from fivefold.serve.loading import load_model_for_serving  # the test process's own copy of the model
+    loaded = load_model_for_serving(out, None, "float32", torch.device("cpu"), 1)
+    ids = loaded.tokenizer.encode(text).ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(loaded.model(torch.tensor([ids]))[0, :-1].float(), dim=-1)
+    total = float(logprobs.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+    summary = scored.splitlines()[-1]
+    assert summary.startswith(f"scored {len(ids) - 1} of {len(ids)} tokens in 1 window(s) of up to ")
+    assert float(summary.split("log-likelihood ")[1].split()[0]) == pytest.approx(total, abs=1e-3)
+    assert float(summary.split("perplexity ")[1]) == pytest.approx(math.exp(-total / (len(ids) - 1)), rel=1e-4)
+    assert len(scored.splitlines()) == len(ids) + 1  # a header, a line per scored token, the summary
 
     again = fivefold(*TRAIN, "--out", str(out), cache=data_cache)  # resumes: nothing left to do
     assert "already at step 40" in again.stdout

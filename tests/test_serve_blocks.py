@@ -12,7 +12,7 @@ TAIL = [40]  # the last token is always computed, so the two blocks before it ca
 
 def seq(tokens, salt=b""):
     return SimpleNamespace(token_ids=list(tokens), cache_salt=salt, block_table=[], block_hashes=[],
-                           num_computed=0, num_cached=0)
+                           num_computed=0, num_cached=0, scoring=False)
 
 
 def prefill(blocks: BlockManager, s) -> None:

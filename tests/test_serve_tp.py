@@ -38,8 +38,8 @@ def sources(tmp_path_factory):
 def requests(vocab: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in (3, 40, 17, 1, 29, 8)]
-    params = [dict(max_tokens=12, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
+    params = [dict(max_tokens=12, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True, logprobs=2,
+                   prompt_logprobs=None if i % 2 else 2) for i in range(len(prompts))]
     return {"prompts": prompts, "params": params, "update_seed": 6}
 
 
@@ -62,6 +62,9 @@ def test_tp2_serves_what_one_process_serves(sources, kind, tmp_path):
         for one, two in zip(ones, twos):
             assert two["token_ids"] == one.token_ids
             assert two["logprobs"] == pytest.approx([e["logprob"] for e in one.logprobs], abs=1e-5)
+            assert two["prompt_logprobs"] == pytest.approx([e["logprob"] for e in (one.prompt_logprobs or [])[1:]],
+                                                           abs=1e-5)
+    assert sum(bool(two["prompt_logprobs"]) for two in sharded[0]) == 3  # the 3-, 17- and 29-token prompts
 
 
 def test_bad_tp_is_refused_before_any_worker_starts(sources, capsys):

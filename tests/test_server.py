@@ -203,6 +203,74 @@ def test_logprobs_match_the_engine(tiny, client):
     assert all(c.bytes == list(c.token.encode()) for c in content)
 
 
+def test_echo_scores_continuations_as_evaluation_harnesses_ask(tiny, server):
+    """lm-evaluation-harness's loglikelihood request: context + continuation as token ids, a batch of them,
+    max_tokens 1, logprobs 1, echo, greedy. token_logprobs[ctxlen:-1] are the continuation's logprobs under a
+    full forward, the first token's is null, is_greedy reads the same off top_logprobs, and the text is the
+    prompt's followed by the completion's."""
+    model, tokenizer = tiny
+    url, engine, _ = server
+    ctx = tokenizer.encode("The quick brown").ids
+    continuations = [tokenizer.encode(c).ids for c in (" fox jumps", " dog", " 22 and")]
+    prompts = [ctx + c for c in continuations]
+    body = {"model": NAME, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for prompt, cont, choice in zip(prompts, continuations, choices):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        scores = lp["token_logprobs"][len(ctx):-1]
+        want = [float(ref[i - 1, prompt[i]]) for i in range(len(ctx), len(prompt))]
+        assert scores == pytest.approx(want, abs=1e-5)
+        is_greedy = all(t == max(top.values()) for t, top in zip(scores, lp["top_logprobs"][len(ctx):-1]))
+        assert is_greedy == all(int(ref[i - 1].argmax()) == prompt[i] for i in range(len(ctx), len(prompt)))
+        generated = reference(tiny, prompt, max_tokens=1, temperature=0)
+        assert choice["text"] == tokenizer.decode(prompt) + generated.text
+        assert lp["token_logprobs"][-1] == pytest.approx(float(ref[-1].max()), abs=1e-5)  # the greedy token's
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(tiny, server):
+    """max_tokens 0 with echo: the prompt back with its tokens' logprobs, nothing generated; streamed, the
+    same text and logprobs in one chunk; without logprobs, the prompt's text alone."""
+    _, tokenizer = tiny
+    url, engine, _ = server
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}
+    whole = httpx.post(f"{url}/v1/completions", json=body).json()
+    choice = whole["choices"][0]
+    ids = tokenizer.encode(PROMPT).ids
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert whole["usage"]["completion_tokens"] == 0 and whole["usage"]["prompt_tokens"] == len(ids)
+    events = [json.loads(line[6:]) for line in httpx.post(f"{url}/v1/completions", json={**body, "stream": True}
+                                                          ).text.splitlines() if line.startswith("data: {")]
+    assert [e["choices"][0]["text"] for e in events] == [PROMPT]
+    assert events[0]["choices"][0]["logprobs"] == choice["logprobs"]
+    plain = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["text"] == PROMPT and plain["logprobs"] is None
+    assert idle(engine)
+
+
+def test_streamed_echo_is_the_whole_response_in_pieces(server):
+    """Streamed with echo, a choice's first chunk starts with the prompt: its texts joined are the
+    non-streamed text, and its logprob tokens and offsets joined are the non-streamed ones."""
+    url, _, _ = server
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "echo": True, "logprobs": 1, "temperature": 0,
+            "ignore_eos": True, "n": 2}
+    whole = sorted(httpx.post(f"{url}/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
+    events = [json.loads(line[6:]) for line in httpx.post(f"{url}/v1/completions", json={**body, "stream": True}
+                                                          ).text.splitlines() if line.startswith("data: {")]
+    for choice in whole:
+        parts = [e["choices"][0] for e in events if e["choices"][0]["index"] == choice["index"]]
+        assert "".join(p["text"] for p in parts) == choice["text"] and choice["text"].startswith(PROMPT)
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert sum((p["logprobs"][key] for p in parts), []) == choice["logprobs"][key]
+
+
 def test_models_health_and_metrics(tiny, server, client):
     url, engine, _ = server
     assert [m.id for m in client.models.list().data] == [NAME]
@@ -250,8 +318,8 @@ def test_bad_requests_are_400_in_openais_shape(server, client):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="n=0: ask for 1 to 128 choices"):
         client.completions.create(model=NAME, prompt=PROMPT, n=0)
-    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
-        client.completions.create(model=NAME, prompt=PROMPT, echo=True)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be in 0..20"):
+        client.completions.create(model=NAME, prompt=PROMPT, echo=True, logprobs=21)
     with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist"):
         client.completions.create(model="gpt-4", prompt=PROMPT)
 
@@ -399,22 +467,28 @@ def test_serve_command_errors_are_one_line(tmp_path, capsys):
 
 def test_non_positive_max_tokens_is_400_naming_the_field(server):
     """max_tokens (and chat's max_completion_tokens) of 0 or less is refused when the body is validated:
-    400 in OpenAI's shape, the field the client sent as param, and nothing reaches the engine."""
+    400 in OpenAI's shape, the field the client sent as param, and nothing reaches the engine. Completions
+    take 0 with echo (scoring the prompt), and say so when it comes without."""
     url, engine, _ = server
     stats = dict(engine.stats)
     chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
-    cases = [("/v1/completions", {"model": NAME, "prompt": PROMPT}, "max_tokens"),
-             ("/v1/chat/completions", chat, "max_tokens"),
-             ("/v1/chat/completions", chat, "max_completion_tokens")]
-    for path, body, field in cases:
-        for value in (0, -1):
-            r = httpx.post(f"{url}{path}", json={**body, field: value})
-            assert r.status_code == 400, (path, field, value, r.text)
-            assert r.json() == {"error": {"message": f"{field}: Input should be greater than or equal to 1",
-                                          "type": "invalid_request_error", "param": field, "code": 400}}
+    completion = {"model": NAME, "prompt": PROMPT}
+    cases = [("/v1/completions", completion, "max_tokens", -1, 0),
+             ("/v1/chat/completions", chat, "max_tokens", 0, 1), ("/v1/chat/completions", chat, "max_tokens", -1, 1),
+             ("/v1/chat/completions", chat, "max_completion_tokens", 0, 1),
+             ("/v1/chat/completions", chat, "max_completion_tokens", -1, 1)]
+    for path, body, field, value, least in cases:
+        r = httpx.post(f"{url}{path}", json={**body, field: value})
+        assert r.status_code == 400, (path, field, value, r.text)
+        assert r.json() == {"error": {"message": f"{field}: Input should be greater than or equal to {least}",
+                                      "type": "invalid_request_error", "param": field, "code": 400}}
+    r = httpx.post(f"{url}/v1/completions", json={**completion, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "max_tokens=0 generates nothing: it scores the prompt, with echo: true" in r.json()["error"]["message"]
     assert idle(engine) and engine.stats == stats
+    cases = [c for c in cases if c[3] == -1]
     # 1 is the smallest allowed: one token, finish_reason length.
-    for path, body, field in cases:
+    for path, body, field, _, _ in cases:
         r = httpx.post(f"{url}{path}", json={**body, field: 1, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -1,7 +1,9 @@
-"""`fivefold serve` (a model behind an OpenAI-compatible HTTP API) and `fivefold generate` (one prompt)."""
+"""`fivefold serve` (a model behind an OpenAI-compatible HTTP API), `fivefold generate` (one prompt) and
+`fivefold score` (a text's log-likelihood and perplexity, through the same engine)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -59,6 +61,19 @@ def register(sub) -> None:
     gen.add_argument("--tp", type=positive_int, default=1, metavar="N",
                      help="tensor parallel over N processes (launched through torchrun; gloo on CPU, NCCL on GPU)")
     gen.set_defaults(func=run_generate)
+
+    score = sub.add_parser("score", help="a text's log-likelihood and perplexity under a checkpoint, token by token "
+                                         "(the serving engine's prompt logprobs)")
+    score.add_argument("source", metavar="CHECKPOINT",
+                       help="checkpoint dir, a run dir (uses its latest), or a Hugging Face directory")
+    text = score.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="the text to score")
+    text.add_argument("--file", help="a UTF-8 text file to score")
+    score.add_argument("--per-token", action="store_true",
+                       help="also print each token, its logprob and the likeliest token in its place")
+    score.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
+    score.add_argument("--device", default="auto")
+    score.set_defaults(func=run_score)
 
 
 def run_serve(args) -> int:
@@ -122,16 +137,21 @@ def _fail(error) -> int:
     return 2
 
 
+def _with_tokenizer(src: Path, tokenizer: str | None) -> Path:
+    """`src`, once it is known to have a tokenizer (or one is given): checked before any weights load."""
+    if not tokenizer:
+        found = model_directory(src) / "tokenizer.json"
+        if not found.is_file():
+            raise FileNotFoundError(f"no tokenizer at {found}; pass --tokenizer tokenizer.json")
+    return src
+
+
 def run_generate(args) -> int:
     if not args.source and not args.checkpoint:
         raise RequestError("give the checkpoint to generate from: fivefold generate RUN_OR_CHECKPOINT --prompt TEXT")
     if args.source and args.checkpoint and args.source != args.checkpoint:
         raise RequestError(f"two checkpoints given ({args.source} and --checkpoint {args.checkpoint}); give one")
-    src = Path(args.source or args.checkpoint)
-    if not args.tokenizer:  # before loading any weights
-        found = model_directory(src) / "tokenizer.json"
-        if not found.is_file():
-            raise FileNotFoundError(f"no tokenizer at {found}; pass --tokenizer tokenizer.json")
+    src = _with_tokenizer(Path(args.source or args.checkpoint), args.tokenizer)
     if not args.prompt:
         raise RequestError("--prompt is empty; give the text to continue")
     try:
@@ -151,4 +171,35 @@ def run_generate(args) -> int:
     text = llm.generate(args.prompt, params)[0].text
     if os.environ.get("RANK", "0") == "0":
         print(args.prompt + text)
+    return 0
+
+
+def run_score(args) -> int:
+    """Each token's logprob given the tokens before it: the text in windows of the model's context, each window
+    one request for its prompt's logprobs and no new token (a window's first token is not scored)."""
+    src = _with_tokenizer(Path(args.source), args.tokenizer)
+    text = Path(args.file).read_text(encoding="utf-8") if args.file else args.text
+    if not text:
+        raise RequestError(f"{args.file or '--text'} is empty; give the text to score")
+    resolve_device(args.device, "--device")
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device)
+    ids = llm.tokenizer.encode(text).ids
+    if len(ids) < 2:
+        raise RequestError(f"the text is {len(ids)} token(s) long; scoring needs at least 2 (the first has no "
+                           f"logprob: nothing comes before it)")
+    window = llm.engine.max_model_len
+    windows = [ids[i:i + window] for i in range(0, len(ids), window)]
+    windows = [w for w in windows if len(w) > 1] or windows[:1]  # a last window of one token scores nothing
+    outs = llm.generate(windows, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    entries = [e for out in outs for e in out.prompt_logprobs[1:]]
+    total = sum(e["logprob"] for e in entries)
+    if args.per_token:
+        decode = llm.tokenizer.decode
+        print(f"{'token':>20} {'logprob':>10}  likeliest")
+        for e in entries:
+            best, best_lp = e["top"][0]
+            print(f"{decode([e['token_id']])!r:>20} {e['logprob']:10.4f}  {decode([best])!r} ({best_lp:.4f})")
+    print(f"scored {len(entries):,} of {len(ids):,} tokens in {len(windows)} window(s) of up to {window}: "
+          f"log-likelihood {total:.4f} nats, {total / len(entries):.4f} per token, "
+          f"perplexity {math.exp(-total / len(entries)):.4f}")
     return 0

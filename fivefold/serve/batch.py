@@ -28,7 +28,7 @@ class StepInputs:
     query_start_loc: np.ndarray  # (B + 1,) int32: sequence i's tokens are rows qsl[i]:qsl[i+1]
     seq_lens: np.ndarray  # (B,) int32: each sequence's context after this step, its new tokens included
     slots: np.ndarray  # (B,) int32: each sequence's slot, i.e. its row of the block table
-    logits_indices: np.ndarray  # (N,) int32: rows whose logits are sampled (a sequence's last token)
+    logits_indices: np.ndarray  # (N + M,) int32: rows whose logits are sampled (a sequence's last token), then scored
     sampled: np.ndarray  # (N,) int64: which of the B sequences those are
     num_decodes: int  # the first num_decodes sequences have one token each
     max_query_len: int
@@ -40,6 +40,10 @@ class StepInputs:
     # where each is among the previous step's sampled tokens.
     patch_rows: np.ndarray = None  # (P,) int32
     patch_from: np.ndarray = None  # (P,) int32
+    # Prompt scoring (SamplingParams.prompt_logprobs): rows whose logits score the prompt token after them,
+    # after the sampled rows in logits_indices; the token each is scored on, and which sequence it is of.
+    scored_targets: np.ndarray = None  # (M,) int64
+    scored_owners: np.ndarray = None  # (M,) int64, indices into the B sequences
 
     @property
     def num_tokens(self) -> int:
@@ -171,11 +175,35 @@ class InputBatch:
         sampled = np.flatnonzero(seq_lens == total)
         pending = np.fromiter((s.pending_row if s.pending else -1 for s in seqs), dtype=np.int64, count=b)
         patch = np.flatnonzero(pending >= 0)  # decode rows all: a pending token is a sequence's last
+        logits_rows = (qsl[1:][sampled] - 1).astype(np.int32)
+        targets = owners = None
+        scoring = [i for i, s in enumerate(seqs) if s.scoring]
+        if scoring:
+            rows, targets, owners = self._scored_rows(work, scoring, qsl, computed)
+            logits_rows = np.concatenate([logits_rows, rows])
         return StepInputs(input_ids, positions.astype(np.int32), slot_mapping.astype(np.int32),
                           qsl.astype(np.int32), seq_lens.astype(np.int32), slots.astype(np.int32),
-                          (qsl[1:][sampled] - 1).astype(np.int32), sampled, num_decodes, int(n.max()),
+                          logits_rows, sampled, num_decodes, int(n.max()),
                           blocks_for(int(seq_lens.max()), bs), index, value,
-                          qsl[patch].astype(np.int32), pending[patch].astype(np.int32))
+                          qsl[patch].astype(np.int32), pending[patch].astype(np.int32), targets, owners)
+
+    @staticmethod
+    def _scored_rows(work: list, scoring: list[int], qsl: np.ndarray, computed: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows of the scoring sequences' chunks whose logits score a prompt token not yet scored (row at
+        position p scores prompt token p + 1; a recomputed chunk after preemption skips what was scored)."""
+        rows, targets, owners = [], [], []
+        for i in scoring:
+            seq, k = work[i]
+            c, prompt = int(computed[i]), seq.prompt_ids
+            first, end = max(c, len(seq.prompt_logprobs) - 1), min(c + k, len(prompt) - 1)
+            if first < end:
+                rows.append(np.arange(first, end) - c + qsl[i])
+                targets.append(np.asarray(prompt[first + 1:end + 1], dtype=np.int64))
+                owners.append(np.full(end - first, i, dtype=np.int64))
+        if not rows:
+            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(rows).astype(np.int32), np.concatenate(targets), np.concatenate(owners)
 
     def sampling_params(self, seqs) -> SlotParams:
         """The sampled sequences' parameters, and the uniform each draws its next token with (its own,

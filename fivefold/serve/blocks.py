@@ -65,7 +65,7 @@ class BlockManager:
     def start(self, seq, token_budget: int, reserve: int = 0) -> int:
         """Give a sequence with no blocks its cached prefix and room for its next chunk, leaving `reserve`
         blocks free; returns the tokens scheduled (0: it does not fit now, nothing changed)."""
-        hits = self.match_prefix(seq.token_ids, seq.cache_salt)
+        hits = [] if seq.scoring else self.match_prefix(seq.token_ids, seq.cache_salt)
         computed = len(hits) * self.block_size
         n = min(len(seq.token_ids) - computed, token_budget)
         fresh = blocks_for(computed + n, self.block_size) - len(hits)
@@ -79,8 +79,9 @@ class BlockManager:
         seq.block_table = hits + [self._take() for _ in range(fresh)]
         seq.block_hashes = [self.hash_of[b] for b in hits]
         seq.num_computed = seq.num_cached = computed
-        self.queried_tokens += len(seq.token_ids)
-        self.hit_tokens += computed
+        if not seq.scoring:  # a prompt being scored does not look
+            self.queried_tokens += len(seq.token_ids)
+            self.hit_tokens += computed
         return n
 
     def grow(self, seq, n: int) -> bool:

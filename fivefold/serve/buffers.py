@@ -45,7 +45,7 @@ class StepBuffers:
         self.device = torch.device(device)
         self.sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
                       "query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "slots": max_seqs,
-                      "logits_indices": max_seqs, "patch_rows": max_seqs, "patch_from": max_seqs}
+                      "logits_indices": max_tokens, "patch_rows": max_seqs, "patch_from": max_seqs}
         self.offsets, total = {}, 0
         for name in SEGMENTS:
             self.offsets[name] = total

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
@@ -38,7 +39,7 @@ from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
 from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.lean_forward import use_lean_forward
-from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling
+from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling, score_rows
 from fivefold.serve.scheduler import Scheduler, Sequence
 
 
@@ -70,6 +71,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     ttft: float | None  # seconds from arrival to the first output token
     tpot: float | None  # seconds per output token after the first
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first), as `logprobs`' entries
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -435,6 +438,8 @@ class Engine:
                 if self.adapters is not None:
                     self.adapters.select([s.adapter for s, n in work for _ in range(n)])
                 logits = self._forward(step, self.pending.tokens if self.pending else None)
+                if step.scored_targets is not None:
+                    logits = self._score_prompts(work, step, logits)
                 for s, n in work:
                     s.num_computed += n
                 self.stats["steps"] += 1
@@ -456,10 +461,32 @@ class Engine:
     def _outputs(self, seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
         return [self.output(s) for s in seqs if s.finished or not finished_only]
 
+    def _score_prompts(self, work, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+        """The logprobs of the prompt tokens this step scores, into their sequences (waited for: scoring is an
+        evaluation path, it does not overlap with the next step); the sampled rows' logits."""
+        n = len(step.sampled)
+        owners = step.scored_owners
+        if len(owners):
+            asked = np.fromiter((work[i][0].params.prompt_logprobs for i in owners), dtype=np.int64,
+                                count=len(owners))
+            chosen, top_ids, top_lps = score_rows(logits[n:], step.scored_targets, int(asked.max()),
+                                                  max(1, self.cfg.max_num_seqs // 4))
+            for row, (i, target) in enumerate(zip(owners.tolist(), step.scored_targets.tolist())):
+                k = int(asked[row])
+                work[i][0].prompt_logprobs.append({"token_id": target, "logprob": float(chosen[row]),
+                                                   "top": list(zip(top_ids[row, :k].tolist(),
+                                                                   top_lps[row, :k].tolist()))})
+        return logits[:n]
+
     def _launch_sampling(self, work, step: StepInputs, logits: torch.Tensor) -> None:
         """Sample the step's last tokens of the sequences still running (a token taken in since the forward
-        may have ended some); each gets a placeholder until the tokens reach the host."""
+        may have ended some); each gets a placeholder until the tokens reach the host. A request for no
+        tokens (max_tokens 0: its prompt scored) finishes here instead."""
         seqs = [work[i][0] for i in step.sampled]
+        for seq in seqs:
+            if seq.params.max_tokens == 0 and not seq.finished:
+                self._finish(seq, "length", time.perf_counter())
+                self.undelivered.append(seq)
         keep = [i for i, s in enumerate(seqs) if not s.finished]
         if not keep:
             return
@@ -504,7 +531,8 @@ class Engine:
     def _forward(self, step: StepInputs, pending: torch.Tensor | None = None) -> torch.Tensor:
         """The model over one flattened batch; the logits (full vocabulary) of the sampled rows. `pending`:
         the previous step's tokens on the device, which the step's placeholder rows take as input."""
-        if self.graphs is not None and step.decode_only and self.graphs.size_for(step.num_seqs):
+        if (self.graphs is not None and step.decode_only and step.scored_targets is None
+                and self.graphs.size_for(step.num_seqs)):
             logits = self.graphs.run(step, pending)
             return logits if len(step.sampled) == step.num_seqs else logits[torch.from_numpy(step.sampled).to(self.device)]
         dev = self.buffers.upload(step, pending=pending)
@@ -558,12 +586,15 @@ class Engine:
         if seq.finish_reason is None and len(seq.output_ids) >= p.max_tokens:
             seq.finish_reason = "length"
         if seq.finished:
-            seq.finish_time = now
-            self.scheduler.finish(seq)
-            self.requests.pop(seq.request_id, None)
-            self.stats["finished"] += 1
-            if not p.stop or seq.finish_reason != "stop":
-                self.detokenize(seq)
+            self._finish(seq, seq.finish_reason, now, detokenize=not p.stop or seq.finish_reason != "stop")
+
+    def _finish(self, seq: Sequence, reason: str, now: float, detokenize: bool = True) -> None:
+        seq.finish_reason, seq.finish_time = reason, now
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self.stats["finished"] += 1
+        if detokenize:
+            self.detokenize(seq)
 
     def detokenize(self, seq: Sequence) -> str:
         """The output as text (a stop token is not part of it); also kept on the sequence."""
@@ -580,7 +611,8 @@ class Engine:
         tpot = ((seq.finish_time - seq.first_token_time) / (n - 1)) if seq.finish_time and n > 1 else None
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_ids, seq.text, list(seq.output_ids),
                              list(seq.logprobs) if seq.params.logprobs is not None else None,
-                             seq.finish_reason, seq.num_cached, ttft, tpot)
+                             seq.finish_reason, seq.num_cached, ttft, tpot,
+                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     # ---- weights
 

@@ -89,14 +89,18 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt scored, nothing generated
     logprobs: int | None = None
+    # The prompt before the completion in each choice's text, and with logprobs its tokens' logprobs first
+    # (the first token's null): how evaluation harnesses score a continuation (lm-evaluation-harness).
     echo: bool = False
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: it scores the prompt, with echo: true (and "
+                                "logprobs for its tokens' logprobs)", "max_tokens")
         if self.suffix:
             raise APIError(400, "suffix is not supported: this server completes the prompt only", "suffix")
         if len(self.prompts()) > MAX_PROMPTS:
@@ -155,7 +159,8 @@ class ChatRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     body.refuse_unsupported()
     try:
         bias = {int(token): value for token, value in body.logit_bias.items()}
@@ -168,7 +173,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop),
             stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs,
-            logit_bias=bias, min_tokens=body.min_tokens)
+            logit_bias=bias, min_tokens=body.min_tokens, prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # "SamplingParams: FIELD must ...": the field is the one the client sent
         message = str(e).removeprefix("SamplingParams: ")
         field = message.split()[0]
@@ -208,6 +213,9 @@ def completion_logprobs(tokenizer, entries: list[dict], offset: int) -> tuple[di
         offset += len(token)
     tops = []
     for e in entries:
+        if e["top"] is None:  # an echoed prompt's first token: nothing before it to predict it from
+            tops.append(None)
+            continue
         # Keyed by text, two tokens can collide (e.g. partial characters, both U+FFFD): keep the likelier.
         top = {}
         for token_id, logprob in e["top"]:
@@ -215,6 +223,12 @@ def completion_logprobs(tokenizer, entries: list[dict], offset: int) -> tuple[di
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
             "text_offset": offsets}, offset
+
+
+def echoed_entries(out: RequestOutput) -> list[dict]:
+    """An echoed prompt's logprob entries, as the completion's are: the first token's logprob and top null."""
+    first = {"token_id": out.prompt_token_ids[0], "logprob": None, "top": None}
+    return [first] + list(out.prompt_logprobs[1:])
 
 
 def chat_logprobs(tokenizer, entries: list[dict]) -> dict:

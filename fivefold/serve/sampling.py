@@ -36,6 +36,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # None: none; k: each prompt token's logprob under the tokens before it and the k most likely there (the
+    # first token has none). The prompt is then computed whole, not taken from the prefix cache.
+    prompt_logprobs: int | None = None
     # OpenAI's: token id -> a number in [-100, 100] added to its logit before penalties, temperature and the
     # filters (greedy rows too); -100 bans a token in practice, +100 forces it
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -46,7 +49,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
+            (isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or
+                                                   (self.max_tokens == 0 and self.prompt_logprobs is not None)),
+             "max_tokens must be an integer >= 1 (0 only with prompt_logprobs: scoring the prompt alone)"),
             (self.temperature >= 0, "temperature must be >= 0 (0 is greedy)"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 is off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -55,6 +60,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in 0..{MAX_LOGPROBS}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
@@ -239,6 +246,22 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
     # One copy to the host: tokens, the chosen tokens' logprobs, the top ids and logprobs.
     packed = torch.cat([tokens.double(), chosen.double().flatten(), ids.double().flatten(), values.double().flatten()])
     return SampledTokens(tokens, packed, asked, logprob_rows, top)
+
+
+def score_rows(logits: torch.Tensor, targets: np.ndarray, top: int, chunk: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows (M, V) of logits and the token each row is scored on (M,) -> that token's logprob (M,) and the
+    `top` likeliest tokens' ids and logprobs (M, top), on the host. The fp32 log-softmax runs `chunk` rows at a
+    time, so a long prompt's scores never hold more than that many fp32 rows at once; one copy to the host."""
+    device = logits.device
+    index = torch.from_numpy(targets.astype(np.int64)).to(device, non_blocking=True)[:, None]
+    parts = []
+    for start in range(0, len(targets), chunk):
+        raw = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)
+        values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
+        parts.append(torch.cat([raw.gather(1, index[start:start + chunk]), ids.float(), values], dim=1).double())
+    packed = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, 1 + 2 * top))
+    return packed[:, 0], packed[:, 1:1 + top].astype(np.int64), packed[:, 1 + top:]
 
 
 def sample_rows(logits: torch.Tensor, params: SlotParams, requests: list) -> tuple[list[int], list[dict | None]]:

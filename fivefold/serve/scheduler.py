@@ -38,6 +38,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output, appended to (set in __post_init__)
     logprobs: list[dict] = field(default_factory=list)
+    # With params.prompt_logprobs: each prompt token's entry so far (the first token's is None)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_computed: int = 0  # tokens whose keys and values are in the cache
@@ -60,6 +62,14 @@ class Sequence:
 
     def __post_init__(self):
         self.token_ids = self.prompt_ids + self.output_ids
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scoring(self) -> bool:
+        """Whether some prompt token's logprob is still to be computed (its prompt is then not taken from the
+        prefix cache: cached blocks come without the logits of their tokens)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     def append(self, token: int) -> None:
         self.output_ids.append(token)
@@ -69,8 +79,8 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens to compute before the next one can be sampled; 0 once every wanted token is sampled
         (under asynchronous scheduling, before the last is known)."""
-        if len(self.output_ids) >= self.params.max_tokens:
-            return 0
+        if self.params.max_tokens and len(self.output_ids) >= self.params.max_tokens:
+            return 0  # (max_tokens 0: the prompt is computed, for its logprobs, and nothing is sampled)
         return len(self.token_ids) - self.num_computed
 
     @property

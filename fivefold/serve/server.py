@@ -30,7 +30,7 @@ from fivefold.data.chat import ChatTemplate
 from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.metrics import ServerMetrics
 from fivefold.serve.protocol import (APIError, ChatRequest, CompletionRequest, StepFailed, TextStream, chat_logprobs,
-                                     choice_params, completion_logprobs, sampling_params, usage)
+                                     choice_params, completion_logprobs, echoed_entries, sampling_params, usage)
 
 log = logging.getLogger("fivefold.serve")
 
@@ -337,18 +337,32 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         adapter = check_model(body.model)
-        params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        # Echoed with logprobs, the prompt is scored; with max_tokens 0 the engine computes it as if scored
+        # (a request for no tokens is one for its prompt's logprobs), and they are not sent.
+        scored = body.logprobs if body.echo and body.logprobs is not None else 0 if max_tokens == 0 else None
+        params = sampling_params(body, max_tokens, body.logprobs, scored)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids, prompts, queue = await start(request_id, body, body.prompts(), params, adapter)
         # text_offset counts from the start of the prompt's text, as OpenAI's does.
-        bases = [len(p) if isinstance(p, str) else len(tokenizer.decode(p)) for p in prompts]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        bases = [0 if body.echo else len(t) for t in texts]
+
+        def echoed(i: int, text: str, entries: list[dict], out: RequestOutput) -> tuple[str, list[dict]]:
+            """With echo, a choice's first text and logprob entries start with its prompt's."""
+            if not body.echo:
+                return text, entries
+            return texts[i] + text, (echoed_entries(out) + entries) if params.logprobs is not None else entries
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def chunks():
-                offsets = list(bases)
+                offsets, started = list(bases), set()
                 async for i, delta, entries, out in deltas(ids, queue, params.stop):
+                    if i not in started:
+                        started.add(i)
+                        delta, entries = echoed(i, delta, entries, out)
                     logprobs = None
                     if params.logprobs is not None:
                         logprobs, offsets[i] = completion_logprobs(tokenizer, entries, offsets[i])
@@ -363,9 +377,11 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         outs = await runner.final_outputs(ids, queue, request)
         if outs is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads this
-        choices = [{"index": i, "text": out.text,
-                    "logprobs": completion_logprobs(tokenizer, out.logprobs, bases[i])[0] if out.logprobs is not None
-                    else None, "finish_reason": out.finish_reason} for i, out in enumerate(outs)]
+        choices = []
+        for i, out in enumerate(outs):
+            text, entries = echoed(i, out.text, out.logprobs or [], out)
+            logprobs = completion_logprobs(tokenizer, entries, bases[i])[0] if params.logprobs is not None else None
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason})
         return {**header("text_completion", request_id), "choices": choices, "usage": usage(outs, body.n)}
 
     @app.post("/v1/chat/completions")
