@@ -624,8 +624,8 @@ def test_a_batch_of_prompts_is_each_prompt_alone(tiny, server, client):
 
 def test_min_tokens_through_the_server(tiny, server):
     """min_tokens reaches the engine: a request forced to emit one token whose text is its stop string
-    ends at its first token, and with min_tokens 3 after three (the match in the first two is not one);
-    min_tokens past max_tokens is a 400 naming it."""
+    ends at its first token, and with min_tokens 3 after three, its text the first two (a match inside them
+    is not one); min_tokens past max_tokens is a 400 naming it."""
     url, engine, _ = server
     _, tokenizer = tiny
     token = next(t for t in range(5, 300) if len(tokenizer.decode([t])) == 1 and tokenizer.decode([t]).isalpha())
@@ -637,6 +637,8 @@ def test_min_tokens_through_the_server(tiny, server):
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == tokens, out
+        # The text ends before the first match that ends after min_tokens: not at one inside the first two.
+        assert out["choices"][0]["text"] == letter * (tokens - 1), out
     r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2, "min_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert idle(engine)

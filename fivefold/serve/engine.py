@@ -577,8 +577,10 @@ class Engine:
             before = len(seq.text)
             self.detokenize(seq)
             # A new match ends in the new text or at the last character before it (which a split multi-byte
-            # character may have changed); before min_tokens none is looked for.
-            hits = [] if early else [i for i in (seq.text.find(s, max(0, before - len(s))) for s in p.stop)
+            # character may have changed), unless that character came before min_tokens: none is looked for
+            # there, and none may end there.
+            back = 0 if len(seq.output_ids) <= p.min_tokens else 1
+            hits = [] if early else [i for i in (seq.text.find(s, max(0, before - len(s) + 1 - back)) for s in p.stop)
                                      if i >= 0]
             if hits:
                 seq.text = seq.text[:min(hits)]
