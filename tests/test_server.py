@@ -271,6 +271,37 @@ def test_streamed_echo_is_the_whole_response_in_pieces(server):
             assert sum((p["logprobs"][key] for p in parts), []) == choice["logprobs"][key]
 
 
+def test_tokenizer_endpoints_answer_as_vllms(tiny, server):
+    """/tokenizer_info, /tokenize and /detokenize in vLLM's shapes, as lm-evaluation-harness's remote tokenizer
+    probes and uses them: a text's ids are the engine's (its add_special_tokens as asked), chat messages
+    give the ids the chat endpoint feeds the model, and ids decode back to the text. Bad bodies are 400s."""
+    _, tokenizer = tiny
+    url, engine, _ = server
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.id_to_token(engine.eos_id) and info["chat_template"] == TEMPLATE
+    assert info["model_max_length"] == engine.max_model_len
+    probe = httpx.post(f"{url}/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()
+    assert probe["tokens"] == tokenizer.encode("test", add_special_tokens=False).ids  # lm-eval's probe
+    r = httpx.post(f"{url}/tokenize", json={"model": NAME, "prompt": PROMPT}).json()
+    assert r == {"tokens": tokenizer.encode(PROMPT).ids, "count": len(tokenizer.encode(PROMPT).ids),
+                 "max_model_len": engine.max_model_len}
+    assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    answer = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 1})
+    assert chat["count"] == answer.json()["usage"]["prompt_tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"] == \
+        f"{EOS_TOKEN}[user] Hi\n[assistant] "
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [300]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {}, "tokens")]:
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = httpx.post(f"{url}/tokenize", json={"model": "gpt-4", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert idle(engine)
+
+
 def test_models_health_and_metrics(tiny, server, client):
     url, engine, _ = server
     assert [m.id for m in client.models.list().data] == [NAME]
@@ -647,7 +678,7 @@ def test_min_tokens_through_the_server(tiny, server):
 def test_an_api_key_guards_the_v1_routes(tiny):
     """With an API key, a /v1 request without `Authorization: Bearer KEY`, or with another key, is a 401 in
     OpenAI's shape and reaches nothing; the right key (as the official client sends it) is served; /health
-    and /metrics stay open for probes and scrapers."""
+    and /metrics stay open for probes and scrapers, the tokenizer endpoints do not."""
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, serve_config(ENGINE))
     app = create_app(engine, NAME, api_key="s3cret")
@@ -663,3 +694,8 @@ def test_an_api_key_guards_the_v1_routes(tiny):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).models.list()
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        # The tokenizer endpoints sit outside /v1 (as vLLM's) and are guarded all the same.
+        assert httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}).status_code == 401
+        assert httpx.get(f"{url}/tokenizer_info").status_code == 401
+        assert httpx.post(f"{url}/tokenize", json={"prompt": PROMPT},
+                          headers={"Authorization": "Bearer s3cret"}).status_code == 200

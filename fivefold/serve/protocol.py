@@ -114,6 +114,22 @@ class CompletionRequest(SamplingRequest):
         return [prompt]
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text, or chat messages rendered by the chat template (its own special tokens)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list["ChatMessage"] | None = None
+    add_special_tokens: bool = True  # for a prompt (the completions endpoint adds them)
+    add_generation_prompt: bool = True  # for messages
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
@@ -124,6 +140,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[ContentPart] | None = None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template sees them: role and text content."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content or ""
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
+            content = "".join(part.text for part in content)
+        out.append({"role": m.role, "content": content})
+    return out
 
 
 class ChatRequest(SamplingRequest):
@@ -142,16 +171,7 @@ class ChatRequest(SamplingRequest):
                                     "only", name)
 
     def message_dicts(self) -> list[dict]:
-        """The messages as the chat template sees them: role and text content."""
-        messages = []
-        for i, m in enumerate(self.messages):
-            content = m.content or ""
-            if isinstance(content, list):
-                if any(part.type != "text" for part in content):
-                    raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
-                content = "".join(part.text for part in content)
-            messages.append({"role": m.role, "content": content})
-        return messages
+        return message_dicts(self.messages)
 
     def logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -271,3 +291,6 @@ class TextStream:
     def finish(self, final_text: str) -> str:
         """The rest of the final text (the engine's own, stop strings cut)."""
         return final_text[self.sent:]
+
+
+TokenizeRequest.model_rebuild()  # its messages are ChatMessages, defined after it

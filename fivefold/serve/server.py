@@ -29,8 +29,9 @@ from starlette.exceptions import HTTPException
 from fivefold.data.chat import ChatTemplate
 from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.metrics import ServerMetrics
-from fivefold.serve.protocol import (APIError, ChatRequest, CompletionRequest, StepFailed, TextStream, chat_logprobs,
-                                     choice_params, completion_logprobs, echoed_entries, sampling_params, usage)
+from fivefold.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, StepFailed, TextStream,
+                                     TokenizeRequest, chat_logprobs, choice_params, completion_logprobs, echoed_entries,
+                                     message_dicts, sampling_params, usage)
 
 log = logging.getLogger("fivefold.serve")
 
@@ -210,6 +211,9 @@ class EngineLoop:
             pass
 
 
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key: for probes and scrapers
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
@@ -223,8 +227,8 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
     """The app over `engine`; its stepping thread runs from app startup to shutdown (the lifespan).
     `max_waiting`: queued requests before answering 429 (default serve.max_waiting); `bos_token` /
     `eos_token`: the strings the chat template sees (eos default: the engine's eos token); `api_key`: the
-    key every /v1 request must bring as `Authorization: Bearer KEY` (401 otherwise; /health and /metrics
-    stay open, for probes and scrapers)."""
+    key every request must bring as `Authorization: Bearer KEY` (401 otherwise), but to /health and /metrics,
+    which stay open for probes and scrapers."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer: pass one to the Engine (e.g. --tokenizer tokenizer.json)")
@@ -257,7 +261,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+            if request.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
                 return error_response(APIError(401, "a valid API key is needed: send the header "
                                                     "'Authorization: Bearer KEY' with the server's --api-key"))
             return await call_next(request)
@@ -384,15 +388,18 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason})
         return {**header("text_completion", request_id), "choices": choices, "usage": usage(outs, body.n)}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        adapter = check_model(body.model)
+    def chat_prompt(messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         try:
-            text = template.render(body.message_dicts())
+            text = template.render(messages, add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         # The template writes any special tokens itself (e.g. bos_token): add none when encoding.
-        prompt = tokenizer.encode(text, add_special_tokens=False).ids
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        adapter = check_model(body.model)
+        prompt = chat_prompt(body.message_dicts())
         max_tokens = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None),
                           max(1, capacity - len(prompt)))
         params = sampling_params(body, max_tokens, body.logprobs_asked())
@@ -435,6 +442,32 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                                             "owned_by": "fivefold", "max_model_len": engine.max_model_len,
                                             **({"parent": model_name} if name != model_name else {})}
                                            for name in served]}
+
+    # vLLM's tokenizer endpoints: what clients that count or build token ids themselves ask for (e.g.
+    # lm-evaluation-harness's remote tokenizer, which then needs no copy of the tokenizer).
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"tokenizer_class": "fivefold", "eos_token": eos_token or None, "bos_token": bos_token or None,
+                "pad_token": None, "chat_template": template.source, "model_max_length": engine.max_model_len}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send a prompt (text) or messages (chat), one of the two", "prompt")
+        if body.messages is not None:
+            ids = chat_prompt(message_dicts(body.messages), body.add_generation_prompt)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab = engine.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be ids in 0..{vocab - 1}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():
