@@ -335,6 +335,21 @@ def test_an_unexpected_exception_is_reported_as_a_bug_with_its_traceback(monkeyp
     assert "this is a bug in fivefold: please report it" in err.strip().splitlines()[-1]
 
 
+def test_serve_without_the_server_extra_says_what_to_install(paths):
+    """A missing package of the [serve] extra is one line naming it and the pip command, not "a bug in
+    fivefold" (checked in a fresh interpreter, where fastapi is made unimportable before fivefold loads)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = None; from fivefold import cli; "
+            f"sys.exit(cli.main(['serve', {str(paths['run'])!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["fivefold serve: error: fivefold serve needs fastapi, which this "
+                                                "environment lacks: install the server's packages with pip install "
+                                                "'fivefold[serve]'"]
+
+
 def test_running_out_of_memory_is_one_line_pointing_at_the_plan(data_cache, tmp_path):
     """A micro-batch that cannot fit under a 6 GB address-space limit: the CPU allocator's error becomes
     the one-line out-of-memory message, not a traceback."""

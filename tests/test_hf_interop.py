@@ -216,6 +216,31 @@ def test_export_writes_tokenizer_files_back(hf_dir_with_tokenizer, tmp_path, cap
                                atol=ATOL, rtol=RTOL)
 
 
+def test_export_of_a_trained_tokenizer_gives_transformers_its_end_and_chat_template(tmp_path, capsys):
+    """A run's own tokenizer comes as tokenizer.json alone; export-hf adds a tokenizer_config.json, so that
+    AutoTokenizer knows the end-of-sequence token and the context, and renders chats as fivefold serve does."""
+    from fivefold.checkpoint.store import save_model
+    from fivefold.config import Config, ModelConfig
+    from fivefold.data.chat import ChatTemplate
+    from fivefold.model import build_model
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n", "The quick brown fox."] * 20, 300)
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, ffn_hidden_size=64,
+                      max_seq_len=128, eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
+    save_model(tmp_path / "ckpt", Config(model=cfg), build_model(cfg, seed=0),
+               extra_files={"tokenizer.json": tokenizer.to_str().encode()})
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert "with tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert hf_tok.eos_token == EOS_TOKEN and hf_tok.eos_token_id == cfg.eos_token_id
+    assert hf_tok.model_max_length == 128
+    assert hf_tok(PROMPT)["input_ids"] == tokenizer.encode(PROMPT).ids
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Add one"}]
+    assert hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        ChatTemplate(None, "", EOS_TOKEN).render(messages)
+
+
 def test_pickled_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(CASES["llama-gqa"]().to_dict()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")

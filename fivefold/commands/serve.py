@@ -39,7 +39,7 @@ def register(sub) -> None:
                    help="serve a LoRA adapter (a fivefold LoRA run or a PEFT directory) beside the base; clients "
                         "ask for it as model 'BASE:NAME' (repeatable; one batch mixes adapters)")
     p.add_argument("--api-key", default=os.environ.get("FIVEFOLD_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $FIVEFOLD_API_KEY; "
+                   help="require 'Authorization: Bearer KEY' on every request but /health and /metrics (default: $FIVEFOLD_API_KEY; "
                         "none: open to whoever reaches the port)")
     p.add_argument("--config", help="TOML config file; only its [serve] table is read")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
@@ -76,8 +76,17 @@ def register(sub) -> None:
     score.set_defaults(func=run_score)
 
 
+SERVE_EXTRA = ("fastapi", "starlette", "uvicorn", "prometheus_client", "jinja2", "pydantic")
+
+
 def run_serve(args) -> int:
-    from fivefold.serve.server import serve  # FastAPI and uvicorn: the optional [serve] extra
+    try:
+        from fivefold.serve.server import serve  # FastAPI and uvicorn: the optional [serve] extra
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVE_EXTRA:
+            raise
+        raise ConfigError(f"fivefold serve needs {e.name}, which this environment lacks: install the server's "
+                          f"packages with pip install 'fivefold[serve]'") from None
 
     # The model comes from MODEL, so an override of anything but the engine would be silently ignored.
     other = [text for text in args.overrides if not text.strip().startswith("serve.")]

@@ -437,6 +437,22 @@ def import_hf(src_dir: str | Path) -> tuple[ModelConfig, Transformer]:
     return cfg, model
 
 
+def tokenizer_config_for(cfg: ModelConfig, tokenizer_json: bytes) -> bytes:
+    """tokenizer_config.json for a tokenizer.json that came without one (a tokenizer fivefold trained): so that
+    transformers' AutoTokenizer knows its end-of-sequence token, the context, and the chat template
+    `fivefold serve` uses for it (fivefold.data.chat's default)."""
+    from tokenizers import Tokenizer
+
+    from fivefold.data.chat import DEFAULT_CHAT_TEMPLATE
+
+    eos = Tokenizer.from_str(tokenizer_json.decode()).id_to_token(cfg.eos_token_id) if cfg.eos_token_id is not None \
+        else None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+              "clean_up_tokenization_spaces": False, "chat_template": DEFAULT_CHAT_TEMPLATE,
+              **({"eos_token": eos} if eos else {})}
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
 def read_tokenizer_files(directory: str | Path) -> dict[str, bytes]:
     """{name: bytes} of the TOKENIZER_FILES present in `directory` (an HF model dir or a checkpoint)."""
     d = Path(directory)
