@@ -39,8 +39,8 @@ def register(sub) -> None:
                    help="serve a LoRA adapter (a fivefold LoRA run or a PEFT directory) beside the base; clients "
                         "ask for it as model 'BASE:NAME' (repeatable; one batch mixes adapters)")
     p.add_argument("--api-key", default=os.environ.get("FIVEFOLD_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every request but /health and /metrics (default: $FIVEFOLD_API_KEY; "
-                        "none: open to whoever reaches the port)")
+                   help="require 'Authorization: Bearer KEY' on every request but /health and /metrics "
+                        "(default: $FIVEFOLD_API_KEY; none: open to whoever reaches the port)")
     p.add_argument("--config", help="TOML config file; only its [serve] table is read")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="serve.KEY=VALUE",
                    help="engine option, e.g. --set serve.kv_memory=0.3 --set serve.max_num_seqs=32 (repeatable)")
