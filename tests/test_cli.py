@@ -58,6 +58,20 @@ def test_train_then_generate(data_cache, tmp_path):
     assert float(summary.split("log-likelihood ")[1].split()[0]) == pytest.approx(total, abs=1e-3)
     assert float(summary.split("perplexity ")[1]) == pytest.approx(math.exp(-total / (len(ids) - 1)), rel=1e-4)
     assert len(scored.splitlines()) == len(ids) + 1  # a header, a line per scored token, the summary
+    # In windows of 8 tokens, 3 apart: each token once, with the context its window gives it.
+    windowed = fivefold("score", str(out), "--text", text, "--window", "8", "--stride", "3", cache=data_cache).stdout
+    expected, starts = 0.0, range(0, len(ids) - 1, 3)
+    with torch.no_grad():
+        for n, start in enumerate(starts):
+            piece = ids[start:start + 8]
+            window_lp = torch.log_softmax(loaded.model(torch.tensor([piece]))[0, :-1].float(), dim=-1)
+            first = 0 if n == 0 else 4  # the rows of tokens no earlier window scored: the last 3 (the first: all 7)
+            expected += float(window_lp.gather(1, torch.tensor(piece[1:])[:, None])[first:].sum())
+            if start + len(piece) >= len(ids):
+                break
+    summary = windowed.splitlines()[-1]
+    assert summary.startswith(f"scored {len(ids) - 1} of {len(ids)} tokens in {n + 1} window(s) of up to 8, 3 apart:")
+    assert float(summary.split("log-likelihood ")[1].split()[0]) == pytest.approx(expected, abs=1e-3)
 
     again = fivefold(*TRAIN, "--out", str(out), cache=data_cache)  # resumes: nothing left to do
     assert "already at step 40" in again.stdout

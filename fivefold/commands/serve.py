@@ -69,6 +69,11 @@ def register(sub) -> None:
     text = score.add_mutually_exclusive_group(required=True)
     text.add_argument("--text", help="the text to score")
     text.add_argument("--file", help="a UTF-8 text file to score")
+    score.add_argument("--window", type=positive_int, metavar="N",
+                       help="tokens per window, the most context a token is scored with (default: the model's)")
+    score.add_argument("--stride", type=positive_int, metavar="N",
+                       help="tokens between the starts of windows (default: window - 1: each token scored once "
+                            "with the least overlap; smaller gives later windows more context)")
     score.add_argument("--per-token", action="store_true",
                        help="also print each token, its logprob and the likeliest token in its place")
     score.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
@@ -184,23 +189,37 @@ def run_generate(args) -> int:
 
 
 def run_score(args) -> int:
-    """Each token's logprob given the tokens before it: the text in windows of the model's context, each window
-    one request for its prompt's logprobs and no new token (a window's first token is not scored)."""
+    """Each token's logprob given the tokens before it, every token but the first scored once: the text in
+    windows of at most `--window` tokens (default: the model's context), each starting `--stride` tokens after
+    the last (default: window - 1, so each window's first token is the last one's last) and scoring the tokens
+    no earlier window did. A window is one request for its prompt's logprobs and no new token."""
     src = _with_tokenizer(Path(args.source), args.tokenizer)
     text = Path(args.file).read_text(encoding="utf-8") if args.file else args.text
     if not text:
         raise RequestError(f"{args.file or '--text'} is empty; give the text to score")
     resolve_device(args.device, "--device")
     llm = LLM(src, tokenizer=args.tokenizer, device=args.device)
+    context = llm.engine.max_model_len
+    window = args.window or context
+    if not 2 <= window <= context:
+        raise RequestError(f"--window {window}: give 2 to {context} tokens (the model's context)")
+    stride = args.stride or window - 1
+    if not 1 <= stride < window:
+        raise RequestError(f"--stride {stride}: give 1 to {window - 1} (less than --window {window}: a window "
+                           f"needs a token of context from the one before)")
     ids = llm.tokenizer.encode(text).ids
     if len(ids) < 2:
         raise RequestError(f"the text is {len(ids)} token(s) long; scoring needs at least 2 (the first has no "
                            f"logprob: nothing comes before it)")
-    window = llm.engine.max_model_len
-    windows = [ids[i:i + window] for i in range(0, len(ids), window)]
-    windows = [w for w in windows if len(w) > 1] or windows[:1]  # a last window of one token scores nothing
+    windows, firsts = [], []  # each window, and its first entry that scores a token no earlier window did
+    start = scored = 0  # `scored`: the last token scored so far
+    while scored < len(ids) - 1:
+        windows.append(ids[start:start + window])
+        firsts.append(scored - start)
+        scored = start + len(windows[-1]) - 1
+        start += stride
     outs = llm.generate(windows, SamplingParams(max_tokens=0, prompt_logprobs=1))
-    entries = [e for out in outs for e in out.prompt_logprobs[1:]]
+    entries = [e for out, first in zip(outs, firsts) for e in out.prompt_logprobs[1 + first:]]
     total = sum(e["logprob"] for e in entries)
     if args.per_token:
         decode = llm.tokenizer.decode
@@ -208,7 +227,7 @@ def run_score(args) -> int:
         for e in entries:
             best, best_lp = e["top"][0]
             print(f"{decode([e['token_id']])!r:>20} {e['logprob']:10.4f}  {decode([best])!r} ({best_lp:.4f})")
-    print(f"scored {len(entries):,} of {len(ids):,} tokens in {len(windows)} window(s) of up to {window}: "
-          f"log-likelihood {total:.4f} nats, {total / len(entries):.4f} per token, "
+    print(f"scored {len(entries):,} of {len(ids):,} tokens in {len(windows)} window(s) of up to {window}, "
+          f"{stride} apart: log-likelihood {total:.4f} nats, {total / len(entries):.4f} per token, "
           f"perplexity {math.exp(-total / len(entries)):.4f}")
     return 0

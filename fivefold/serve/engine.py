@@ -529,7 +529,8 @@ class Engine:
             self.undelivered.extend(pending)
 
     def _forward(self, step: StepInputs, pending: torch.Tensor | None = None) -> torch.Tensor:
-        """The model over one flattened batch; the logits (full vocabulary) of the sampled rows. `pending`:
+        """The model over one flattened batch; the logits (full vocabulary) of the sampled rows, then of the
+        scored ones (fivefold.serve.batch.StepInputs.logits_indices). `pending`:
         the previous step's tokens on the device, which the step's placeholder rows take as input."""
         if (self.graphs is not None and step.decode_only and step.scored_targets is None
                 and self.graphs.size_for(step.num_seqs)):
