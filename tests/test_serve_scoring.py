@@ -27,7 +27,8 @@ def prompts_of(lengths, vocab, seed=0, shared=()):
 @torch.no_grad()
 def assert_scores_exact(model, prompt: list[int], entries: list) -> None:
     """`entries` (a RequestOutput's prompt_logprobs) against log_softmax of the full forward over `prompt`:
-    one per token, the first None, each the next token's logprob (fp32: 1e-5) and the TOP likeliest ids."""
+    one per token, the first None, each the next token's logprob (fp32: 1e-5), its rank and the TOP likeliest
+    ids."""
     assert len(entries) == len(prompt) and entries[0] is None
     if len(prompt) == 1:
         return
@@ -35,6 +36,8 @@ def assert_scores_exact(model, prompt: list[int], entries: list) -> None:
     assert [e["token_id"] for e in entries[1:]] == prompt[1:]
     torch.testing.assert_close(torch.tensor([e["logprob"] for e in entries[1:]]),
                                ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-5, rtol=0)
+    chosen = ref.gather(1, torch.tensor(prompt[1:])[:, None])
+    assert [e["rank"] for e in entries[1:]] == ((ref > chosen).sum(dim=-1) + 1).tolist()
     values, ids = ref.topk(TOP, dim=-1)
     assert [[t for t, _ in e["top"]] for e in entries[1:]] == ids.tolist()
     torch.testing.assert_close(torch.tensor([[lp for _, lp in e["top"]] for e in entries[1:]]), values,

@@ -255,6 +255,42 @@ def test_echo_with_max_tokens_0_scores_the_prompt_only(tiny, server):
     assert idle(engine)
 
 
+def test_vllms_prompt_logprobs_field(tiny, server):
+    """vLLM's prompt_logprobs: each choice's per-token {id: {logprob, rank, decoded_token}}, the prompt token
+    itself first (its rank: 1 + the tokens a full forward finds likelier), then the k likeliest ranked 1..k;
+    the first token's null. Beside echo's logprobs of another k, each keeps its own; streamed, it comes
+    with a choice's first chunk. k past 20 is a 400 naming the field."""
+    model, tokenizer = tiny
+    url, engine, _ = server
+    ids = tokenizer.encode(PROMPT).ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids]))[0, :-1].float(), dim=-1)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3, "echo": True,
+            "logprobs": 1}
+    choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for position, token, row in zip(scored[1:], ids[1:], ref):
+        first_id, first = next(iter(position.items()))
+        assert int(first_id) == token and first["decoded_token"] == tokenizer.decode([token], skip_special_tokens=False)
+        assert first["logprob"] == pytest.approx(float(row[token]), abs=1e-5)
+        assert first["rank"] == int((row > row[token]).sum()) + 1
+        top = row.topk(3)
+        for rank, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert position[str(t)]["rank"] == (rank if t != token else first["rank"])
+            assert position[str(t)]["logprob"] == pytest.approx(lp, abs=1e-5)
+        assert len(position) == 3 + (token not in top.indices.tolist())
+    echoed = choice["logprobs"]["top_logprobs"]
+    assert echoed[0] is None and all(len(top) == 1 for top in echoed[1:])  # echo's own k
+    events = [json.loads(line[6:]) for line in httpx.post(f"{url}/v1/completions", json={**body, "stream": True}
+                                                          ).text.splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["prompt_logprobs"] == scored
+    assert all("prompt_logprobs" not in e["choices"][0] for e in events[1:])
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert idle(engine)
+
+
 def test_streamed_echo_is_the_whole_response_in_pieces(server):
     """Streamed with echo, a choice's first chunk starts with the prompt: its texts joined are the
     non-streamed text, and its logprob tokens and offsets joined are the non-streamed ones."""

@@ -71,7 +71,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     ttft: float | None  # seconds from arrival to the first output token
     tpot: float | None  # seconds per output token after the first
-    # With SamplingParams.prompt_logprobs: per prompt token (None for the first), as `logprobs`' entries
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first), as `logprobs`' entries plus
+    # "rank" (1 + the tokens the model found likelier there)
     prompt_logprobs: list[dict | None] | None = None
 
     @property
@@ -469,11 +470,12 @@ class Engine:
         if len(owners):
             asked = np.fromiter((work[i][0].params.prompt_logprobs for i in owners), dtype=np.int64,
                                 count=len(owners))
-            chosen, top_ids, top_lps = score_rows(logits[n:], step.scored_targets, int(asked.max()),
-                                                  max(1, self.cfg.max_num_seqs // 4))
+            chosen, ranks, top_ids, top_lps = score_rows(logits[n:], step.scored_targets, int(asked.max()),
+                                                         max(1, self.cfg.max_num_seqs // 4))
             for row, (i, target) in enumerate(zip(owners.tolist(), step.scored_targets.tolist())):
                 k = int(asked[row])
                 work[i][0].prompt_logprobs.append({"token_id": target, "logprob": float(chosen[row]),
+                                                   "rank": int(ranks[row]),
                                                    "top": list(zip(top_ids[row, :k].tolist(),
                                                                    top_lps[row, :k].tolist()))})
         return logits[:n]

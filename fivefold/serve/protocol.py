@@ -94,6 +94,9 @@ class CompletionRequest(SamplingRequest):
     # The prompt before the completion in each choice's text, and with logprobs its tokens' logprobs first
     # (the first token's null): how evaluation harnesses score a continuation (lm-evaluation-harness).
     echo: bool = False
+    # vLLM's: each choice's `prompt_logprobs`, per prompt token {token id: {logprob, rank, decoded_token}} for
+    # the token itself and the k likeliest (the first token's null)
+    prompt_logprobs: int | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -245,10 +248,26 @@ def completion_logprobs(tokenizer, entries: list[dict], offset: int) -> tuple[di
             "text_offset": offsets}, offset
 
 
-def echoed_entries(out: RequestOutput) -> list[dict]:
-    """An echoed prompt's logprob entries, as the completion's are: the first token's logprob and top null."""
+def vllm_prompt_logprobs(tokenizer, entries: list[dict | None], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token, the token itself then the k likeliest, keyed
+    by id (as strings), each {logprob, rank, decoded_token}; null for the first token."""
+    def item(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+
+    out: list[dict | None] = [None]
+    for e in entries[1:]:
+        position = {str(e["token_id"]): item(e["token_id"], e["logprob"], e["rank"])}
+        for rank, (token_id, logprob) in enumerate(e["top"][:k], start=1):
+            position.setdefault(str(token_id), item(token_id, logprob, rank))
+        out.append(position)
+    return out
+
+
+def echoed_entries(out: RequestOutput, k: int) -> list[dict]:
+    """An echoed prompt's logprob entries, as the completion's are (the k likeliest at each token): the first
+    token's logprob and top null."""
     first = {"token_id": out.prompt_token_ids[0], "logprob": None, "top": None}
-    return [first] + list(out.prompt_logprobs[1:])
+    return [first] + [{**e, "top": e["top"][:k]} for e in out.prompt_logprobs[1:]]
 
 
 def chat_logprobs(tokenizer, entries: list[dict]) -> dict:

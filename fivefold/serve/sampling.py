@@ -249,19 +249,23 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
 
 
 def score_rows(logits: torch.Tensor, targets: np.ndarray, top: int, chunk: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows (M, V) of logits and the token each row is scored on (M,) -> that token's logprob (M,) and the
-    `top` likeliest tokens' ids and logprobs (M, top), on the host. The fp32 log-softmax runs `chunk` rows at a
-    time, so a long prompt's scores never hold more than that many fp32 rows at once; one copy to the host."""
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows (M, V) of logits and the token each row is scored on (M,) -> that token's logprob (M,) and rank
+    (M,: 1 + the tokens more likely than it), and the `top` likeliest tokens' ids and logprobs (M, top), on
+    the host. The fp32 log-softmax runs `chunk` rows at a time, so a long prompt's scores never hold more than
+    that many fp32 rows at once; one copy to the host."""
     device = logits.device
     index = torch.from_numpy(targets.astype(np.int64)).to(device, non_blocking=True)[:, None]
     parts = []
     for start in range(0, len(targets), chunk):
         raw = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)
+        chosen = raw.gather(1, index[start:start + chunk])
+        rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
         values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
-        parts.append(torch.cat([raw.gather(1, index[start:start + chunk]), ids.float(), values], dim=1).double())
-    packed = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, 1 + 2 * top))
-    return packed[:, 0], packed[:, 1:1 + top].astype(np.int64), packed[:, 1 + top:]
+        parts.append(torch.cat([chosen.double(), rank.double(), ids.double(), values.double()], dim=1))
+    packed = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, 2 + 2 * top))
+    return (packed[:, 0], packed[:, 1].astype(np.int64), packed[:, 2:2 + top].astype(np.int64),
+            packed[:, 2 + top:])
 
 
 def sample_rows(logits: torch.Tensor, params: SlotParams, requests: list) -> tuple[list[int], list[dict | None]]:

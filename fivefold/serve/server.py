@@ -31,7 +31,7 @@ from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.metrics import ServerMetrics
 from fivefold.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, StepFailed, TextStream,
                                      TokenizeRequest, chat_logprobs, choice_params, completion_logprobs, echoed_entries,
-                                     message_dicts, sampling_params, usage)
+                                     message_dicts, sampling_params, usage, vllm_prompt_logprobs)
 
 log = logging.getLogger("fivefold.serve")
 
@@ -342,9 +342,11 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
     async def completions(body: CompletionRequest, request: Request):
         adapter = check_model(body.model)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        # Echoed with logprobs, the prompt is scored; with max_tokens 0 the engine computes it as if scored
-        # (a request for no tokens is one for its prompt's logprobs), and they are not sent.
-        scored = body.logprobs if body.echo and body.logprobs is not None else 0 if max_tokens == 0 else None
+        # Echoed with logprobs, or with vLLM's prompt_logprobs, the prompt is scored (to the larger k); with
+        # max_tokens 0 the engine computes it as if scored (a request for no tokens is one for its prompt's
+        # logprobs), and they are not sent.
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        scored = max(asked) if asked else 0 if max_tokens == 0 else None
         params = sampling_params(body, max_tokens, body.logprobs, scored)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids, prompts, queue = await start(request_id, body, body.prompts(), params, adapter)
@@ -356,7 +358,15 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             """With echo, a choice's first text and logprob entries start with its prompt's."""
             if not body.echo:
                 return text, entries
-            return texts[i] + text, (echoed_entries(out) + entries) if params.logprobs is not None else entries
+            if params.logprobs is None:
+                return texts[i] + text, entries
+            return texts[i] + text, echoed_entries(out, params.logprobs) + entries
+
+        def scored_prompt(out: RequestOutput) -> dict:
+            """vLLM's prompt_logprobs field of a choice, where asked for."""
+            if body.prompt_logprobs is None:
+                return {}
+            return {"prompt_logprobs": vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, body.prompt_logprobs)}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -364,13 +374,15 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             async def chunks():
                 offsets, started = list(bases), set()
                 async for i, delta, entries, out in deltas(ids, queue, params.stop):
-                    if i not in started:
+                    first = i not in started
+                    if first:
                         started.add(i)
                         delta, entries = echoed(i, delta, entries, out)
                     logprobs = None
                     if params.logprobs is not None:
                         logprobs, offsets[i] = completion_logprobs(tokenizer, entries, offsets[i])
-                    choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                    choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                              **(scored_prompt(out) if first else {})}
                     chunk = {**header("text_completion", request_id), "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
@@ -385,7 +397,8 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         for i, out in enumerate(outs):
             text, entries = echoed(i, out.text, out.logprobs or [], out)
             logprobs = completion_logprobs(tokenizer, entries, bases[i])[0] if params.logprobs is not None else None
-            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                            **scored_prompt(out)})
         return {**header("text_completion", request_id), "choices": choices, "usage": usage(outs, body.n)}
 
     def chat_prompt(messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
