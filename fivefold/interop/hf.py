@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from fivefold.checkpoint.files import read_json
 from fivefold.checkpoint.store import load_weights
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.data.chat import DEFAULT_CHAT_TEMPLATE
 from fivefold.errors import CheckpointError
 from fivefold.model import Transformer
 
@@ -441,10 +443,6 @@ def tokenizer_config_for(cfg: ModelConfig, tokenizer_json: bytes) -> bytes:
     """tokenizer_config.json for a tokenizer.json that came without one (a tokenizer fivefold trained): so that
     transformers' AutoTokenizer knows its end-of-sequence token, the context, and the chat template
     `fivefold serve` uses for it (fivefold.data.chat's default)."""
-    from tokenizers import Tokenizer
-
-    from fivefold.data.chat import DEFAULT_CHAT_TEMPLATE
-
     eos = Tokenizer.from_str(tokenizer_json.decode()).id_to_token(cfg.eos_token_id) if cfg.eos_token_id is not None \
         else None
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
