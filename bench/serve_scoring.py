@@ -80,7 +80,7 @@ def main() -> None:
     cfg, ours, hf = build_models(args.model, args.seed, torch.float32, skip_hf=False)
     prompts = prompts_of(args.prompts, args.shortest, args.longest, cfg.vocab_size, args.seed)
     tokens = sum(len(p) - 1 for p in prompts)
-    llm = LLM(ours)
+    llm = LLM(ours, prefix_cache=False)  # else each repetition would find the last one's prompts cached
     llm.generate(prompts[:2], SamplingParams(max_tokens=0, prompt_logprobs=args.top))  # warm-up
     score = SamplingParams(max_tokens=0, prompt_logprobs=args.top)
     seconds, outs = timed(lambda: llm.generate(prompts, score), args.reps)

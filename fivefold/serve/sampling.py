@@ -258,11 +258,14 @@ def score_rows(logits: torch.Tensor, targets: np.ndarray, top: int, chunk: int
     index = torch.from_numpy(targets.astype(np.int64)).to(device, non_blocking=True)[:, None]
     parts = []
     for start in range(0, len(targets), chunk):
-        raw = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)
-        chosen = raw.gather(1, index[start:start + chunk])
-        rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
-        values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
-        parts.append(torch.cat([chosen.double(), rank.double(), ids.double(), values.double()], dim=1))
+        # logit - logsumexp, read off the logits: the same as log_softmax's (to fp32 rounding) without writing
+        # a second (rows, V) tensor; the order, hence the rank and the top, is the logits' own.
+        x = logits[start:start + chunk].float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        chosen = x.gather(1, index[start:start + chunk])
+        rank = (x > chosen).sum(dim=-1, keepdim=True) + 1
+        values, ids = x.topk(top, dim=-1) if top else (x[:, :0], x[:, :0])
+        parts.append(torch.cat([(chosen - lse).double(), rank.double(), ids.double(), (values - lse).double()], dim=1))
     packed = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, 2 + 2 * top))
     return (packed[:, 0], packed[:, 1].astype(np.int64), packed[:, 2:2 + top].astype(np.int64),
             packed[:, 2 + top:])
