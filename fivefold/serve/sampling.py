@@ -60,8 +60,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"prompt_logprobs must be in 0..{MAX_LOGPROBS}"),
+            (self.prompt_logprobs is None or isinstance(self.prompt_logprobs, int)
+             and 0 <= self.prompt_logprobs <= MAX_LOGPROBS, f"prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
@@ -252,7 +252,7 @@ def score_rows(logits: torch.Tensor, targets: np.ndarray, top: int, chunk: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rows (M, V) of logits and the token each row is scored on (M,) -> that token's logprob (M,) and rank
     (M,: 1 + the tokens more likely than it), and the `top` likeliest tokens' ids and logprobs (M, top), on
-    the host. The fp32 log-softmax runs `chunk` rows at a time, so a long prompt's scores never hold more than
+    the host. The scores are taken in fp32 `chunk` rows at a time, so a long prompt's never hold more than
     that many fp32 rows at once; one copy to the host."""
     device = logits.device
     index = torch.from_numpy(targets.astype(np.int64)).to(device, non_blocking=True)[:, None]
