@@ -188,6 +188,11 @@ def run_generate(args) -> int:
     return 0
 
 
+def _stride_error(stride: int, window: int) -> RequestError:
+    return RequestError(f"--stride {stride}: give 1 to {window - 1} (less than --window {window}: a window needs "
+                        f"a token of context from the one before)")
+
+
 def run_score(args) -> int:
     """Each token's logprob given the tokens before it, every token but the first scored once: the text in
     windows of at most `--window` tokens (default: the model's context), each starting `--stride` tokens after
@@ -198,15 +203,16 @@ def run_score(args) -> int:
     if not text:
         raise RequestError(f"{args.file or '--text'} is empty; give the text to score")
     resolve_device(args.device, "--device")
+    if args.window and args.stride and args.stride >= args.window:  # before any weights load
+        raise _stride_error(args.stride, args.window)
     llm = LLM(src, tokenizer=args.tokenizer, device=args.device)
     context = llm.engine.max_model_len
     window = args.window or context
     if not 2 <= window <= context:
         raise RequestError(f"--window {window}: give 2 to {context} tokens (the model's context)")
     stride = args.stride or window - 1
-    if not 1 <= stride < window:
-        raise RequestError(f"--stride {stride}: give 1 to {window - 1} (less than --window {window}: a window "
-                           f"needs a token of context from the one before)")
+    if stride >= window:
+        raise _stride_error(stride, window)
     ids = llm.tokenizer.encode(text).ids
     if len(ids) < 2:
         raise RequestError(f"the text is {len(ids)} token(s) long; scoring needs at least 2 (the first has no "
