@@ -63,7 +63,7 @@ def timed(fn, reps: int):
     return best, result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=32)
@@ -74,7 +74,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not 2 <= args.shortest <= args.longest:
+        parser.error(f"--shortest {args.shortest} and --longest {args.longest}: need 2 <= shortest <= longest")
 
     torch.set_num_threads(torch.get_num_threads())
     cfg, ours, hf = build_models(args.model, args.seed, torch.float32, skip_hf=False)
@@ -106,6 +108,7 @@ def main() -> None:
     print(f"  fivefold / transformers: {hf_rows[best] / seconds:.2f}x; largest logprob difference {diff:.1e}")
     if args.json:
         write_results(args.json, figures)
+    return figures
 
 
 if __name__ == "__main__":
