@@ -67,7 +67,7 @@ def make_model(run: str | None, directory: Path) -> tuple[Path, Path]:
     """(what `fivefold serve` loads, the Hugging Face export of the same weights, tokenizer included)."""
     from fivefold.checkpoint.store import save_model
     from fivefold.config import Config
-    from fivefold.interop.hf import export_hf, read_tokenizer_files, tokenizer_config_for
+    from fivefold.interop.hf import export_hf, read_tokenizer_files, with_tokenizer_config
 
     if run:
         from fivefold.checkpoint.store import resolve_checkpoint
@@ -87,8 +87,7 @@ def make_model(run: str | None, directory: Path) -> tuple[Path, Path]:
         files = {"tokenizer.json": tokenizer.to_str().encode()}
         source = directory / "checkpoint"
         save_model(source, Config(model=PRESETS["tiny"]), model, extra_files=files)
-    files.setdefault("tokenizer_config.json", tokenizer_config_for(model.cfg, files["tokenizer.json"]))
-    hf = export_hf(model, directory / "hf", extra_files=files)
+    hf = export_hf(model, directory / "hf", extra_files=with_tokenizer_config(model.cfg, files))
     return source, hf
 
 

@@ -8,7 +8,7 @@ from fivefold.checkpoint.store import read_config, resolve_checkpoint, save_mode
 from fivefold.config import Config, ConfigError
 from fivefold.finetune.lora import read_adapters
 from fivefold.finetune.peft import save_adapter
-from fivefold.interop.hf import TOKENIZER_FILES, export_hf, import_hf, read_tokenizer_files, tokenizer_config_for
+from fivefold.interop.hf import TOKENIZER_FILES, export_hf, import_hf, read_tokenizer_files, with_tokenizer_config
 from fivefold.memory.units import parse_bytes
 from fivefold.parallel.rules import check_layout
 from fivefold.weights import load_model
@@ -72,8 +72,7 @@ def _export(args) -> int:
     if args.merge and not cfg.lora.r:
         print(f"note: {ckpt} is not a LoRA run; --merge changes nothing")
     _, model = load_model(ckpt)
-    if "tokenizer.json" in extra and "tokenizer_config.json" not in extra:  # a tokenizer fivefold trained
-        extra["tokenizer_config.json"] = tokenizer_config_for(model.cfg, extra["tokenizer.json"])
+    extra = with_tokenizer_config(model.cfg, extra)
     out = export_hf(model, args.out, arch=args.arch, max_shard_bytes=args.max_shard_size, extra_files=extra)
     n = sum(p.numel() for p in model.parameters())
     print(f"exported {n:,d} parameters to {out}" + (f" with {', '.join(extra)}" if extra else ""))

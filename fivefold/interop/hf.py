@@ -439,16 +439,18 @@ def import_hf(src_dir: str | Path) -> tuple[ModelConfig, Transformer]:
     return cfg, model
 
 
-def tokenizer_config_for(cfg: ModelConfig, tokenizer_json: bytes) -> bytes:
-    """tokenizer_config.json for a tokenizer.json that came without one (a tokenizer fivefold trained): so that
-    transformers' AutoTokenizer knows its end-of-sequence token, the context, and the chat template
-    `fivefold serve` uses for it (fivefold.data.chat's default)."""
-    eos = Tokenizer.from_str(tokenizer_json.decode()).id_to_token(cfg.eos_token_id) if cfg.eos_token_id is not None \
-        else None
+def with_tokenizer_config(cfg: ModelConfig, files: dict[str, bytes]) -> dict[str, bytes]:
+    """Tokenizer files to export: `files`, plus a tokenizer_config.json where a tokenizer.json came without one
+    (a tokenizer fivefold trained), so that transformers' AutoTokenizer knows its end-of-sequence token, the
+    context, and the chat template `fivefold serve` uses for it (fivefold.data.chat's default)."""
+    if "tokenizer.json" not in files or "tokenizer_config.json" in files:
+        return files
+    eos = Tokenizer.from_str(files["tokenizer.json"].decode()).id_to_token(cfg.eos_token_id) \
+        if cfg.eos_token_id is not None else None
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
               "clean_up_tokenization_spaces": False, "chat_template": DEFAULT_CHAT_TEMPLATE,
               **({"eos_token": eos} if eos else {})}
-    return (json.dumps(config, indent=2) + "\n").encode()
+    return {**files, "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
 
 def read_tokenizer_files(directory: str | Path) -> dict[str, bytes]:

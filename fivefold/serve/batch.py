@@ -112,6 +112,7 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.greedy = np.zeros(max_num_seqs, dtype=bool)
+        self.scores = np.zeros(max_num_seqs, dtype=bool)  # the slot's request asked for prompt_logprobs
         self.pending: list[tuple[int, int, list[int]]] = []  # (slot, first column, new entries) for the device
 
     # ---- slots (called by the scheduler)
@@ -121,6 +122,7 @@ class InputBatch:
         seq.slot = slot
         p = seq.params
         self.greedy[slot] = p.greedy
+        self.scores[slot] = p.prompt_logprobs is not None
         self.temperature[slot] = p.temperature if not p.greedy else 1.0
         self.top_k[slot], self.top_p[slot], self.min_p[slot] = p.top_k, p.top_p, p.min_p
         self.repetition_penalty[slot] = p.repetition_penalty
@@ -177,7 +179,8 @@ class InputBatch:
         patch = np.flatnonzero(pending >= 0)  # decode rows all: a pending token is a sequence's last
         logits_rows = (qsl[1:][sampled] - 1).astype(np.int32)
         targets = owners = None
-        scoring = [i for i, s in enumerate(seqs) if s.scoring]
+        # A step without a request that scores (the usual one) pays one vectorised test, not a look at each.
+        scoring = [i for i in np.flatnonzero(self.scores[slots]).tolist() if seqs[i].scoring]
         if scoring:
             rows, targets, owners = self._scored_rows(work, scoring, qsl, computed)
             logits_rows = np.concatenate([logits_rows, rows])

@@ -485,10 +485,11 @@ class Engine:
         may have ended some); each gets a placeholder until the tokens reach the host. A request for no
         tokens (max_tokens 0: its prompt scored) finishes here instead."""
         seqs = [work[i][0] for i in step.sampled]
-        for seq in seqs:
-            if seq.params.max_tokens == 0 and not seq.finished:
-                self._finish(seq, "length", time.perf_counter())
-                self.undelivered.append(seq)
+        if self.batch.scores[step.slots[step.sampled]].any():  # only a request that scores may want no tokens
+            for seq in seqs:
+                if seq.params.max_tokens == 0 and not seq.finished:
+                    self._finish(seq, "length", time.perf_counter())
+                    self.undelivered.append(seq)
         keep = [i for i, s in enumerate(seqs) if not s.finished]
         if not keep:
             return
