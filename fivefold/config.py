@@ -228,6 +228,10 @@ class ServeConfig:
     num_blocks: int = 0  # > 0: exactly this many KV blocks, overriding kv_memory
     max_num_seqs: int = 64  # sequences in one forward
     max_num_batched_tokens: int = 2048  # tokens in one forward (decodes + prefill chunks)
+    # Prompt tokens scored in one forward (SamplingParams.prompt_logprobs, the server's echo with logprobs): each
+    # row's logits cover the vocabulary, so this bounds what scoring adds to a step's memory (fivefold.serve.plan);
+    # a prompt being scored goes in chunks of at most this many rows. 0 = scoring refused.
+    max_scored_tokens: int = 512
     max_model_len: int = 0  # longest prompt + output; 0 = model.max_seq_len
     prefix_cache: bool = True
     max_waiting: int = 256  # requests queued beyond the running ones; the server answers 429 past it
@@ -473,6 +477,8 @@ def validate_serve(cfg: Config) -> None:
         raise ConfigError(f"serve.kv_memory={s.kv_memory} must be > 0 (GB if >= 1, else a fraction of free memory)")
     if s.num_blocks < 0:
         raise ConfigError(f"serve.num_blocks={s.num_blocks} must be >= 0 (0 = sized from serve.kv_memory)")
+    if s.max_scored_tokens < 0:
+        raise ConfigError(f"serve.max_scored_tokens={s.max_scored_tokens} must be >= 0 (0 = prompts are not scored)")
     if s.max_model_len < 0:
         raise ConfigError(f"serve.max_model_len={s.max_model_len} must be >= 0 (0 = model.max_seq_len)")
 

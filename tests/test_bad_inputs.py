@@ -185,6 +185,8 @@ OTHER_CASES = [
     ("plan-device-memory-zero", ["plan", "--preset", "tiny", "--device-memory", "0"], "write a positive size"),
     ("serve-kv-memory", ["serve", "{run}", "--set", "serve.kv_memory=0"], "serve.kv_memory=0.0 must be > 0"),
     ("serve-max-model-len", ["serve", "{run}", "--set", "serve.max_model_len=-1"], "must be >= 0"),
+    ("serve-max-scored-tokens", ["serve", "{run}", "--set", "serve.max_scored_tokens=-1"],
+     "serve.max_scored_tokens=-1 must be >= 0 (0 = prompts are not scored)"),
     ("serve-huge-pages", ["serve", "{run}", "--set", "serve.huge_pages=maybe"],
      "serve.huge_pages='maybe' is not valid; choose one of auto, true, false"),
     ("serve-compile-decode", ["serve", "{run}", "--set", "serve.compile_decode=true", "--set",

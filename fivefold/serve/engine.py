@@ -156,7 +156,8 @@ class Engine:
         self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards, huge_pages=self.huge_pages)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
         self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.batch)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.batch,
+                                   self.cfg.max_scored_tokens)
         self.buffers = StepBuffers(max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs), self.cfg.max_num_seqs,
                                    self.cfg.max_num_seqs, self.batch.max_blocks_per_seq, self.device)
         self._warm_up_kernels()
@@ -365,6 +366,9 @@ class Engine:
                                f"KV blocks but the pool holds {self.plan.num_blocks}; raise serve.kv_memory")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids")
+        if params.prompt_logprobs is not None and not self.cfg.max_scored_tokens:
+            raise RequestError("this engine scores no prompts (serve.max_scored_tokens=0): ask without prompt_logprobs "
+                               "(and echo with logprobs), or serve with serve.max_scored_tokens > 0")
         vocab = self.model.cfg.vocab_size
         if any(t >= vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has ids "
@@ -478,7 +482,9 @@ class Engine:
                                                    "rank": int(ranks[row]),
                                                    "top": list(zip(top_ids[row, :k].tolist(),
                                                                    top_lps[row, :k].tolist()))})
-        return logits[:n]
+        # A copy, not a view: the scored rows' logits (up to serve.max_scored_tokens x the vocabulary) are freed
+        # before the sampling's own working set is allocated (fivefold.serve.plan counts them apart).
+        return logits[:n].clone()
 
     def _launch_sampling(self, work, step: StepInputs, logits: torch.Tensor) -> None:
         """Sample the step's last tokens of the sequences still running (a token taken in since the forward

@@ -71,9 +71,12 @@ def blocks_loop(blocks, x, cos, signed_sin, half: int, attend) -> torch.Tensor:
         qk = heads[:, :nq + nk]
         qk = qk * cos + qk.roll(half, -1) * signed_sin
         out = attend(attn, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:])
+        del heads, qk  # a prefill chunk's peak is in the MLP: nothing of the attention is held there
         x = x + o_proj.forward(out.reshape(t, -1))
+        del out
         gate, up = mlp.gate_up(rms_norm(mlp_norm, x)).chunk(2, dim=-1)
         x = x + down_proj.forward(F.silu(gate) * up)
+        del gate, up  # else held until the next block's product is written: two at once
     return x
 
 

@@ -1,4 +1,5 @@
-"""What serving a model costs in memory, before launch: weights, the KV pool, and one forward's logits.
+"""What serving a model costs in memory, before launch: weights, the KV pool, the persistent batch's block
+tables, the CUDA graphs' pool, and the largest step's working set (fivefold.serve.step_memory).
 
 The engine sizes its pool with the same `kv_plan`, so `fivefold plan --serve` and the engine's start-up
 line agree by construction; tests/test_serve_engine.py measures the process against this plan.
@@ -16,13 +17,14 @@ from fivefold.memory.units import human_bytes
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.cuda_graphs import batch_ladder
 from fivefold.serve.kv_pool import KVPlan, kv_plan
+from fivefold.serve.step_memory import StepMemory, step_memory
 
 
 @dataclass
 class ServePlan:
     weights: int  # bytes
     kv: KVPlan
-    logits: int  # bytes of one step's fp32 logits (max_num_seqs rows)
+    step: StepMemory  # what a step holds at its peak beyond the above: activations, logits, the sampler's
     max_model_len: int
     free_bytes: int | None  # what a fractional serve.kv_memory was taken of
     block_tables: int = 0  # bytes of the persistent batch's device block table (int32, a row per slot)
@@ -30,11 +32,13 @@ class ServePlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv.bytes + self.logits + self.block_tables + self.graphs
+        return self.weights + self.kv.bytes + self.step.peak + self.block_tables + self.graphs
 
     def to_json(self) -> dict:
         lengths = sorted({n for n in (512, 2048, 8192) if n < self.max_model_len} | {self.max_model_len})
-        return {"weights_bytes": self.weights, "kv_bytes": self.kv.bytes, "logits_bytes": self.logits,
+        return {"weights_bytes": self.weights, "kv_bytes": self.kv.bytes, "step_bytes": self.step.peak,
+                "step": {"path": self.step.path, "forward_bytes": self.step.forward,
+                         "sampling_bytes": self.step.sampling, "scoring_bytes": self.step.scoring},
                 "block_table_bytes": self.block_tables, "cuda_graph_bytes": self.graphs, "total_bytes": self.total, "kv_bytes_per_token": self.kv.bytes_per_token,
                 "block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks, "kv_tokens": self.kv.tokens,
                 "max_model_len": self.max_model_len,
@@ -42,10 +46,13 @@ class ServePlan:
 
     def table(self) -> str:
         data = self.to_json()
-        rows = [("weights", self.weights), ("KV pool", self.kv.bytes), ("logits (one step)", self.logits),
+        rows = [("weights", self.weights), ("KV pool", self.kv.bytes), ("step (largest)", self.step.peak),
                 ("block tables", self.block_tables)] + ([("CUDA graphs (est.)", self.graphs)] if self.graphs else []) + \
                [("total", self.total)]
         lines = [f"{name:<20}{n:>16,d}  {human_bytes(n):>10}" for name, n in rows]
+        s = self.step
+        lines.append(f"step: the {s.path} forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, "
+                     f"scoring {human_bytes(s.scoring)}: the largest counts")
         lines.append(f"KV: {self.kv.bytes_per_token:,d} bytes/token, {self.kv.num_blocks:,d} blocks of "
                      f"{self.kv.block_size} tokens = {self.kv.tokens:,d} tokens"
                      + (f" (from {human_bytes(self.free_bytes)} free)" if self.free_bytes is not None else ""))
@@ -83,5 +90,5 @@ def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int 
                  max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size))
     tables = s.max_num_seqs * blocks_for(max_model_len, s.block_size) * 4
     graphs = device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and not m.num_experts
-    return ServePlan(weights, kv, s.max_num_seqs * m.vocab_size * 4, max_model_len, free_bytes, tables,
+    return ServePlan(weights, kv, step_memory(cfg, device, itemsize), max_model_len, free_bytes, tables,
                      graph_pool_bytes(cfg, itemsize) if graphs else 0)

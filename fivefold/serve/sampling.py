@@ -104,18 +104,22 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     logits = logits / temperature[:, None]
     v = logits.shape[-1]
     if sort if sort is not None else bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        # In place where a tensor is ours and read no more: at max_num_seqs rows of a 128K vocabulary each
+        # (N, V) float is hundreds of MB, and fivefold.serve.plan counts the ones live at once.
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(v, device=logits.device)
         k = torch.where(top_k > 0, top_k, v)
         drop = rank[None] >= k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Nucleus: drop a token once the tokens ranked above it cover top_p; the top one always stays.
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        drop |= probs.cumsum(dim=-1).sub_(probs) >= top_p[:, None]
+        del probs
+        logits = logits.fill_(float("-inf")).scatter_(-1, order, sorted_logits.masked_fill_(drop, float("-inf")))
+        del sorted_logits, order, drop
     probs = logits.softmax(dim=-1)
     if use_min_p if use_min_p is not None else bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = probs.masked_fill_(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
     return probs
 
 
@@ -217,12 +221,14 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
     asked = [r.params.logprobs for r in requests]
     logprob_rows = [i for i, k in enumerate(asked) if k is not None]
     raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # the model's own distribution
-    logits = _biased(logits, requests, eos_id)
+    biased = _biased(logits, requests, eos_id)
     penalised = np.flatnonzero((params.repetition_penalty != 1) | (params.presence_penalty != 0)
                                | (params.frequency_penalty != 0))
     if len(penalised):
-        logits = logits.clone()
-        _penalise(logits, penalised, params, requests)
+        if biased is logits:  # penalised in place: a copy, the forward's logits are the caller's
+            biased = logits.clone()
+        _penalise(biased, penalised, params, requests)
+    logits = biased
     tokens = logits.argmax(dim=-1)
     if not params.greedy.all():
         host = np.stack([params.temperature, params.top_p, params.min_p, params.uniforms]).astype(np.float32)

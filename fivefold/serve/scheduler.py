@@ -75,6 +75,20 @@ class Sequence:
         self.output_ids.append(token)
         self.token_ids.append(token)
 
+    def scored_rows(self, n: int) -> int:
+        """How many of the next `n` tokens' rows score a prompt token (row at position p scores token p + 1;
+        what was scored before a preemption is not scored again)."""
+        if not self.scoring:
+            return 0
+        start = max(self.num_computed, len(self.prompt_logprobs) - 1)
+        return max(0, min(self.num_computed + n, len(self.prompt_ids) - 1) - start)
+
+    def within_scored(self, n: int, rows: int) -> int:
+        """The most of the next `n` tokens whose rows score at most `rows` prompt tokens."""
+        if self.scored_rows(n) <= rows:
+            return n
+        return max(self.num_computed, len(self.prompt_logprobs) - 1) - self.num_computed + rows
+
     @property
     def remaining(self) -> int:
         """Tokens to compute before the next one can be sampled; 0 once every wanted token is sampled
@@ -89,9 +103,12 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, slots=None):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, slots=None,
+                 max_scored_tokens: int | None = None):
+        """`max_scored_tokens`: prompt tokens scored in one step (None: no bound but the token budget)."""
         self.blocks, self.slots = blocks, slots
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_scored_tokens = max_num_batched_tokens if max_scored_tokens is None else max_scored_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # by arrival
         self.preemptions = 0
@@ -108,13 +125,16 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next forward: (sequence, tokens to compute) pairs."""
         budget, scheduled, preempted = self.max_num_batched_tokens, [], False
+        scored = self.max_scored_tokens  # rows left this step to score prompt tokens on
         for seq in list(self.running):
             if budget == 0:
                 break
             if not seq.running:  # preempted below by an older sequence
                 continue
             n = min(seq.remaining, budget)
-            if n == 0:  # its last token is being sampled: it finishes when that is known
+            if seq.scoring:
+                n = seq.within_scored(n, scored)
+            if n == 0:  # its last token is being sampled (it finishes when that is known), or no scoring rows are left
                 continue
             while not self.blocks.grow(seq, n):
                 victim = self.running[-1]
@@ -125,9 +145,14 @@ class Scheduler:
             else:
                 scheduled.append((seq, n))
                 budget -= n
+                scored -= seq.scored_rows(n)
         while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = self.blocks.start(seq, budget, reserve=self.reserve if self.running else 0)
+            allowed = budget
+            if seq.scoring:  # it starts from its first token: a prompt being scored takes nothing from the cache
+                seq.num_computed = 0
+                allowed = seq.within_scored(budget, scored)
+            n = self.blocks.start(seq, allowed, reserve=self.reserve if self.running else 0) if allowed else 0
             if not n:
                 break
             self.waiting.popleft()
@@ -137,6 +162,7 @@ class Scheduler:
                 self.slots.admit(seq)
             scheduled.append((seq, n))
             budget -= n
+            scored -= seq.scored_rows(n)
         return scheduled
 
     def _stop_running(self, seq: Sequence) -> None:

@@ -1,0 +1,145 @@
+"""A serving step's working set (fivefold.serve.step_memory): what `fivefold plan --serve` counts for the
+forward at the token budget, the sampler at max_num_seqs rows and the scored rows, against what a real step
+holds at its peak, measured op by op (fivefold.memory.live_peak.LivePeak), on each forward path. The plan is
+a bound: never below the measurement, and above it only by what the measurement cannot see or a few rows."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.config_load import load_config
+from fivefold.memory.live_peak import LivePeak
+from fivefold.model import build_model
+from fivefold.serve import LLM, RequestError, SamplingParams
+from fivefold.serve.step_memory import step_memory
+
+SHAPE = ["model.hidden_size=256", "model.num_layers=2", "model.ffn_hidden_size=1024", "model.head_dim=16",
+         "model.vocab_size=8192", "model.num_heads=8", "model.num_kv_heads=4", "model.max_seq_len=2048",
+         "serve.max_num_seqs=16", "serve.max_num_batched_tokens=512", "serve.num_blocks=256"]
+
+
+def engine(*overrides):
+    cfg = load_config(preset="tiny", overrides=SHAPE + list(overrides))
+    return cfg, LLM(build_model(cfg.model, seed=0), **vars(cfg.serve)).engine
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def peak_of_step(eng) -> int:
+    with LivePeak() as m:
+        eng.step()
+    return m.peak
+
+
+def test_live_peak_counts_new_storages_until_freed():
+    base = torch.zeros(1000)
+    with LivePeak() as m:
+        view = base[10:]  # a view: nothing new
+        base.add_(1)  # in place: nothing new
+        torch.add(base, 1, out=base)  # into a buffer that existed: nothing new
+        a = base * 2  # 4,000 bytes
+        b = a + 1  # 8,000 live
+        del a, b  # freed
+        c = torch.ones(250)  # 1,000
+    assert m.peak == 8000 and m.live == 1000 and sorted(m.at_peak) == [("add.Tensor", (1000,), 4000), ("mul.Tensor", (1000,), 4000)]
+    del view, c
+
+
+@pytest.mark.parametrize("path,overrides", [("lean", []), ("modules", ["serve.fuse_launches=false"])])
+def test_forward_at_the_token_budget(path, overrides):
+    """A prompt chunk of max_num_batched_tokens tokens: the MLP's products and the residual stream, as planned
+    for the path the engine runs."""
+    cfg, eng = engine(*overrides)
+    planned = step_memory(cfg, "cpu", 4)
+    assert planned.path == path
+    eng.add_request(prompt(1000), SamplingParams(max_tokens=1, temperature=0))
+    measured = peak_of_step(eng)  # the first chunk: 512 tokens
+    assert planned.forward >= measured and planned.forward == pytest.approx(measured, rel=0.01)
+
+
+def test_forward_attention_over_a_long_context():
+    """A narrow model with a long context: the last chunk's mask over its earlier tokens and their gathered
+    keys and values outweigh its MLP, as planned (the chunk is one token short of the budget)."""
+    cfg, eng = engine("model.ffn_hidden_size=64", "model.hidden_size=64", "model.head_dim=8", "serve.block_size=16")
+    planned = step_memory(cfg, "cpu", 4)
+    mlp = 512 * (4 * 64 + 2 * 64 + 3 * 8) * 4
+    assert planned.forward > 2 * mlp  # the attention's bound is the one that counts here
+    eng.add_request(prompt(2047), SamplingParams(max_tokens=1, temperature=0))
+    for _ in range(3):
+        eng.step()
+    measured = peak_of_step(eng)  # the last chunk: 511 tokens at 2,047
+    assert planned.forward >= measured and planned.forward == pytest.approx(measured, rel=0.02)
+
+
+def test_sampling_at_max_num_seqs_rows():
+    """Every row drawn with top-p and penalised, asking for logprobs: the sampler's working set, as planned."""
+    cfg, eng = engine()
+    planned = step_memory(cfg, "cpu", 4)
+    params = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, logprobs=2, repetition_penalty=1.2,
+                            ignore_eos=True)
+    for i in range(16):
+        eng.add_request(prompt(8, seed=i), params)
+    eng.step()
+    measured = peak_of_step(eng)  # a decode step of 16 rows
+    assert planned.sampling >= measured and planned.sampling == pytest.approx(measured, rel=0.02)
+
+
+def test_scoring_is_bounded_by_max_scored_tokens():
+    """Prompts of 1,000 and 300 tokens scored under serve.max_scored_tokens=200 beside 14 decoding requests:
+    no step scores more than 200 rows, every prompt token is scored once, and the largest step holds what the
+    plan's scoring bound counts (200 scored rows and up to max_num_seqs sampled)."""
+    cfg, eng = engine("serve.max_scored_tokens=200")
+    planned = step_memory(cfg, "cpu", 4)
+    ids = prompt(1000)
+    for i in range(14):  # decoding beside it: the step's sampled rows, most of max_num_seqs
+        eng.add_request(prompt(4, seed=2 + i), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    eng.add_request(prompt(300, seed=1), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
+    prepare, scored = eng.batch.prepare, []
+
+    def counted(work):
+        step = prepare(work)
+        scored.append(0 if step.scored_targets is None else len(step.scored_targets))
+        return step
+
+    eng.batch.prepare = counted
+    peaks = []
+    while eng.has_unfinished():
+        peaks.append(peak_of_step(eng))
+    assert max(scored) == 200 and sum(scored) == 999 + 299
+    assert planned.scoring >= max(peaks) and planned.scoring == pytest.approx(max(peaks), rel=0.02)
+
+
+def test_no_scoring_when_max_scored_tokens_is_zero():
+    cfg, eng = engine("serve.max_scored_tokens=0")
+    assert step_memory(cfg, "cpu", 4).scoring == 0
+    with pytest.raises(RequestError, match=r"serve.max_scored_tokens=0"):
+        eng.add_request(prompt(10), SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+
+TRITON_STEP = """
+import sys
+sys.path.insert(0, "tests")
+from test_serve_step_memory import engine, peak_of_step, prompt, step_memory
+from fivefold.serve import SamplingParams
+cfg, eng = engine("serve.kernels=triton", "serve.max_num_batched_tokens=128")
+eng.add_request(prompt(300), SamplingParams(max_tokens=1, temperature=0))
+print(peak_of_step(eng), step_memory(cfg, "cuda", 4).forward)
+"""
+
+
+def test_forward_on_the_triton_path():
+    """The Triton path (here in Triton's interpreter on the CPU): the fused norms' streams and the SwiGLU
+    kernel's output, as planned for CUDA."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", TRITON_STEP], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured, planned = map(int, run.stdout.split()[-2:])
+    assert planned >= measured and planned == pytest.approx(measured, rel=0.02)
