@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fivefold.config import ConfigError
 from fivefold.config_load import load_config
 from fivefold.memory.live_peak import LivePeak
 from fivefold.model import build_model
 from fivefold.serve import LLM, RequestError, SamplingParams
-from fivefold.serve.step_memory import step_memory
+from fivefold.serve.plan import plan_serving
+from fivefold.serve.step_memory import measured_phases
 
 SHAPE = ["model.hidden_size=256", "model.num_layers=2", "model.ffn_hidden_size=1024", "model.head_dim=16",
          "model.vocab_size=8192", "model.num_heads=8", "model.num_kv_heads=4", "model.max_seq_len=2048",
@@ -27,14 +29,23 @@ def engine(*overrides):
     return cfg, LLM(build_model(cfg.model, seed=0), **vars(cfg.serve)).engine
 
 
+def step_memory(cfg, device: str, eng=None):
+    """What `fivefold plan --serve` counts for a step (on `device`); the engine it builds counts the same."""
+    planned = plan_serving(cfg, device=device).step
+    if eng is not None:
+        assert eng.step_memory == planned
+    return planned
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def peak_of_step(eng) -> int:
-    with LivePeak() as m:
+def peak_of_step(eng, phase: str) -> int:
+    """The peak of one phase of the engine's next step (fivefold.serve.step_memory.measured_phases)."""
+    with measured_phases(eng) as peaks:
         eng.step()
-    return m.peak
+    return peaks[phase]
 
 
 def test_live_peak_counts_new_storages_until_freed():
@@ -56,37 +67,37 @@ def test_forward_at_the_token_budget(path, overrides):
     """A prompt chunk of max_num_batched_tokens tokens: the MLP's products and the residual stream, as planned
     for the path the engine runs."""
     cfg, eng = engine(*overrides)
-    planned = step_memory(cfg, "cpu", 4)
+    planned = step_memory(cfg, "cpu", eng)
     assert planned.path == path
     eng.add_request(prompt(1000), SamplingParams(max_tokens=1, temperature=0))
-    measured = peak_of_step(eng)  # the first chunk: 512 tokens
-    assert planned.forward >= measured and planned.forward == pytest.approx(measured, rel=0.01)
+    measured = peak_of_step(eng, "forward")  # the first chunk: 512 tokens, no context (no mask)
+    assert planned.mlp >= measured and planned.mlp == pytest.approx(measured, rel=0.01)
 
 
 def test_forward_attention_over_a_long_context():
     """A narrow model with a long context: the last chunk's mask over its earlier tokens and their gathered
     keys and values outweigh its MLP, as planned (the chunk is one token short of the budget)."""
     cfg, eng = engine("model.ffn_hidden_size=64", "model.hidden_size=64", "model.head_dim=8", "serve.block_size=16")
-    planned = step_memory(cfg, "cpu", 4)
+    planned = step_memory(cfg, "cpu", eng)
     mlp = 512 * (4 * 64 + 2 * 64 + 3 * 8) * 4
     assert planned.forward > 2 * mlp  # the attention's bound is the one that counts here
     eng.add_request(prompt(2047), SamplingParams(max_tokens=1, temperature=0))
     for _ in range(3):
         eng.step()
-    measured = peak_of_step(eng)  # the last chunk: 511 tokens at 2,047
+    measured = peak_of_step(eng, "forward")  # the last chunk: 511 tokens at 2,047
     assert planned.forward >= measured and planned.forward == pytest.approx(measured, rel=0.02)
 
 
 def test_sampling_at_max_num_seqs_rows():
     """Every row drawn with top-p and penalised, asking for logprobs: the sampler's working set, as planned."""
     cfg, eng = engine()
-    planned = step_memory(cfg, "cpu", 4)
+    planned = step_memory(cfg, "cpu", eng)
     params = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, logprobs=2, repetition_penalty=1.2,
                             ignore_eos=True)
     for i in range(16):
         eng.add_request(prompt(8, seed=i), params)
     eng.step()
-    measured = peak_of_step(eng)  # a decode step of 16 rows
+    measured = peak_of_step(eng, "sampling")  # a decode step of 16 rows
     assert planned.sampling >= measured and planned.sampling == pytest.approx(measured, rel=0.02)
 
 
@@ -94,8 +105,8 @@ def test_scoring_is_bounded_by_max_scored_tokens():
     """Prompts of 1,000 and 300 tokens scored under serve.max_scored_tokens=200 beside 14 decoding requests:
     no step scores more than 200 rows, every prompt token is scored once, and the largest step holds what the
     plan's scoring bound counts (200 scored rows and up to max_num_seqs sampled)."""
-    cfg, eng = engine("serve.max_scored_tokens=200")
-    planned = step_memory(cfg, "cpu", 4)
+    cfg, eng = engine("serve.max_scored_tokens=200", "serve.max_num_batched_tokens=216")  # steps fill their budget
+    planned = step_memory(cfg, "cpu", eng)
     ids = prompt(1000)
     for i in range(14):  # decoding beside it: the step's sampled rows, most of max_num_seqs
         eng.add_request(prompt(4, seed=2 + i), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
@@ -111,14 +122,16 @@ def test_scoring_is_bounded_by_max_scored_tokens():
     eng.batch.prepare = counted
     peaks = []
     while eng.has_unfinished():
-        peaks.append(peak_of_step(eng))
+        with measured_phases(eng) as phases:  # the LM head's moment ends the forward, then the scorer's
+            eng.step()
+        peaks.append(max(phases["forward"], phases["scoring"]))
     assert max(scored) == 200 and sum(scored) == 999 + 299
     assert planned.scoring >= max(peaks) and planned.scoring == pytest.approx(max(peaks), rel=0.02)
 
 
 def test_no_scoring_when_max_scored_tokens_is_zero():
     cfg, eng = engine("serve.max_scored_tokens=0")
-    assert step_memory(cfg, "cpu", 4).scoring == 0
+    assert step_memory(cfg, "cpu", eng).scoring == 0
     with pytest.raises(RequestError, match=r"serve.max_scored_tokens=0"):
         eng.add_request(prompt(10), SamplingParams(max_tokens=1, prompt_logprobs=0))
 
@@ -130,7 +143,7 @@ from test_serve_step_memory import engine, peak_of_step, prompt, step_memory
 from fivefold.serve import SamplingParams
 cfg, eng = engine("serve.kernels=triton", "serve.max_num_batched_tokens=128")
 eng.add_request(prompt(300), SamplingParams(max_tokens=1, temperature=0))
-print(peak_of_step(eng), step_memory(cfg, "cuda", 4).forward)
+print(peak_of_step(eng, "forward"), step_memory(cfg, "cuda", eng).mlp)
 """
 
 
@@ -143,3 +156,21 @@ def test_forward_on_the_triton_path():
     assert run.returncode == 0, run.stderr[-3000:]
     measured, planned = map(int, run.stdout.split()[-2:])
     assert planned >= measured and planned == pytest.approx(measured, rel=0.02)
+
+
+def test_a_pool_that_leaves_no_room_for_a_step_is_refused(monkeypatch):
+    """serve.kv_memory as a fraction of what is free: a pool that leaves less than the step's working set is
+    refused at start-up with the fraction that fits, which then starts."""
+    import fivefold.serve.engine as engine_module
+
+    cfg = load_config(preset="tiny", overrides=[s for s in SHAPE if not s.startswith("serve.num_blocks")]
+                      + ["serve.kv_memory=0.99"])
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 32 * 2**20)
+    model = build_model(cfg.model, seed=0)
+    with pytest.raises(ConfigError, match=r"the KV pool \(33.21 MB, serve.kv_memory=0.99\) leaves 344.06 kB of the "
+                                          r"33.55 MB free, and a step needs up to 18.91 MB \(the forward 10.59 MB, "
+                                          r"sampling 5.08 MB, scoring 18.91 MB\): lower serve.kv_memory "
+                                          r"\(below 0.436 of free memory\)"):
+        LLM(model, **vars(cfg.serve))
+    cfg.serve.kv_memory = 0.4
+    assert LLM(model, **vars(cfg.serve)).engine.plan.bytes <= 0.4 * 32 * 2**20

@@ -130,6 +130,7 @@ def run_serve(args) -> int:
     shard = f" on each of {args.tp} tensor-parallel ranks" if loaded.tp else ""
     print(f"model: {args.model} ({n:,} parameters{shard}, {cfg.dtype}, {device})")
     print(engine.plan.describe(engine.max_model_len))
+    print(engine.step_memory.describe())
     print("chat template: " + ("the model's own" if loaded.chat_template else "the default (fivefold.data.chat)"))
     for adapter in adapters:
         print(f"LoRA adapter {adapter!r} from {adapters[adapter]}: ask for model {name + ':' + adapter!r}")

@@ -29,6 +29,10 @@ class LivePeak(TorchDispatchMode):
         self._storages = WeakIdKeyDictionary()  # storage -> (op, shape, bytes, weakref)
         self.at_peak: list[tuple[str, tuple, int]] = []
 
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (to measure one phase of a region)."""
+        self.peak = self.live
+
     def _freed(self, nbytes: int, ref) -> None:
         self.live -= nbytes
 

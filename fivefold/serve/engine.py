@@ -24,6 +24,7 @@ from fivefold.kernels import apply_kernels, check_usable, triton_available
 from fivefold.kernels.cpu_linear_rows import offered as rows_kernel_offered
 from fivefold.kernels.cpu_paged_decode import kernel_problem, unsupported
 from fivefold.kernels.paged_attention import warm_up
+from fivefold.memory.units import human_bytes
 from fivefold.model import ForwardContext, Transformer
 from fivefold.model.moe import MoE
 from fivefold.quant.cpu_gemv import ROWS_READ_FROM_CODES, gemv_problem
@@ -41,6 +42,7 @@ from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory,
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling, score_rows
 from fivefold.serve.scheduler import Scheduler, Sequence
+from fivefold.serve.step_memory import StepMemory, step_memory
 
 
 # A sequence's last token while it is still being sampled on the device (asynchronous scheduling): never
@@ -143,8 +145,9 @@ class Engine:
         self.cpu_kernel = self._use_cpu_kernel()
         self.huge_pages = self._use_huge_pages()
         shards = tp.size if tp else 1
+        free = available_memory(self.device)
         self.plan: KVPlan = kv_plan(mc, self.cfg.kv_memory, self.cfg.block_size, self.dtype,
-                                    free_bytes=available_memory(self.device), num_blocks=self.cfg.num_blocks,
+                                    free_bytes=free, num_blocks=self.cfg.num_blocks,
                                     max_blocks=self.cfg.max_num_seqs * blocks_for(self.max_model_len, self.cfg.block_size),
                                     tp=shards)
         if tp:
@@ -153,6 +156,9 @@ class Engine:
             raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
+        path = "triton" if self.kernel else "lean" if self.lean else "modules"
+        self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize)
+        self._check_room(free)
         self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards, huge_pages=self.huge_pages)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
         self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
@@ -180,6 +186,21 @@ class Engine:
         self.inbox: deque[Sequence] = deque()
         self.inbox_lock = threading.Lock()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+
+    def _check_room(self, free: int) -> None:
+        """Refuse a pool that leaves less than a step's working set (fivefold.serve.step_memory) of what was
+        free: the first full prefill or scoring step would run out of memory mid-serve instead."""
+        need, left = self.step_memory.peak, free - self.plan.bytes
+        if left >= need:
+            return
+        s = self.step_memory
+        fraction = (free - need) / free if free > need else 0
+        raise ConfigError(
+            f"the KV pool ({human_bytes(self.plan.bytes)}, serve.kv_memory={self.cfg.kv_memory}) leaves "
+            f"{human_bytes(max(left, 0))} of the {human_bytes(free)} free, and a step needs up to {human_bytes(need)} "
+            f"(the forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, scoring "
+            f"{human_bytes(s.scoring)}): lower serve.kv_memory (below {fraction:.3f} of free memory) or "
+            f"serve.max_num_batched_tokens / max_num_seqs / max_scored_tokens")
 
     def _use_kernels(self) -> bool:
         """serve.kernels: whether attention runs the Triton paged kernel (and the model the Triton RMSNorm,

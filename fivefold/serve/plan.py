@@ -17,7 +17,7 @@ from fivefold.memory.units import human_bytes
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.cuda_graphs import batch_ladder
 from fivefold.serve.kv_pool import KVPlan, kv_plan
-from fivefold.serve.step_memory import StepMemory, step_memory
+from fivefold.serve.step_memory import StepMemory, forward_path, step_memory
 
 
 @dataclass
@@ -90,5 +90,6 @@ def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int 
                  max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size))
     tables = s.max_num_seqs * blocks_for(max_model_len, s.block_size) * 4
     graphs = device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and not m.num_experts
-    return ServePlan(weights, kv, step_memory(cfg, device, itemsize), max_model_len, free_bytes, tables,
+    step = step_memory(m, s, forward_path(m, s, device), itemsize)
+    return ServePlan(weights, kv, step, max_model_len, free_bytes, tables,
                      graph_pool_bytes(cfg, itemsize) if graphs else 0)

@@ -9,9 +9,11 @@ them in a real step: tests/test_serve_step_memory.py checks the plan against it 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fivefold.config import Config
+from fivefold.config import ModelConfig, ServeConfig
+from fivefold.memory.live_peak import LivePeak
 from fivefold.serve.kv_pool import DECODE_GROUP
 
 # The sampler's bytes per (row, vocabulary) element at its peak (fivefold.serve.sampling.launch_sampling),
@@ -29,21 +31,35 @@ SMALL = 4096
 
 @dataclass(frozen=True)
 class StepMemory:
+    """Bytes of each phase of a step at its worst. `forward`: the MLP's or the attention's moment, whichever holds
+    more, plus the torch path's masks (held for the whole forward); `sampling`: max_num_seqs rows' logits and
+    the sampler's working set; `scoring`: the logits of max_num_seqs + max_scored_tokens rows with their hidden
+    states (the forward's end) and the scorer's."""
     path: str  # "triton", "lean" or "modules": which forward the engine runs (fivefold.serve.engine)
-    forward: int  # bytes: the forward's peak over max_num_batched_tokens tokens
-    sampling: int  # max_num_seqs rows' logits and the sampler's working set
-    scoring: int  # the logits of max_num_seqs + max_scored_tokens rows and the scorer's working set
+    mlp: int  # at max_num_batched_tokens tokens, without the mask
+    attention: int  # the torch path's attention over a chunk at max_model_len, without the mask
+    mask: int  # the torch path's boolean masks of the chunks' rows over their context
+    sampling: int
+    scoring: int
+
+    @property
+    def forward(self) -> int:
+        return max(self.mlp, self.attention) + self.mask
 
     @property
     def peak(self) -> int:
         return max(self.forward, self.sampling, self.scoring)
 
+    def describe(self) -> str:
+        mib = 2**20
+        return (f"a step's working set: up to {self.peak / mib:,.1f} MiB (the {self.path} forward "
+                f"{self.forward / mib:,.1f}, sampling {self.sampling / mib:,.1f}, scoring {self.scoring / mib:,.1f})")
 
-def forward_path(cfg: Config, device: str) -> str:
-    """The engine's forward for this model and device: the Triton kernels on CUDA (serve.kernels auto or
-    triton), else the torch path's lean loop (fivefold.serve.lean_forward) where it reproduces the model,
-    else the modules."""
-    s, m = cfg.serve, cfg.model
+
+def forward_path(m: ModelConfig, s: ServeConfig, device: str) -> str:
+    """The engine's forward for this model and device, as fivefold.serve.engine chooses it: the Triton kernels
+    on CUDA (serve.kernels auto or triton), else the torch path's lean loop (fivefold.serve.lean_forward) where
+    it reproduces the model, else the modules."""
     if device == "cuda" and s.kernels != "torch":
         return "triton"
     lean = (s.fuse_launches and m.position == "rope" and m.norm == "rmsnorm" and m.activation == "swiglu"
@@ -51,35 +67,70 @@ def forward_path(cfg: Config, device: str) -> str:
     return "lean" if lean else "modules"
 
 
-def step_memory(cfg: Config, device: str, itemsize: int) -> StepMemory:
-    s, m = cfg.serve, cfg.model
+def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int) -> StepMemory:
+    """The step's phases in bytes for the model `m` served under `s` on forward `path` (`forward_path`) in
+    elements of `itemsize` bytes. Under tensor parallelism a rank holds less (its heads and MLP columns): this
+    is then a bound."""
     tokens, rows, scored = s.max_num_batched_tokens, s.max_num_seqs, s.max_scored_tokens
     h, f, d, v = m.hidden_size, m.ffn_hidden_size, m.head_size, m.vocab_size
     q, kv = m.q_size, m.kv_size
-    path = forward_path(cfg, device)
     # Per token, at the MLP: its input product (gate and up, 2f), the activation and the product with up (f
-    # each), the residual stream (and what the path keeps beside it), RoPE's cos and sin.
+    # each), the residual stream (and what the path keeps beside it), RoPE's cos and sin; and the positions.
     if path == "triton":  # gate/up, the SwiGLU kernel's output; the fused norms' streams and the attention's outputs
-        mlp = 3 * f + 6 * h + 2 * q + 2 * d
+        per_token = 3 * f + 6 * h + 2 * q + 2 * d
     elif path == "lean":  # gate/up, silu, the product; the embedding and the stream; cos, sin and the signed sin
-        mlp = 4 * f + 2 * h + 3 * d
+        per_token = 4 * f + 2 * h + 3 * d
     else:  # the modules: gate/up (or fc), their activation and product; the embedding, stream and norm; cos, sin
-        mlp = 4 * f + 3 * h + 2 * d
-    forward = tokens * (mlp * itemsize + 8)  # and the positions, int64
+        per_token = 4 * f + 3 * h + 2 * d
+    mlp = tokens * (per_token * itemsize + 8) + SMALL
+    attention = mask = 0
     if path != "triton":
         # The torch path's attention gathers a chunk's earlier keys and values for SDPA (whole blocks), with a
-        # boolean mask of its rows over them; without the C++ decode kernel, each group of decodes gathers its
-        # blocks, padded to the longest. At most max_model_len tokens of context. Per token: the embedding and
-        # the stream, q/k/v, q and k rotated, the output zeroed for the rows and SDPA's, cos, sin and the sign.
+        # boolean mask of its rows over them, built for the step; without the C++ decode kernel, each group of
+        # decodes gathers its blocks, padded to the longest. At most max_model_len tokens of context. Per token:
+        # the embedding and the stream, q/k/v, q and k rotated, the output zeroed for the rows and SDPA's, cos,
+        # sin and the sign.
         length = s.max_model_len or m.max_seq_len
         blocks = -(-length // s.block_size) * s.block_size
         gathered = (DECODE_GROUP if s.cpu_kernel == "false" or itemsize != 4 else 1) * 2 * blocks * kv * itemsize
         per_token = 2 * h + (q + 2 * kv) + (q + kv) + 2 * q + 3 * d
-        attention = tokens * (per_token * itemsize + 8 + length) + gathered
-        forward = max(forward, attention)
+        attention = tokens * (per_token * itemsize + 8) + gathered + SMALL
+        mask = tokens * length
     upcast = 4 if itemsize != 4 else 0  # the sampler and scorer work in fp32
     head = (v + 2 * h) * itemsize  # a row's logits, its hidden state and its norm
-    sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + v * 8  # and top-k's ranks, int64
+    sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + v * 8 + SMALL  # and top-k's ranks, int64
     chunk = max(1, rows // 4)  # fivefold.serve.engine scores this many rows at a time
-    scoring = (rows + scored) * head + chunk * v * (upcast + SCORER_BYTES) if scored else 0
-    return StepMemory(path, forward + SMALL, sampling + SMALL, scoring + SMALL if scored else 0)
+    # The logits of the sampled and scored rows, with (at the LM head, the forward's end) the rows' hidden states
+    # and norms and the step's residual stream, or (after) the scorer's chunk, or (last) the sampled rows' copy.
+    at_head = (rows + scored) * 2 * h * itemsize + tokens * h * itemsize
+    after = max(chunk * v * (upcast + SCORER_BYTES), rows * v * itemsize)
+    scoring = (rows + scored) * v * itemsize + max(at_head, after) + SMALL if scored else 0
+    return StepMemory(path, mlp, attention, mask, sampling, scoring)
+
+
+@contextmanager
+def measured_phases(engine):
+    """Within: the peak of each phase of the engine's steps so far, measured (fivefold.memory.live_peak), in the
+    dict yielded: "forward" from the forward's start to its logits, "scoring" and "sampling" from theirs, each
+    with what is live when it starts (the logits)."""
+    peaks = {"forward": 0, "scoring": 0, "sampling": 0}
+    methods = {"forward": "_forward", "scoring": "_score_prompts", "sampling": "_launch_sampling"}
+    tracker = LivePeak()
+
+    def phase(name, method):
+        def run(*args, **kwargs):
+            tracker.reset_peak()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                peaks[name] = max(peaks[name], tracker.peak)
+        return run
+
+    for name, attr in methods.items():
+        setattr(engine, attr, phase(name, getattr(engine, attr)))
+    try:
+        with tracker:
+            yield peaks
+    finally:
+        for attr in methods.values():
+            delattr(engine, attr)  # the class's methods again
