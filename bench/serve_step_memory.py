@@ -63,10 +63,9 @@ def drain(engine) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    s = args
     cfg = load_config(preset=args.model, overrides=[
-        f"serve.max_num_seqs={s.max_num_seqs}", f"serve.max_num_batched_tokens={s.max_num_batched_tokens}",
-        f"serve.max_scored_tokens={s.max_scored_tokens}", f"serve.max_model_len={s.max_model_len}",
+        f"serve.max_num_seqs={args.max_num_seqs}", f"serve.max_num_batched_tokens={args.max_num_batched_tokens}",
+        f"serve.max_scored_tokens={args.max_scored_tokens}", f"serve.max_model_len={args.max_model_len}",
         "serve.kv_memory=1.0", f"serve.dtype={args.dtype}", *args.set])
     vocab, n = cfg.model.vocab_size, cfg.serve.max_num_seqs
     planned = plan_serving(cfg, device="cpu").step

@@ -735,3 +735,23 @@ def test_an_api_key_guards_the_v1_routes(tiny):
         assert httpx.get(f"{url}/tokenizer_info").status_code == 401
         assert httpx.post(f"{url}/tokenize", json={"prompt": PROMPT},
                           headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_scoring_refused_when_the_engine_scores_nothing(tiny):
+    """serve.max_scored_tokens=0: an echo with logprobs (or vLLM's prompt_logprobs) is a 400 that names the
+    setting, and a plain completion is still served. ASGI transport without the lifespan: the refusal comes
+    before anything steps."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, serve_config({**ENGINE, "max_scored_tokens": 0}))
+    app = create_app(engine, NAME)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
+            body = {"model": NAME, "prompt": PROMPT, "max_tokens": 1}
+            for extra in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}):
+                refused = await http.post("/v1/completions", json={**body, **extra})
+                assert refused.status_code == 400, extra
+                assert "serve.max_scored_tokens=0" in refused.json()["error"]["message"]
+            assert engine.num_waiting == 0
+
+    asyncio.run(scenario())
