@@ -8,7 +8,8 @@
 #                                         # COPY_TO=DIR packs the results and log into DIR/results.tgz;
 #                                         # BATCH_SIZES=256 times fewer transformers static batches
 #
-# Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json, serve_paths_<gpu>.json and
+# Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json, serve_paths_<gpu>.json,
+# serve_step_memory_<gpu>.json and
 # gpu_serve_<gpu>.log, where <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
 #
 # A dry run on a CPU checks the plumbing (a tiny model; the CUDA-only profile and tests are skipped there):
@@ -35,6 +36,9 @@ step "default" 90 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" \
 #     (projections unfused, decode eager) with base requests and with every request on it
 step "paths" 150 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --requests 64 \
     --skip-hf --paths --json "bench/results/serve_paths_$gpu.json"
+# (e) a step's working set: the plan's forward, sampler and scored rows against LivePeak and the allocator
+step "step-memory" 60 "$PY" bench/serve_step_memory.py --device "$DEVICE" --model "$MODEL" --dtype bfloat16 \
+    --max-num-seqs 256 --max-model-len 8192 --json "bench/results/serve_step_memory_$gpu.json"
 step "serve-predict" 75 "$PY" bench/serve_predict.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_predict_$gpu.json"
 
