@@ -200,7 +200,7 @@ def test_requests_that_can_never_run_are_refused_at_once():
     with pytest.raises(RequestError, match="prompt 1: "):
         llm.generate([[1, 2], [1] * 300], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
-    for bad, message in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+    for bad, message in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=-1), "max_tokens"),
                          (dict(logprobs=21), "logprobs"), (dict(min_p=2), "min_p")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**bad)
@@ -519,3 +519,18 @@ def test_min_tokens_holds_off_every_end():
             assert out.token_ids[-1] == token and token not in out.token_ids[:-1]
     with pytest.raises(RequestError, match=r"min_tokens must be an integer in \[0, max_tokens\]"):
         SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_max_tokens_0_computes_the_prompt_into_the_prefix_cache():
+    """max_tokens=0 without prompt_logprobs: nothing sampled (no text, finish "length", no prompt scores), even
+    beside requests that generate, and the prompt's blocks are cached: the same prompt next finds all but its
+    last token's block, and generates what it generates alone."""
+    model = tiny()
+    prompt = torch.randint(0, model.cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    llm = LLM(model, block_size=16)
+    warm, other = llm.generate([prompt, prompt[:20]], [SamplingParams(max_tokens=0), SamplingParams(max_tokens=3, **GREEDY)])
+    assert warm.token_ids == [] and warm.text == "" and warm.finish_reason == "length" and warm.prompt_logprobs is None
+    assert len(other.token_ids) == 3
+    after = llm.generate(prompt, SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert after.num_cached_tokens == 48
+    assert after.token_ids == LLM(model, block_size=16).generate(prompt, SamplingParams(max_tokens=4, **GREEDY))[0].token_ids

@@ -118,8 +118,8 @@ def test_scores_do_not_depend_on_the_batch_and_sum_to_the_training_loss():
 
 
 def test_scoring_requests_that_cannot_be_served_are_refused():
-    with pytest.raises(RequestError, match="max_tokens must be an integer >= 1 \\(0 only with prompt_logprobs"):
-        SamplingParams(max_tokens=0)
+    with pytest.raises(RequestError, match="max_tokens must be an integer >= 0"):
+        SamplingParams(max_tokens=-1)
     for bad in (21, -1, 1.5):
         with pytest.raises(RequestError, match="prompt_logprobs must be an integer in 0..20"):
             SamplingParams(prompt_logprobs=bad)

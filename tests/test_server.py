@@ -739,8 +739,8 @@ def test_an_api_key_guards_the_v1_routes(tiny):
 
 def test_scoring_refused_when_the_engine_scores_nothing(tiny):
     """serve.max_scored_tokens=0: an echo with logprobs (or vLLM's prompt_logprobs) is a 400 that names the
-    setting, and a plain completion is still served. ASGI transport without the lifespan: the refusal comes
-    before anything steps."""
+    setting; an echo for no tokens without them is taken. ASGI transport without the lifespan: the refusal
+    comes before anything steps."""
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, serve_config({**ENGINE, "max_scored_tokens": 0}))
     app = create_app(engine, NAME)
@@ -753,5 +753,10 @@ def test_scoring_refused_when_the_engine_scores_nothing(tiny):
                 assert refused.status_code == 400, extra
                 assert "serve.max_scored_tokens=0" in refused.json()["error"]["message"]
             assert engine.num_waiting == 0
+            # An echo for no tokens without logprobs scores nothing: it is queued (nothing steps here).
+            queued = asyncio.create_task(http.post("/v1/completions", json={**body, "max_tokens": 0, "echo": True}))
+            while engine.num_waiting == 0:
+                await asyncio.sleep(0.01)
+            queued.cancel()
 
     asyncio.run(scenario())

@@ -113,6 +113,7 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.greedy = np.zeros(max_num_seqs, dtype=bool)
         self.scores = np.zeros(max_num_seqs, dtype=bool)  # the slot's request asked for prompt_logprobs
+        self.no_tokens = np.zeros(max_num_seqs, dtype=bool)  # its max_tokens is 0: it ends when its prompt is in
         self.pending: list[tuple[int, int, list[int]]] = []  # (slot, first column, new entries) for the device
 
     # ---- slots (called by the scheduler)
@@ -123,6 +124,7 @@ class InputBatch:
         p = seq.params
         self.greedy[slot] = p.greedy
         self.scores[slot] = p.prompt_logprobs is not None
+        self.no_tokens[slot] = p.max_tokens == 0
         self.temperature[slot] = p.temperature if not p.greedy else 1.0
         self.top_k[slot], self.top_p[slot], self.min_p[slot] = p.top_k, p.top_p, p.min_p
         self.repetition_penalty[slot] = p.repetition_penalty

@@ -510,9 +510,9 @@ class Engine:
     def _launch_sampling(self, work, step: StepInputs, logits: torch.Tensor) -> None:
         """Sample the step's last tokens of the sequences still running (a token taken in since the forward
         may have ended some); each gets a placeholder until the tokens reach the host. A request for no
-        tokens (max_tokens 0: its prompt scored) finishes here instead."""
+        tokens (max_tokens 0: its prompt computed, and scored if asked) finishes here instead."""
         seqs = [work[i][0] for i in step.sampled]
-        if self.batch.scores[step.slots[step.sampled]].any():  # only a request that scores may want no tokens
+        if self.batch.no_tokens[step.slots[step.sampled]].any():  # a step without one pays one numpy test
             for seq in seqs:
                 if seq.params.max_tokens == 0 and not seq.finished:
                     self._finish(seq, "length", time.perf_counter())

@@ -23,6 +23,8 @@ class RequestError(UserError, ValueError):
 
 @dataclass
 class SamplingParams:
+    # 0: the prompt alone is computed (its blocks enter the prefix cache, e.g. to warm it; with prompt_logprobs
+    # it is scored) and no token is sampled
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
@@ -49,9 +51,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
-            (isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or
-                                                   (self.max_tokens == 0 and self.prompt_logprobs is not None)),
-             "max_tokens must be an integer >= 1 (0 only with prompt_logprobs: scoring the prompt alone)"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+             "max_tokens must be an integer >= 0 (0: the prompt computed, into the prefix cache, and scored with "
+             "prompt_logprobs; nothing sampled)"),
             (self.temperature >= 0, "temperature must be >= 0 (0 is greedy)"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 is off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),

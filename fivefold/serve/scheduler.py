@@ -94,7 +94,7 @@ class Sequence:
         """Tokens to compute before the next one can be sampled; 0 once every wanted token is sampled
         (under asynchronous scheduling, before the last is known)."""
         if self.params.max_tokens and len(self.output_ids) >= self.params.max_tokens:
-            return 0  # (max_tokens 0: the prompt is computed, for its logprobs, and nothing is sampled)
+            return 0  # (max_tokens 0: the prompt is computed, scored if asked, and nothing is sampled)
         return len(self.token_ids) - self.num_computed
 
     @property

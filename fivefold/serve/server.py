@@ -342,11 +342,10 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
     async def completions(body: CompletionRequest, request: Request):
         adapter = check_model(body.model)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        # Echoed with logprobs, or with vLLM's prompt_logprobs, the prompt is scored (to the larger k); with
-        # max_tokens 0 the engine computes it as if scored (a request for no tokens is one for its prompt's
-        # logprobs), and they are not sent.
+        # Echoed with logprobs, or with vLLM's prompt_logprobs, the prompt is scored (to the larger k); an echo
+        # with max_tokens 0 and neither is its prompt computed and sent back, nothing scored.
         asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
-        scored = max(asked) if asked else 0 if max_tokens == 0 else None
+        scored = max(asked) if asked else None
         params = sampling_params(body, max_tokens, body.logprobs, scored)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids, prompts, queue = await start(request_id, body, body.prompts(), params, adapter)
