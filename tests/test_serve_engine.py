@@ -534,3 +534,40 @@ def test_max_tokens_0_computes_the_prompt_into_the_prefix_cache():
     after = llm.generate(prompt, SamplingParams(max_tokens=4, **GREEDY))[0]
     assert after.num_cached_tokens == 48
     assert after.token_ids == LLM(model, block_size=16).generate(prompt, SamplingParams(max_tokens=4, **GREEDY))[0].token_ids
+
+
+def filtered_by_definition(logits, top_k, top_p):
+    """Top-k then top-p one row at a time over a full sort: the definition filtered_probs computes."""
+    out = []
+    for row, k, p in zip(logits, top_k.tolist(), top_p.tolist()):
+        values, order = row.sort(descending=True)
+        keep = torch.ones_like(values, dtype=torch.bool)
+        if k:
+            keep[k:] = False
+        probs = values.masked_fill(~keep, float("-inf")).softmax(-1)
+        if p < 1:
+            keep &= probs.cumsum(-1) - probs < p
+        mask = torch.zeros_like(keep).index_fill_(0, order[keep], True)
+        out.append(row.masked_fill(~mask, float("-inf")).softmax(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("candidates", [0, 4, 256])
+def test_the_nucleus_among_candidates_is_the_full_sorts(candidates):
+    """Rows peaked (the nucleus a few tokens) and flat (thousands), top-k and top-p mixed per row: looking for
+    the nucleus among the likeliest `candidates` first, and sorting whole only the rows it passes, keeps what a
+    full sort of each row keeps (0: every row sorted, CUDA's way)."""
+    g = torch.Generator().manual_seed(5)
+    v = 3000
+    logits = torch.randn(12, v, generator=g) * torch.tensor([8.0, 0.5] * 6)[:, None]  # peaked, flat, ...
+    top_k = torch.tensor([0, 0, 5, 2000, 0, 0, 50, 0, 1, 0, 0, 300])
+    top_p = torch.tensor([0.9, 0.95, 1.0, 0.9, 0.5, 0.999, 0.8, 1.0, 0.9, 0.3, 0.99, 0.97])
+    one = torch.ones(12)
+    for k in (top_k, top_k.clamp(max=3)):  # top-k's k-th taken beside the candidates, or past them
+        got = filtered_probs(logits, one, k, top_p, torch.zeros(12), candidates=candidates)
+        want = filtered_by_definition(logits, k, top_p)
+        assert torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got = filtered_probs(logits, one, top_k, top_p, torch.zeros(12), candidates=candidates)
+    kept = (got > 0).sum(-1).tolist()
+    assert min(kept) == 1 and max(kept) > 2000  # nuclei inside and past the candidates, and past top-k's 2,000

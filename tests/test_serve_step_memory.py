@@ -169,7 +169,7 @@ def test_a_pool_that_leaves_no_room_for_a_step_is_refused(monkeypatch):
     model = build_model(cfg.model, seed=0)
     with pytest.raises(ConfigError, match=r"the KV pool \(33.21 MB, serve.kv_memory=0.99\) leaves 344.06 kB of the "
                                           r"33.55 MB free, and a step needs up to 18.91 MB \(the forward 10.59 MB, "
-                                          r"sampling 5.08 MB, scoring 18.91 MB\): lower serve.kv_memory "
+                                          r"sampling 5.41 MB, scoring 18.91 MB\): lower serve.kv_memory "
                                           r"\(below 0.436 of free memory\)"):
         LLM(model, **vars(cfg.serve))
     cfg.serve.kv_memory = 0.4

@@ -18,9 +18,10 @@ from fivefold.serve.kv_pool import DECODE_GROUP
 
 # The sampler's bytes per (row, vocabulary) element at its peak (fivefold.serve.sampling.launch_sampling),
 # beside the forward's logits: the model's logprobs (fp32, rows asking for logprobs), a copy with logit biases
-# or penalties, and top-k / top-p's: the tempered logits, the sort's values and int64 order, the probabilities,
-# their cumulative sum and two boolean masks.
-SAMPLER_BYTES = 4 + 4 + (4 + 4 + 8 + 4 + 4 + 1 + 1)
+# or penalties, and top-p's where a row's nucleus is sorted whole (fivefold.serve.sampling.filtered_probs): the
+# tempered logits, the probabilities, the sort's values and int64 order, the probabilities in that order,
+# their cumulative sum and the mask of what it keeps.
+SAMPLER_BYTES = 4 + 4 + (4 + 4 + 4 + 8 + 4 + 4 + 1)
 # The scorer's, per element of the rows it takes at once (fivefold.serve.sampling.score_rows): logsumexp's
 # shifted and exponentiated rows and the rank's comparison.
 SCORER_BYTES = 4 + 4 + 1
@@ -98,7 +99,7 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int) -> Ste
         mask = tokens * length
     upcast = 4 if itemsize != 4 else 0  # the sampler and scorer work in fp32
     head = (v + 2 * h) * itemsize  # a row's logits, its hidden state and its norm
-    sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + v * 8 + SMALL  # and top-k's ranks, int64
+    sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + SMALL
     chunk = max(1, rows // 4)  # fivefold.serve.engine scores this many rows at a time
     # The logits of the sampled and scored rows, with (at the LM head, the forward's end) the rows' hidden states
     # and norms and the step's residual stream, or (after) the scorer's chunk, or (last) the sampled rows' copy.
