@@ -60,8 +60,8 @@ class Mutant(NamedTuple):
 
 MUTANTS = [Mutant(*m) for m in [
     ('S1', 'fivefold/serve/sampling.py', 'serve',
-     'drop = rank[None] >= k[:, None]',
-     'drop = rank[None] > k[:, None]'),
+     '(top_k.clamp(min=1, max=width) - 1)[:, None]',
+     'top_k.clamp(min=0, max=width - 1)[:, None]'),
     ('S2', 'fivefold/serve/sampling.py', 'serve',
      'probs < min_p[:, None] * probs.max',
      'probs <= min_p[:, None] * probs.max'),
