@@ -133,8 +133,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if kmax > 0:
         floor = top.values.gather(1, (top_k.clamp(min=1, max=width) - 1)[:, None])
         floor = torch.where(top_k[:, None] > 0, floor, float("-inf"))
+        # (the candidates need no cut: the tokens past a row's k-th have no probability left, so its nucleus
+        # ends by its k-th)
         logits = logits.masked_fill_(logits < floor, float("-inf"))
-        top.values.masked_fill_(top.values < floor, float("-inf"))  # the candidates as top-k left them
     if nucleus:
         rows = top_p < 1
         probs = logits.softmax(dim=-1)
