@@ -101,8 +101,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
 
 # On a CPU the nucleus is first looked for among this many likeliest tokens of each row (one top-k, a partial
 # sort); only a row whose nucleus reaches past them is sorted whole. Sorting 64 rows of a 49K vocabulary took
-# 146 ms on the 2-vCPU test host, the candidates 11 ms where the nuclei were within them, and 6% more than
-# the sort where none was (bench/serve_sampling.py).
+# 139 ms on the 2-vCPU test host, the candidates 10 ms where the nuclei were within them, and 2% more than the
+# sort where none was (bench/serve_sampling.py).
 NUCLEUS_CANDIDATES = 256
 
 
