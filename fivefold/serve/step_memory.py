@@ -71,7 +71,8 @@ def forward_path(m: ModelConfig, s: ServeConfig, device: str) -> str:
 def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int) -> StepMemory:
     """The step's phases in bytes for the model `m` served under `s` on forward `path` (`forward_path`) in
     elements of `itemsize` bytes. Under tensor parallelism a rank holds less (its heads and MLP columns): this
-    is then a bound."""
+    is then a bound. Counted for dense SwiGLU or GELU blocks in the serving dtype: a mixture of experts' dispatch
+    and a quantized linear's dequantized weight, where a path makes one, are not."""
     tokens, rows, scored = s.max_num_batched_tokens, s.max_num_seqs, s.max_scored_tokens
     h, f, d, v = m.hidden_size, m.ffn_hidden_size, m.head_size, m.vocab_size
     q, kv = m.q_size, m.kv_size
@@ -111,9 +112,9 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int) -> Ste
 
 @contextmanager
 def measured_phases(engine):
-    """Within: the peak of each phase of the engine's steps so far, measured (fivefold.memory.live_peak), in the
-    dict yielded: "forward" from the forward's start to its logits, "scoring" and "sampling" from theirs, each
-    with what is live when it starts (the logits)."""
+    """Within: the peak of each phase of the engine's steps run inside, measured (fivefold.memory.live_peak), in
+    the dict yielded: "forward" from the forward's start to its logits, "scoring" and "sampling" from theirs,
+    each with what is live when it starts (the logits)."""
     peaks = {"forward": 0, "scoring": 0, "sampling": 0}
     methods = {"forward": "_forward", "scoring": "_score_prompts", "sampling": "_launch_sampling"}
     tracker = LivePeak()
