@@ -18,6 +18,7 @@ from fivefold.serve import LLM, SamplingParams
 from fivefold.checkpoint.store import save_model
 
 WORKER = Path(__file__).with_name("serve_tp_worker.py")
+MEMORY_WORKER = Path(__file__).with_name("serve_tp_memory_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,28 @@ def test_tp2_serves_what_one_process_serves(sources, kind, tmp_path):
             assert two["prompt_logprobs"] == pytest.approx([e["logprob"] for e in (one.prompt_logprobs or [])[1:]],
                                                            abs=1e-5)
     assert sum(bool(two["prompt_logprobs"]) for two in sharded[0]) == 3  # the 3-, 17- and 29-token prompts
+
+
+def test_tp2_step_memory_is_each_ranks_measured_peak(tmp_path):
+    """Each rank of tp=2 holds its share of the heads and MLP columns and gathers the logits whole: scoring 200
+    rows a step, the gather (its share, the parts and their concatenation, 2.5x the rows' logits) is every
+    rank's largest moment, and the engine's planned scoring phase bounds it within 3%."""
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=256, num_layers=2, ffn_hidden_size=1024, head_dim=16,
+                              vocab_size=8192, num_heads=8, num_kv_heads=4, max_seq_len=2048)
+    save_model(tmp_path / "ckpt", Config(model=cfg), build_model(cfg, seed=0))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(MEMORY_WORKER), str(tmp_path / "ckpt"), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        m = json.loads((tmp_path / f"out.{rank}").read_text())
+        peaks, planned = m["peaks"], m["planned"]
+        measured = max(peaks.values())
+        assert measured == peaks["forward"]  # the gather ends the forward
+        assert planned["scoring"] >= measured and planned["scoring"] == pytest.approx(measured, rel=0.03), rank
+        assert planned["mlp"] < measured / 4  # the MLP's share is not what counts here
 
 
 def test_bad_tp_is_refused_before_any_worker_starts(sources, capsys):

@@ -157,7 +157,7 @@ class Engine:
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
         path = "triton" if self.kernel else "lean" if self.lean else "modules"
-        self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize)
+        self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards)
         self._check_room(free)
         self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards, huge_pages=self.huge_pages)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)

@@ -68,14 +68,14 @@ def forward_path(m: ModelConfig, s: ServeConfig, device: str) -> str:
     return "lean" if lean else "modules"
 
 
-def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int) -> StepMemory:
-    """The step's phases in bytes for the model `m` served under `s` on forward `path` (`forward_path`) in
-    elements of `itemsize` bytes. Under tensor parallelism a rank holds less (its heads and MLP columns): this
-    is then a bound. Counted for dense SwiGLU or GELU blocks in the serving dtype: a mixture of experts' dispatch
+def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: int = 1) -> StepMemory:
+    """The step's phases in bytes on one rank for the model `m` served under `s` on forward `path`
+    (`forward_path`) in elements of `itemsize` bytes, tensor parallel over `tp` ranks: each holds its share of
+    the heads and MLP columns, and gathers the logits whole (fivefold.serve.sharded). Counted for dense SwiGLU or GELU blocks in the serving dtype: a mixture of experts' dispatch
     and a quantized linear's dequantized weight, where a path makes one, are not."""
     tokens, rows, scored = s.max_num_batched_tokens, s.max_num_seqs, s.max_scored_tokens
-    h, f, d, v = m.hidden_size, m.ffn_hidden_size, m.head_size, m.vocab_size
-    q, kv = m.q_size, m.kv_size
+    h, f, d, v = m.hidden_size, m.ffn_hidden_size // tp, m.head_size, m.vocab_size
+    q, kv = m.q_size // tp, m.kv_size // tp
     # Per token, at the MLP: its input product (gate and up, 2f), the activation and the product with up (f
     # each), the residual stream (and what the path keeps beside it), RoPE's cos and sin; and the positions.
     if path == "triton":  # gate/up, the SwiGLU kernel's output; the fused norms' streams and the attention's outputs
@@ -106,7 +106,10 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int) -> Ste
     # and norms and the step's residual stream, or (after) the scorer's chunk, or (last) the sampled rows' copy.
     at_head = (rows + scored) * 2 * h * itemsize + tokens * h * itemsize
     after = max(chunk * v * (upcast + SCORER_BYTES), rows * v * itemsize)
-    scoring = (rows + scored) * v * itemsize + max(at_head, after) + SMALL if scored else 0
+    scoring = (rows + scored) * v * itemsize + max(at_head, after)
+    if tp > 1:  # gathered: each rank's share, the parts received and their concatenation at once
+        scoring = max(scoring, (rows + scored) * v * itemsize * (2 * tp + 1) // tp + tokens * h * itemsize)
+    scoring = scoring + SMALL if scored else 0
     return StepMemory(path, mlp, attention, mask, sampling, scoring)
 
 
