@@ -174,3 +174,21 @@ def test_a_pool_that_leaves_no_room_for_a_step_is_refused(monkeypatch):
         LLM(model, **vars(cfg.serve))
     cfg.serve.kv_memory = 0.4
     assert LLM(model, **vars(cfg.serve)).engine.plan.bytes <= 0.4 * 32 * 2**20
+
+
+def test_the_room_left_must_hold_the_cuda_graphs_too():
+    """On CUDA the decode graphs' pool is captured after the KV pool: what the pool leaves must hold it beside
+    the step (the check's arithmetic; no GPU here)."""
+    from types import SimpleNamespace
+
+    from fivefold.serve.engine import Engine
+    from fivefold.serve.step_memory import StepMemory
+
+    fake = SimpleNamespace(step_memory=StepMemory("triton", mlp=100, attention=0, mask=0, sampling=300, scoring=200),
+                           plan=SimpleNamespace(bytes=1000), cfg=SimpleNamespace(kv_memory=0.9))
+    Engine._check_room(fake, free=1300)  # 300 left: the step fits
+    Engine._check_room(fake, free=1350, graphs=50)
+    with pytest.raises(ConfigError, match=r"leaves 300 B of the 1.30 kB free, and a step needs up to 300 B .* "
+                                          r"beside 50 B of CUDA graphs: lower serve.kv_memory \(below 0.731 .*"
+                                          r"\(or serve.cuda_graphs=false\)"):
+        Engine._check_room(fake, free=1300, graphs=50)

@@ -42,6 +42,7 @@ from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory,
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling, score_rows
 from fivefold.serve.scheduler import Scheduler, Sequence
+from fivefold.serve.plan import graph_pool_bytes
 from fivefold.serve.step_memory import StepMemory, step_memory
 
 
@@ -158,7 +159,9 @@ class Engine:
                               f"bytes); raise serve.kv_memory")
         path = "triton" if self.kernel else "lean" if self.lean else "modules"
         self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards)
-        self._check_room(free)
+        graphs = 0 if self.cfg.cuda_graphs == "false" or self._graphs_obstacle() else \
+            graph_pool_bytes(Config(model=mc, serve=self.cfg), self.dtype.itemsize)
+        self._check_room(free, graphs)
         self.pool = KVPool(mc, self.plan, self.device, self.dtype, tp=shards, huge_pages=self.huge_pages)
         self.blocks = BlockManager(self.plan.num_blocks, self.cfg.block_size, self.cfg.prefix_cache)
         self.batch = InputBatch(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size)
@@ -187,20 +190,22 @@ class Engine:
         self.inbox_lock = threading.Lock()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
 
-    def _check_room(self, free: int) -> None:
-        """Refuse a pool that leaves less than a step's working set (fivefold.serve.step_memory) of what was
-        free: the first full prefill or scoring step would run out of memory mid-serve instead."""
-        need, left = self.step_memory.peak, free - self.plan.bytes
+    def _check_room(self, free: int, graphs: int = 0) -> None:
+        """Refuse a pool that leaves less than a step's working set (fivefold.serve.step_memory) and the CUDA
+        graphs' pool (`graphs` bytes, fivefold.serve.plan.graph_pool_bytes; captured after the KV pool) of what
+        was free: the capture or the first full prefill or scoring step would run out of memory instead."""
+        need, left = self.step_memory.peak + graphs, free - self.plan.bytes
         if left >= need:
             return
         s = self.step_memory
         fraction = (free - need) / free if free > need else 0
         raise ConfigError(
             f"the KV pool ({human_bytes(self.plan.bytes)}, serve.kv_memory={self.cfg.kv_memory}) leaves "
-            f"{human_bytes(max(left, 0))} of the {human_bytes(free)} free, and a step needs up to {human_bytes(need)} "
-            f"(the forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, scoring "
-            f"{human_bytes(s.scoring)}): lower serve.kv_memory (below {fraction:.3f} of free memory) or "
-            f"serve.max_num_batched_tokens / max_num_seqs / max_scored_tokens")
+            f"{human_bytes(max(left, 0))} of the {human_bytes(free)} free, and a step needs up to "
+            f"{human_bytes(s.peak)} (the forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, "
+            f"scoring {human_bytes(s.scoring)})" + (f" beside {human_bytes(graphs)} of CUDA graphs" if graphs else "")
+            + f": lower serve.kv_memory (below {fraction:.3f} of free memory) or serve.max_num_batched_tokens / "
+            f"max_num_seqs / max_scored_tokens" + (" (or serve.cuda_graphs=false)" if graphs else ""))
 
     def _use_kernels(self) -> bool:
         """serve.kernels: whether attention runs the Triton paged kernel (and the model the Triton RMSNorm,
@@ -303,14 +308,18 @@ class Engine:
                   file=sys.stderr, flush=True)
         return not why_not
 
+    def _graphs_obstacle(self) -> str | None:
+        """Why decode steps cannot replay CUDA graphs here, or None."""
+        return ("the device is not CUDA" if self.device.type != "cuda" else
+                "serve.kernels is torch (block gathers depend on the host)" if not self.kernel else
+                "LoRA adapters are served" if self.adapters else
+                "tensor parallelism (its collectives run through the host)" if self.tp else
+                "a mixture-of-experts model (its dispatch has data-dependent shapes)"
+                if any(isinstance(m, MoE) for m in self.model.modules()) else None)
+
     def _graphs(self) -> DecodeGraphs | None:
         """serve.cuda_graphs: decode steps replay CUDA graphs where the device and the model allow."""
-        why_not = ("the device is not CUDA" if self.device.type != "cuda" else
-                   "serve.kernels is torch (block gathers depend on the host)" if not self.kernel else
-                   "LoRA adapters are served" if self.adapters else
-                   "tensor parallelism (its collectives run through the host)" if self.tp else
-                   "a mixture-of-experts model (its dispatch has data-dependent shapes)"
-                   if any(isinstance(m, MoE) for m in self.model.modules()) else None)
+        why_not = self._graphs_obstacle()
         if self.cfg.cuda_graphs == "false" or (self.cfg.cuda_graphs == "auto" and why_not):
             return None
         if why_not:
