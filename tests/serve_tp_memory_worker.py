@@ -1,6 +1,7 @@
 """Run under torchrun: LLM(checkpoint, tp=WORLD_SIZE) scoring a 1,000-token prompt at 200 rows a step beside 14
 decoding requests, each phase's peak measured on each rank (fivefold.serve.step_memory.measured_phases); each
-rank writes its peaks and its engine's planned step to OUT.<rank>. tests/test_serve_tp.py compares them."""
+rank writes its peaks, its engine's planned step, its weights' and KV pool's bytes to OUT.<rank>.
+tests/test_serve_tp.py compares them with the plan."""
 
 import dataclasses
 import json
@@ -25,5 +26,7 @@ params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
 with measured_phases(llm.engine) as peaks:
     llm.generate(prompts, params)
 with open(f"{out}.{os.environ['RANK']}", "w") as f:
-    json.dump({"peaks": peaks, "planned": dataclasses.asdict(llm.engine.step_memory)}, f)
+    json.dump({"peaks": peaks, "planned": dataclasses.asdict(llm.engine.step_memory),
+               "weights": sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()),
+               "kv": llm.engine.pool.bytes}, f)
 exit_worker()  # no interpreter finalization after gloo: it can abort a finished worker (SIGABRT)

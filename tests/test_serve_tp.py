@@ -71,7 +71,8 @@ def test_tp2_serves_what_one_process_serves(sources, kind, tmp_path):
 def test_tp2_step_memory_is_each_ranks_measured_peak(tmp_path):
     """Each rank of tp=2 holds its share of the heads and MLP columns and gathers the logits whole: scoring 200
     rows a step, the gather (its share, the parts and their concatenation, 2.5x the rows' logits) is every
-    rank's largest moment, and the engine's planned scoring phase bounds it within 3%."""
+    rank's largest moment, and the engine's planned scoring phase bounds it within 3%. `fivefold plan --serve`
+    with parallel.tp=2 plans each rank's weights, KV pool and step as the engine then holds them."""
     import dataclasses
 
     cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=256, num_layers=2, ffn_hidden_size=1024, head_dim=16,
@@ -81,8 +82,17 @@ def test_tp2_step_memory_is_each_ranks_measured_peak(tmp_path):
                           str(MEMORY_WORKER), str(tmp_path / "ckpt"), str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    from fivefold.config import ParallelConfig, ServeConfig
+    from fivefold.serve.plan import plan_serving
+
+    serve = ServeConfig(max_num_seqs=16, max_num_batched_tokens=216, max_scored_tokens=200, num_blocks=256)
+    plan = plan_serving(Config(model=cfg, serve=serve, parallel=ParallelConfig(tp=2)), device="cpu")
+    assert "one rank of 2" in plan.table()
     for rank in (0, 1):
         m = json.loads((tmp_path / f"out.{rank}").read_text())
+        # `fivefold plan --serve --set parallel.tp=2`: each rank's weights, pool and step, as the engine has them
+        assert (plan.weights, plan.kv.bytes) == (m["weights"], m["kv"])
+        assert dataclasses.asdict(plan.step) == m["planned"]
         peaks, planned = m["peaks"], m["planned"]
         measured = max(peaks.values())
         assert measured == peaks["forward"]  # the gather ends the forward

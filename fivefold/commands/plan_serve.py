@@ -46,7 +46,8 @@ def pool_blocks(cfg: Config, profile: HardwareProfile, tp: int = 1) -> int:
     of the weights leaves (each rank holds 1/tp of every block)."""
     s, m = cfg.serve, cfg.model
     memory = int(profile.memory_bytes)
-    plan = plan_serving(cfg, memory, device=profile.device)
+    whole = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))  # the whole model's weights
+    plan = plan_serving(whole, memory, device=profile.device)
     free = memory - plan.weights // tp
     return kv_plan(m, s.kv_memory, s.block_size, getattr(torch, s.dtype), free_bytes=free, tp=tp,
                    num_blocks=s.num_blocks, max_blocks=s.max_num_seqs * blocks_for(plan.max_model_len, s.block_size)
@@ -58,7 +59,7 @@ def run(args, cfg: Config, profile: HardwareProfile, device_memory: int | None) 
     if args.search:
         return _search(args, cfg, profile, workload)
     plan = plan_serving(cfg, device_memory, device=profile.device)
-    result = predict(cfg, profile, workload)
+    result = predict(cfg, profile, workload, tp=cfg.parallel.tp)
     summary = result.summary()
     if args.png:
         _plot_rates(args.png, cfg, profile, workload)

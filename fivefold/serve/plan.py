@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.config import Config
-from fivefold.memory.formulas import count_params
+from fivefold.memory.formulas import count_params, parameter_shapes
 from fivefold.memory.units import human_bytes
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.cuda_graphs import batch_ladder
@@ -29,6 +29,7 @@ class ServePlan:
     free_bytes: int | None  # what a fractional serve.kv_memory was taken of
     block_tables: int = 0  # bytes of the persistent batch's device block table (int32, a row per slot)
     graphs: int = 0  # bytes of the CUDA graphs' memory pool (an estimate; start-up prints the measured one)
+    tp: int = 1  # tensor-parallel ranks: the bytes are one rank's
 
     @property
     def total(self) -> int:
@@ -36,7 +37,7 @@ class ServePlan:
 
     def to_json(self) -> dict:
         lengths = sorted({n for n in (512, 2048, 8192) if n < self.max_model_len} | {self.max_model_len})
-        return {"weights_bytes": self.weights, "kv_bytes": self.kv.bytes, "step_bytes": self.step.peak,
+        return {"tp": self.tp, "weights_bytes": self.weights, "kv_bytes": self.kv.bytes, "step_bytes": self.step.peak,
                 "step": {"path": self.step.path, "forward_bytes": self.step.forward,
                          "sampling_bytes": self.step.sampling, "scoring_bytes": self.step.scoring},
                 "block_table_bytes": self.block_tables, "cuda_graph_bytes": self.graphs, "total_bytes": self.total, "kv_bytes_per_token": self.kv.bytes_per_token,
@@ -50,6 +51,8 @@ class ServePlan:
                 ("block tables", self.block_tables)] + ([("CUDA graphs (est.)", self.graphs)] if self.graphs else []) + \
                [("total", self.total)]
         lines = [f"{name:<20}{n:>16,d}  {human_bytes(n):>10}" for name, n in rows]
+        if self.tp > 1:
+            lines.insert(0, f"one rank of {self.tp} (tensor parallel: its shard of the weights and of each KV block)")
         s = self.step
         lines.append(f"step: the {s.path} forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, "
                      f"scoring {human_bytes(s.scoring)}: the largest counts")
@@ -76,20 +79,22 @@ def graph_pool_bytes(cfg: Config, itemsize: int) -> int:
 
 def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int | None = None,
                  device: str = "cuda") -> ServePlan:
-    """`free_bytes`: memory free once the weights are loaded (what a fractional serve.kv_memory takes a
-    share of); by default `device_memory` less the weights. On `device` "cuda", decode CUDA graphs are
-    planned unless serve.cuda_graphs=false or the model cannot be captured (a mixture of experts)."""
-    s, m = cfg.serve, cfg.model
+    """One rank's plan, tensor parallel over parallel.tp ranks (`fivefold serve --tp`): its shard of the
+    weights and of every KV block, its step. `free_bytes`: memory free once the weights are loaded (what a
+    fractional serve.kv_memory takes a share of); by default `device_memory` less the weights. On `device`
+    "cuda", decode CUDA graphs are planned unless serve.cuda_graphs=false or the model cannot be captured (a
+    mixture of experts, tensor parallelism)."""
+    s, m, tp = cfg.serve, cfg.model, cfg.parallel.tp
     dtype = getattr(torch, s.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = count_params(m) * itemsize
+    weights = (count_params(m) if tp == 1 else sum(n for _, n in parameter_shapes(m, tp=tp))) * itemsize
     if free_bytes is None and device_memory is not None:
         free_bytes = device_memory - weights
     max_model_len = s.max_model_len or m.max_seq_len
     kv = kv_plan(m, s.kv_memory, s.block_size, dtype, free_bytes=free_bytes, num_blocks=s.num_blocks,
-                 max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size))
+                 max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size), tp=tp)
     tables = s.max_num_seqs * blocks_for(max_model_len, s.block_size) * 4
-    graphs = device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and not m.num_experts
-    step = step_memory(m, s, forward_path(m, s, device), itemsize)
+    graphs = device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and not m.num_experts and tp == 1
+    step = step_memory(m, s, forward_path(m, s, device, tp), itemsize, tp)
     return ServePlan(weights, kv, step, max_model_len, free_bytes, tables,
-                     graph_pool_bytes(cfg, itemsize) if graphs else 0)
+                     graph_pool_bytes(cfg, itemsize) if graphs else 0, tp)

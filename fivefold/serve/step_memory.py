@@ -57,14 +57,14 @@ class StepMemory:
                 f"{self.forward / mib:,.1f}, sampling {self.sampling / mib:,.1f}, scoring {self.scoring / mib:,.1f})")
 
 
-def forward_path(m: ModelConfig, s: ServeConfig, device: str) -> str:
+def forward_path(m: ModelConfig, s: ServeConfig, device: str, tp: int = 1) -> str:
     """The engine's forward for this model and device, as fivefold.serve.engine chooses it: the Triton kernels
     on CUDA (serve.kernels auto or triton), else the torch path's lean loop (fivefold.serve.lean_forward) where
-    it reproduces the model, else the modules."""
+    it reproduces the model (not under tensor parallelism, whose hooks it would skip), else the modules."""
     if device == "cuda" and s.kernels != "torch":
         return "triton"
     lean = (s.fuse_launches and m.position == "rope" and m.norm == "rmsnorm" and m.activation == "swiglu"
-            and not m.num_experts)
+            and not m.num_experts and tp == 1)
     return "lean" if lean else "modules"
 
 
