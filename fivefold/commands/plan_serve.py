@@ -17,17 +17,10 @@ from fivefold.config import Config, ConfigError
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.kv_pool import kv_plan
-from fivefold.serve.plan import plan_serving
+from fivefold.serve.plan import plan_serving, replays_graphs
 from fivefold.serve.simulator import SimResult, simulate
 from fivefold.serve.step_cost import StepCostModel
 from fivefold.serve.workload import Workload, parse_workload
-
-
-def uses_graphs(cfg: Config, profile: HardwareProfile, tp: int) -> bool:
-    """Whether the engine would replay decode steps as CUDA graphs (fivefold.serve.engine's rule)."""
-    s = cfg.serve
-    return (profile.device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and tp == 1
-            and not cfg.model.num_experts)
 
 
 def predict(cfg: Config, profile: HardwareProfile, workload: Workload, tp: int = 1,
@@ -38,7 +31,7 @@ def predict(cfg: Config, profile: HardwareProfile, workload: Workload, tp: int =
                           f"num_kv_heads={cfg.model.num_kv_heads}")
     if num_blocks is None:
         num_blocks = pool_blocks(cfg, profile, tp)
-    return simulate(cfg, StepCostModel(cfg, profile, tp), workload, num_blocks, graphs=uses_graphs(cfg, profile, tp))
+    return simulate(cfg, StepCostModel(cfg, profile, tp), workload, num_blocks, graphs=replays_graphs(cfg, profile.device, tp))
 
 
 def pool_blocks(cfg: Config, profile: HardwareProfile, tp: int = 1) -> int:

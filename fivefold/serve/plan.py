@@ -77,6 +77,13 @@ def graph_pool_bytes(cfg: Config, itemsize: int) -> int:
     return (largest + smaller) * itemsize
 
 
+def replays_graphs(cfg: Config, device: str, tp: int) -> bool:
+    """Whether the engine replays decode steps as CUDA graphs (fivefold.serve.engine's rule, before the model is
+    built): on CUDA with the Triton kernels, unless serve.cuda_graphs=false, for a dense model on one rank."""
+    s = cfg.serve
+    return device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and tp == 1 and not cfg.model.num_experts
+
+
 def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int | None = None,
                  device: str = "cuda") -> ServePlan:
     """One rank's plan, tensor parallel over parallel.tp ranks (`fivefold serve --tp`): its shard of the
@@ -94,7 +101,7 @@ def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int 
     kv = kv_plan(m, s.kv_memory, s.block_size, dtype, free_bytes=free_bytes, num_blocks=s.num_blocks,
                  max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size), tp=tp)
     tables = s.max_num_seqs * blocks_for(max_model_len, s.block_size) * 4
-    graphs = device == "cuda" and s.cuda_graphs != "false" and s.kernels != "torch" and not m.num_experts and tp == 1
+    graphs = replays_graphs(cfg, device, tp)
     step = step_memory(m, s, forward_path(m, s, device, tp), itemsize, tp)
     return ServePlan(weights, kv, step, max_model_len, free_bytes, tables,
                      graph_pool_bytes(cfg, itemsize) if graphs else 0, tp)

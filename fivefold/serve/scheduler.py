@@ -132,7 +132,8 @@ class Scheduler:
             if not seq.running:  # preempted below by an older sequence
                 continue
             n = min(seq.remaining, budget)
-            if seq.scoring:
+            scoring = seq.scoring
+            if scoring:
                 n = seq.within_scored(n, scored)
             if n == 0:  # its last token is being sampled (it finishes when that is known), or no scoring rows are left
                 continue
@@ -145,11 +146,12 @@ class Scheduler:
             else:
                 scheduled.append((seq, n))
                 budget -= n
-                scored -= seq.scored_rows(n)
+                if scoring:
+                    scored -= seq.scored_rows(n)
         while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            allowed = budget
-            if seq.scoring:  # it starts from its first token: a prompt being scored takes nothing from the cache
+            allowed, scoring = budget, seq.scoring
+            if scoring:  # it starts from its first token: a prompt being scored takes nothing from the cache
                 seq.num_computed = 0
                 allowed = seq.within_scored(budget, scored)
             n = self.blocks.start(seq, allowed, reserve=self.reserve if self.running else 0) if allowed else 0
@@ -162,7 +164,8 @@ class Scheduler:
                 self.slots.admit(seq)
             scheduled.append((seq, n))
             budget -= n
-            scored -= seq.scored_rows(n)
+            if scoring:
+                scored -= seq.scored_rows(n)
         return scheduled
 
     def _stop_running(self, seq: Sequence) -> None:
