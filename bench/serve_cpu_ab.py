@@ -14,6 +14,9 @@
   16 rows alone chose on the Intel host); run it with `--requests 8`, where the two differ;
 - `cpu-kernel`: decodes attending through the C++ kernel that reads the KV pool in place
   (fivefold/kernels/cpu_paged_decode.py, serve.cpu_kernel=true) against gathering their blocks for SDPA;
+- `block-ops`: under serve.cpu_kernel, the lean loop's norms (with the residual add before each) and a
+  decode-only step's RoPE + KV store + attention as one C++ call each (fivefold/kernels/cpu_block_ops.py)
+  against torch's ops for them (the attention kernel on both sides);
 - `rows-kernel`: linears at 4-32 rows through fivefold's rows kernel where it was timed faster for their shape
   (fivefold/kernels/cpu_linear_rows.py, among serve.linear=auto's candidates) against the libraries' products;
 - `one-row`: the rows kernel's one to three rows (a batch-1 decode) run by whichever of the kernel, MKL and
@@ -45,6 +48,7 @@ from fivefold.model import build_model
 from fivefold.model.attention import AttentionCore
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
+from fivefold.serve.kv_pool import PagedBatch
 import fivefold.serve.cpu_linear as cpu_linear
 
 
@@ -75,11 +79,28 @@ SIDES = {
     "heads-as-rows": (("heads as rows", {}), ("a row per head", {"heads_as_rows": False})),
     "lm-head": (("LM head as chosen", {}), ("LM head on F.linear", {"lm_head": "F.linear"})),
     "cpu-kernel": (("C++ paged decode kernel", {"cpu_kernel": "true"}), ("gather + SDPA", {"cpu_kernel": "false"})),
+    "block-ops": (("C++ block ops", {}), ("torch's ops", {"block_ops": False})),
     "rows-kernel": (("rows kernel", {}), ("libraries' products", {"rows_kernel": False})),
     "one-row": (("one row as timed", {}), ("one row on MKL", {"rows_forms": ("rows kernel+F.linear",)})),
     "all": (("defaults", {}), ("none of the five", {"input_major": False, "fuse_launches": False,
                                                     "huge_pages": "false", "cpu_kernel": "false"})),
 }
+
+
+@contextlib.contextmanager
+def torch_block_ops():
+    """The lean loop with torch's ops for its norms, RoPE and KV store where serve.cpu_kernel would make them
+    C++ calls (PagedBatch.block_kernels off); the attention kernel as before."""
+    init = PagedBatch.__init__
+
+    def without(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.block_kernels = False
+    PagedBatch.__init__ = without
+    try:
+        yield
+    finally:
+        PagedBatch.__init__ = init
 
 
 @contextlib.contextmanager
@@ -113,6 +134,8 @@ def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager
         cpu_linear.candidates = candidates
     head = options.pop("lm_head", None)
     context = contextlib.nullcontext if options.pop("heads_as_rows", True) else one_row_per_head
+    if not options.pop("block_ops", True):
+        context = torch_block_ops
     try:
         llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=700, max_num_seqs=64,
                   **options)

@@ -58,6 +58,8 @@ def instrument(llm: LLM, times: dict) -> None:
             layer.attn.rope_fn = timed(times, "rope", layer.attn.rope_fn)
             layer.forward = timed(times, "layers", layer.forward)
     PagedBatch.attend_heads = timed(times, "attention (store, gather, core)", PagedBatch.attend_heads)
+    # serve.cpu_kernel's decode-only steps: RoPE, the store and the attention in one C++ call
+    PagedBatch.attend_rotary_rows = timed(times, "attention (store, gather, core)", PagedBatch.attend_rotary_rows)
     engine._forward = timed(times, "forward", engine._forward)
     engine.step = timed(times, "step", engine.step)
 

@@ -62,7 +62,8 @@ def test_live_peak_counts_new_storages_until_freed():
     del view, c
 
 
-@pytest.mark.parametrize("path,overrides", [("lean", []), ("modules", ["serve.fuse_launches=false"])])
+@pytest.mark.parametrize("path,overrides", [("lean-cpp", []), ("lean", ["serve.cpu_kernel=false"]),
+                                            ("modules", ["serve.fuse_launches=false"])])
 def test_forward_at_the_token_budget(path, overrides):
     """A prompt chunk of max_num_batched_tokens tokens: the MLP's products and the residual stream, as planned
     for the path the engine runs."""
@@ -77,9 +78,9 @@ def test_forward_at_the_token_budget(path, overrides):
 def test_forward_attention_over_a_long_context():
     """A narrow model with a long context: the last chunk's mask over its earlier tokens and their gathered
     keys and values outweigh its MLP, as planned (the chunk is one token short of the budget)."""
-    cfg, eng = engine("model.ffn_hidden_size=64", "model.hidden_size=64", "model.head_dim=8", "serve.block_size=16")
+    cfg, eng = engine("model.ffn_hidden_size=64", "model.hidden_size=64", "model.head_dim=16", "serve.block_size=16")
     planned = step_memory(cfg, "cpu", eng)
-    mlp = 512 * (4 * 64 + 2 * 64 + 3 * 8) * 4
+    mlp = 512 * (4 * 64 + 2 * 64 + 3 * 16) * 4
     assert planned.forward > 2 * mlp  # the attention's bound is the one that counts here
     eng.add_request(prompt(2047), SamplingParams(max_tokens=1, temperature=0))
     for _ in range(3):
@@ -168,7 +169,7 @@ def test_a_pool_that_leaves_no_room_for_a_step_is_refused(monkeypatch):
     monkeypatch.setattr(engine_module, "available_memory", lambda device: 32 * 2**20)
     model = build_model(cfg.model, seed=0)
     with pytest.raises(ConfigError, match=r"the KV pool \(33.21 MB, serve.kv_memory=0.99\) leaves 344.06 kB of the "
-                                          r"33.55 MB free, and a step needs up to 18.91 MB \(the forward 10.59 MB, "
+                                          r"33.55 MB free, and a step needs up to 18.91 MB \(the forward 8.50 MB, "
                                           r"sampling 5.41 MB, scoring 18.91 MB\): lower serve.kv_memory "
                                           r"\(below 0.436 of free memory\)"):
         LLM(model, **vars(cfg.serve))

@@ -1,7 +1,8 @@
 """The C++ CPU kernels (serve.cpu_kernel), built once per machine (and version of fivefold) as one torch extension.
 
-cpu_paged_decode.cpp (decode attention reading the paged pool in place) and cpu_linear_rows.cpp (a linear's
-product at a decode's few rows), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
+cpu_paged_decode.cpp (decode attention reading the paged pool in place), cpu_linear_rows.cpp (a linear's
+product at a decode's few rows) and cpu_block_ops.cpp (a block's norms, and RoPE with the KV store before decode
+attention, one call each), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
 (a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's instruction set, where torch keeps its
 extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a directory per version of the sources),
 and loaded from there afterwards.
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_paged_decode.cpp", HERE / "cpu_linear_rows.cpp"]
+SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_paged_decode.cpp", HERE / "cpu_linear_rows.cpp",
+           HERE / "cpu_block_ops.cpp"]
 HEADERS = [HERE / "cpu_simd.h"]
 
 

@@ -5,6 +5,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width);
 int64_t linear_rows_width();
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul_rows(torch::Tensor gate_up);
+std::vector<torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
+                                      torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t splits,
+                                      bool portable);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged one-token attention, float32", py::arg("q"), py::arg("k_pool"),
@@ -12,5 +19,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("portable") = false);
   m.def("linear_rows", &linear_rows, "x w^T at a few rows, float32", py::arg("x"), py::arg("w"),
         py::arg("width") = 0);
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row, float32", py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("add_rms_norm_rows", &add_rms_norm_rows, "(x + delta, RMSNorm(x + delta)), float32", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul_rows", &silu_mul_rows, "silu(gate) * up from the fused gate/up product, float32",
+        py::arg("gate_up"));
+  m.def("rotary_decode_attention", &rotary_decode_attention, "RoPE, the KV store and paged decode attention, float32",
+        py::arg("heads"), py::arg("q_heads"), py::arg("cos"), py::arg("signed_sin"), py::arg("k_pool"),
+        py::arg("v_pool"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("splits"), py::arg("portable") = false);
   m.def("linear_rows_width", &linear_rows_width, "the rows kernel's widest instruction set here: 512, 256 or 0");
 }

@@ -19,27 +19,6 @@
 
 namespace {
 
-// exp(x) for x <= 0, as arithmetic the compiler vectorizes (a libm call per score cost more than the
-// whole kernel): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 Taylor-like polynomial (Cephes'
-// expf coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87 the result flushes towards
-// zero, where a softmax weight no longer matters.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // A dot product of D floats in 16 lanes, reduced as a tree (a serial sum of the lanes was the kernel's
 // bottleneck).
 template <int D>
@@ -135,11 +114,11 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
         sr[t] *= scale;
         block_max = std::max(block_max, sr[t]);
       }
-      const float rescale = exp_nonpositive(s.max[r] - block_max);
+      const float rescale = fivefold::exp_nonpositive(s.max[r] - block_max);
       float total = 0.0f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < n; ++t) {
-        sr[t] = exp_nonpositive(sr[t] - block_max);
+        sr[t] = fivefold::exp_nonpositive(sr[t] - block_max);
         total += sr[t];
       }
       s.sum[r] = s.sum[r] * rescale + total;

@@ -54,8 +54,11 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
         raise RuntimeError(f"the CPU paged-decode kernel is not available: {why}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    # Work items are sequences; with fewer sequences than threads, each key/value head is an item of its own.
-    kv_heads = k_blocks.shape[2]
-    splits = kv_heads if q.shape[0] < 2 * torch.get_num_threads() else 1
-    return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5, splits,
-                                   portable)
+    return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
+                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable)
+
+
+def decode_splits(rows: int, kv_heads: int) -> int:
+    """The kernel's work items per sequence: with fewer sequences than threads, each key/value head is an item
+    of its own."""
+    return kv_heads if rows < 2 * torch.get_num_threads() else 1

@@ -1,5 +1,33 @@
-// AVX-512 pieces shared by the CPU kernels (cpu_paged_decode.cpp, cpu_linear_rows.cpp).
+// Pieces shared by the CPU kernels (cpu_paged_decode.cpp, cpu_linear_rows.cpp, cpu_block_ops.cpp).
 #pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace fivefold {
+
+// exp(x) for x <= 0, as arithmetic the compiler vectorizes (a libm call per score cost more than the
+// whole kernel): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7 Taylor-like polynomial (Cephes'
+// expf coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87 the result flushes towards
+// zero, where a softmax weight no longer matters.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace fivefold
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -157,7 +157,7 @@ class Engine:
             raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
-        path = "triton" if self.kernel else "lean" if self.lean else "modules"
+        path = "triton" if self.kernel else ("lean-cpp" if self.cpu_kernel else "lean") if self.lean else "modules"
         self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards)
         graphs = 0 if self.cfg.cuda_graphs == "false" or self._graphs_obstacle() else \
             graph_pool_bytes(Config(model=mc, serve=self.cfg), self.dtype.itemsize)
@@ -343,6 +343,8 @@ class Engine:
                          f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
         elif self.lean:
             attention += ", blocks as one loop of tensor ops"
+            if self.cpu_kernel:  # fivefold.kernels.cpu_block_ops
+                attention += " with its norms and a decode step's RoPE, KV store and attention as C++ calls"
         decode = ("CUDA graphs" if self.graphs else "one inductor graph on steps of one attention group, else eager"
                   if self.compiled_decode else "eager")
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
+from fivefold.kernels.cpu_block_ops import rotary_decode_attention
 from fivefold.kernels.cpu_paged_decode import decode_attention
 from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
 from fivefold.serve.huge_pages import huge_page_bytes
@@ -120,6 +121,9 @@ class PagedBatch:
         the decodes attend through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of
         in gathered groups; prompt chunks still gather."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
+        # The lean loop's norms and a decode-only step's RoPE + store + attention as C++ calls too
+        # (fivefold.kernels.cpu_block_ops): bench/serve_cpu_ab.py --compare block-ops turns this off alone.
+        self.block_kernels = cpu_kernel and not kernel
         self.fused_launches = kernel and fused_launches
         self.lean = not kernel and fused_launches
         self.positions = dev.positions[None]
@@ -188,6 +192,15 @@ class PagedBatch:
             return out.transpose(0, 1)[None]
         return self.attend_heads(layer, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                                  core).transpose(0, 1)[None]
+
+    def attend_rotary_rows(self, layer: int, heads: torch.Tensor, q_heads: int, cos: torch.Tensor,
+                           signed_sin: torch.Tensor) -> torch.Tensor:
+        """A decode-only step under serve.cpu_kernel (`kernel_whole`) from the fused q/k/v product's heads (T,
+        q_heads + 2 Hkv, d), not yet rotated: RoPE, the store and the attention in one C++ call
+        (fivefold.kernels.cpu_block_ops) -> (T, q_heads, d)."""
+        kb, vb = self.pool.blocks(layer)
+        return rotary_decode_attention(heads, q_heads, cos, signed_sin, kb, vb, self.dev.slot_mapping,
+                                       self.decode_tables, self.decode_lens)
 
     def attend_heads(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
         """The CPU path in the tokens' own layout: q (T, H, d), k and v (T, Hkv, d) -> (T, H, d); `core` is the

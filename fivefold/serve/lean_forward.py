@@ -22,11 +22,15 @@ there), checked on every call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from fivefold.kernels.cpu_block_ops import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 from fivefold.model import ForwardContext
 from fivefold.model.layers import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
@@ -48,36 +52,94 @@ class LeanTransformer(Transformer):
         # apply_rope's x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) * cat(-sin1, sin2): a negation
         # moved from one factor to the other, exact in floating point.
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        kernels = getattr(cache, "block_kernels", False) and x.dtype == torch.float32
         x = self.run_blocks(blocks, x, cos, signed_sin, half, cache)
         if ctx.logits_at is not None:
             x = x[ctx.logits_at]
-        return self.lm_head.forward(rms_norm(self.norm, x))
+        return self.lm_head.forward((kernel_norm if kernels else rms_norm)(self.norm, x))
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
-        """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps."""
+        """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps. Under
+        serve.cpu_kernel (float32) the norms and SwiGLU are C++ calls, and a decode-only step's RoPE, KV store
+        and attention one more (fivefold.kernels.cpu_block_ops)."""
         def attend(attn, q, k, v):
             return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
-        return blocks_loop(blocks, x, cos, signed_sin, half, attend)
+        if not (getattr(cache, "block_kernels", False) and x.dtype == torch.float32):
+            return blocks_loop(blocks, x, cos, signed_sin, half, attend)
+        rotary_attend = None
+        if cache.kernel_whole:
+            cos_rows, sin_rows = cos[:, 0], signed_sin[:, 0]  # (T, d), contiguous
+
+            def rotary_attend(attn, heads, q_heads):
+                return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
+        return blocks_loop(blocks, x, cos, signed_sin, half, attend, KERNEL_OPS, rotary_attend)
 
 
-def blocks_loop(blocks, x, cos, signed_sin, half: int, attend) -> torch.Tensor:
+def blocks_loop(blocks, x, cos, signed_sin, half: int, attend, ops: LoopOps | None = None,
+                rotary_attend=None) -> torch.Tensor:
     """Each block of `lean_blocks` over x (T, h); `attend(attn, q, k, v)` is the attention, q (T, H, d), k and
-    v (T, Hkv, d), q and k rotated."""
+    v (T, Hkv, d), q and k rotated; `ops` the norms' and SwiGLU's (default: torch's, TORCH_OPS);
+    `rotary_attend(attn, heads, q_heads)`, where given, rotates, stores and attends from the unrotated q/k/v
+    heads (T, q_heads + 2 Hkv, d) instead."""
+    add_norm, swiglu = ops or TORCH_OPS
     t = x.shape[0]
+    delta = None  # the last block's MLP output, added to x with the next norm
     for attn_norm, attn, o_proj, mlp_norm, mlp, down_proj in blocks:
         d = attn.head_dim
-        heads = attn.qkv(rms_norm(attn_norm, x)).view(t, -1, d)
+        x, normed = add_norm(attn_norm, x, delta)
+        heads = attn.qkv(normed).view(t, -1, d)
+        del delta, normed
         nq, nk = attn.qkv_sizes[0] // d, attn.qkv_sizes[1] // d
-        qk = heads[:, :nq + nk]
-        qk = qk * cos + qk.roll(half, -1) * signed_sin
-        out = attend(attn, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:])
-        del heads, qk  # a prefill chunk's peak is in the MLP: nothing of the attention is held there
-        x = x + o_proj.forward(out.reshape(t, -1))
+        if rotary_attend is not None:
+            out = rotary_attend(attn, heads, nq)
+        else:
+            qk = heads[:, :nq + nk]
+            qk = qk * cos + qk.roll(half, -1) * signed_sin
+            out = attend(attn, qk[:, :nq], qk[:, nq:], heads[:, nq + nk:])
+            del qk
+        del heads  # a prefill chunk's peak is in the MLP: nothing of the attention is held there
+        x, normed = add_norm(mlp_norm, x, o_proj.forward(out.reshape(t, -1)))
         del out
-        gate, up = mlp.gate_up(rms_norm(mlp_norm, x)).chunk(2, dim=-1)
-        x = x + down_proj.forward(F.silu(gate) * up)
-        del gate, up  # else held until the next block's product is written: two at once
-    return x
+        gate_up = mlp.gate_up(normed)
+        del normed
+        act = swiglu(gate_up)
+        del gate_up  # before the down product's output exists
+        delta = down_proj.forward(act)
+        del act  # else held until the next block's product is written: two at once
+    return x + delta
+
+
+def torch_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(norm, x)
+
+
+def kernel_add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_add_norm as one C++ call (float32; equal to float32 rounding, fivefold.kernels.cpu_block_ops)."""
+    if delta is None:
+        return x, kernel_norm(norm, x)
+    return add_rms_norm_rows(x, delta, norm.weight, norm.eps)
+
+
+def kernel_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm_rows(x, norm.weight, norm.eps)
+
+
+class LoopOps(NamedTuple):
+    """The loop's norms (`add_norm(norm, x, delta)` -> (x + delta, its norm); delta None: no add) and SwiGLU
+    (`swiglu(gate_up)` -> silu(gate) * up)."""
+    add_norm: Callable
+    swiglu: Callable
+
+
+TORCH_OPS = LoopOps(torch_add_norm, torch_swiglu)  # bit for bit the modules'
+KERNEL_OPS = LoopOps(kernel_add_norm, silu_mul_rows)  # C++ calls, to float32 rounding (serve.cpu_kernel)
 
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from fivefold.config import ModelConfig, ServeConfig
+from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.memory.live_peak import LivePeak
 from fivefold.serve.kv_pool import DECODE_GROUP
 
@@ -36,7 +39,7 @@ class StepMemory:
     more, plus the torch path's masks (held for the whole forward); `sampling`: max_num_seqs rows' logits and
     the sampler's working set; `scoring`: the logits of max_num_seqs + max_scored_tokens rows with their hidden
     states (the forward's end) and the scorer's."""
-    path: str  # "triton", "lean" or "modules": which forward the engine runs (fivefold.serve.engine)
+    path: str  # "triton", "lean", "lean-cpp" or "modules": which forward the engine runs (fivefold.serve.engine)
     mlp: int  # at max_num_batched_tokens tokens, without the mask
     attention: int  # the torch path's attention over a chunk at max_model_len, without the mask
     mask: int  # the torch path's boolean masks of the chunks' rows over their context
@@ -60,12 +63,21 @@ class StepMemory:
 def forward_path(m: ModelConfig, s: ServeConfig, device: str, tp: int = 1) -> str:
     """The engine's forward for this model and device, as fivefold.serve.engine chooses it: the Triton kernels
     on CUDA (serve.kernels auto or triton), else the torch path's lean loop (fivefold.serve.lean_forward) where
-    it reproduces the model (not under tensor parallelism, whose hooks it would skip), else the modules."""
+    it reproduces the model (not under tensor parallelism, whose hooks it would skip), with its C++ block ops
+    on a CPU in float32 under serve.cpu_kernel ("lean-cpp"), else the modules."""
     if device == "cuda" and s.kernels != "torch":
         return "triton"
     lean = (s.fuse_launches and m.position == "rope" and m.norm == "rmsnorm" and m.activation == "swiglu"
             and not m.num_experts and tp == 1)
+    if lean and device == "cpu" and cpu_kernels(m, s):
+        return "lean-cpp"  # with fivefold.kernels.cpu_block_ops
     return "lean" if lean else "modules"
+
+
+def cpu_kernels(m: ModelConfig, s: ServeConfig) -> bool:
+    """Whether a CPU engine runs the C++ kernels (serve.cpu_kernel) for this model, where they build (as auto
+    assumes): float32, and a head size they are compiled for."""
+    return s.cpu_kernel != "false" and cpu_kernel_unsupported(m.head_size, getattr(torch, s.dtype)) is None
 
 
 def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: int = 1) -> StepMemory:
@@ -82,6 +94,8 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
         per_token = 3 * f + 6 * h + 2 * q + 2 * d
     elif path == "lean":  # gate/up, silu, the product; the embedding and the stream; cos, sin and the signed sin
         per_token = 4 * f + 2 * h + 3 * d
+    elif path == "lean-cpp":  # as "lean", but SwiGLU is one C++ call: gate/up and its output
+        per_token = 3 * f + 2 * h + 3 * d
     else:  # the modules: gate/up (or fc), their activation and product; the embedding, stream and norm; cos, sin
         per_token = 4 * f + 3 * h + 2 * d
     mlp = tokens * (per_token * itemsize + 8) + SMALL
@@ -94,7 +108,7 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
         # sin and the sign.
         length = s.max_model_len or m.max_seq_len
         blocks = -(-length // s.block_size) * s.block_size
-        gathered = (DECODE_GROUP if s.cpu_kernel == "false" or itemsize != 4 else 1) * 2 * blocks * kv * itemsize
+        gathered = (1 if itemsize == 4 and cpu_kernels(m, s) else DECODE_GROUP) * 2 * blocks * kv * itemsize
         per_token = 2 * h + (q + 2 * kv) + (q + kv) + 2 * q + 3 * d
         attention = tokens * (per_token * itemsize + 8) + gathered + SMALL
         mask = tokens * length

@@ -1,0 +1,174 @@
+// A decode block's small ops on a CPU as one call each (serve.cpu_kernel): RMSNorm over rows, the residual add
+// followed by the next RMSNorm, SwiGLU's silu(gate) * up, and RoPE + the store of keys and values + the paged
+// decode attention. Built
+// once per machine with the other CPU kernels by fivefold/kernels/cpu_build.py.
+//
+// At a batch-1 decode each of these moves a few kilobytes; as torch ops they are ~10 calls each (F.rms_norm is
+// pow, mean, add, rsqrt, two muls and their casts), 30-40 us a norm and ~60 us of rotation, slicing and
+// stores a layer on the 2-vCPU test host: ~4 ms of a 24 ms smollm2-135m token outside its products. Here
+// each is one call of a few microseconds.
+//
+// Exactness: the rotation is x * cos + roll(x) * signed_sin with each product and the sum rounded on its own,
+// as torch's three elementwise ops round them, so the rotated keys stored in the pool equal the torch path's
+// bit for bit (contraction into fused multiply-adds is switched off for this file). A norm's sum of squares
+// is summed in another order than torch's reduction: it equals F.rms_norm to float32 rounding, not bit for bit.
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_simd.h"
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable);
+
+namespace {
+
+// out = x * rsqrt(mean(x^2) + eps) * w for one row of n, the product by x's factor rounded before the weight's
+// (RMSNorm.forward's order).
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float factor = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * factor) * w[i];
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, name, ": float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be contiguous (rows, width)");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), name,
+              ": the weight must be contiguous (width,)");
+}
+
+// Rows per thread's share below which one thread does them all: a decode's rows are microseconds of work.
+constexpr int64_t kGrain = 16;
+
+}  // namespace
+
+// x (T, h) float32 contiguous, weight (h,) -> RMSNorm of each row.
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, weight, "rms_norm_rows");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// The residual add and the norm after it: (x + delta, RMSNorm(x + delta)), x and delta (T, h) contiguous.
+std::vector<torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  check_rows(x, weight, "add_rms_norm_rows");
+  TORCH_CHECK(delta.scalar_type() == torch::kFloat32 && delta.is_contiguous() && delta.sizes() == x.sizes(),
+              "add_rms_norm_rows: delta must be contiguous float32 of x's shape");
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) sp[r * n + i] = xp[r * n + i] + dp[r * n + i];
+      norm_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+    }
+  });
+  return {sum, out};
+}
+
+// SwiGLU's product from the fused gate/up product: gate_up (T, 2F) contiguous, gate the first F columns, up the
+// last -> silu(gate) * up (T, F). silu(g) = g / (1 + exp(-g)), taken through exp of -|g| (exact to a few ulp,
+// and never overflowing): g / (1 + e) for g >= 0, g e / (1 + e) below, e = exp(-|g|).
+torch::Tensor silu_mul_rows(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul_rows: gate_up must be contiguous float32 (rows, 2 x width)");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * width;
+      const float* u = g + width;
+      float* o = op + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float x = g[i];
+        const float e = fivefold::exp_nonpositive(x < 0.f ? x : -x);
+        o[i] = (x < 0.f ? x * e : x) / (1.f + e) * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+// A decode-only step's attention from the fused q/k/v product: heads (T, Hq + 2 Hkv, D), unit stride along D,
+// the first Hq heads queries, then keys, then values, not yet rotated. Rotates queries and keys by RoPE (cos,
+// signed_sin (T, D) contiguous: x * cos + roll(x, D / 2) * signed_sin), stores each row's key and value at its
+// slot of the pools (blocks, block_size, Hkv, D) (slot < 0: a padding row, stored nowhere) and attends as
+// decode_attention does. -> (T, Hq, D).
+torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
+                                      torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t splits,
+                                      bool portable) {
+  TORCH_CHECK(heads.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
+                  signed_sin.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32 &&
+                  v_pool.scalar_type() == torch::kFloat32,
+              "rotary_decode_attention: float32 only");
+  TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1, "heads must be (T, heads, D) with unit stride along D");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.dim() == 4,
+              "the pools must be contiguous (blocks, block_size, Hkv, D) and of one shape");
+  const int64_t tokens = heads.size(0), dim = heads.size(2), kv_heads = k_pool.size(2);
+  TORCH_CHECK(heads.size(1) == q_heads + 2 * kv_heads && k_pool.size(3) == dim && dim % 2 == 0,
+              "heads must hold q_heads queries, then the pool's key and value heads, of its head size");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == tokens * dim &&
+                  signed_sin.numel() == tokens * dim,
+              "cos and signed_sin must be contiguous (T, D)");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt32 && slots.is_contiguous() && slots.numel() == tokens,
+              "slots: contiguous int32, one a row");
+  const int64_t slot_count = k_pool.size(0) * k_pool.size(1), half = dim / 2;
+  auto q = torch::empty({tokens, q_heads, dim}, heads.options());
+  const float* hp = heads.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = signed_sin.data_ptr<float>();
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_pool.data_ptr<float>();
+  float* vp = v_pool.data_ptr<float>();
+  const int64_t row_stride = heads.stride(0), head_stride = heads.stride(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] < slot_count, "rotary_decode_attention: slot ", slot[t], " is past the pool's ", slot_count);
+    const float* c = cp + t * dim;
+    const float* s = sp + t * dim;
+    auto rotate = [&](const float* x, float* out) {
+      for (int64_t i = 0; i < dim; ++i) {
+        const float a = x[i] * c[i];
+        const float b = x[i < half ? i + half : i - half] * s[i];
+        out[i] = a + b;
+      }
+    };
+    const float* row = hp + t * row_stride;
+    for (int64_t h = 0; h < q_heads; ++h) rotate(row + h * head_stride, qp + (t * q_heads + h) * dim);
+    if (slot[t] < 0) continue;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (static_cast<int64_t>(slot[t]) * kv_heads + h) * dim;
+      rotate(row + (q_heads + h) * head_stride, kp + at);
+      const float* v = row + (q_heads + kv_heads + h) * head_stride;
+      for (int64_t i = 0; i < dim; ++i) vp[at + i] = v[i];
+    }
+  }
+  return decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, portable);
+}
