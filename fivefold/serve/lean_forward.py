@@ -66,13 +66,12 @@ class LeanTransformer(Transformer):
             return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
         if not (getattr(cache, "block_kernels", False) and x.dtype == torch.float32):
             return blocks_loop(blocks, x, cos, signed_sin, half, attend)
-        rotary_attend = None
-        if cache.kernel_whole:
-            cos_rows, sin_rows = cos[:, 0], signed_sin[:, 0]  # (T, d), contiguous
+        cos_rows, sin_rows = cos[:, 0], signed_sin[:, 0]  # (T, d), contiguous
 
-            def rotary_attend(attn, heads, q_heads):
-                return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
-        return blocks_loop(blocks, x, cos, signed_sin, half, attend, KERNEL_OPS, rotary_attend)
+        def rotary_attend(attn, heads, q_heads):
+            return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
+        return blocks_loop(blocks, x, cos, signed_sin, half, attend, KERNEL_OPS,
+                           rotary_attend if cache.kernel_whole else None)
 
 
 def blocks_loop(blocks, x, cos, signed_sin, half: int, attend, ops: LoopOps | None = None,
