@@ -23,6 +23,7 @@ TESTS = {  # the tests that cover each module
              "tests/test_serve_fast_path.py tests/test_serve_lean_forward.py tests/test_serve_scoring.py",
     "server": "tests/test_server.py",
     "stepmem": "tests/test_serve_step_memory.py",
+    "blockops": "tests/test_cpu_block_ops.py tests/test_cpu_paged_decode.py",
     "nucleus": "tests/test_serve_engine.py::test_the_nucleus_among_candidates_is_the_full_sorts",
     "tpmem": "tests/test_serve_tp.py::test_tp2_step_memory_is_each_ranks_measured_peak",
     "notokens": "tests/test_serve_engine.py::test_max_tokens_0_computes_the_prompt_into_the_prefix_cache",
@@ -132,8 +133,20 @@ MUTANTS = [Mutant(*m) for m in [
      'per_token = 2 * h + (q + 2 * kv) + (q + kv) + 2 * q + 3 * d',
      'per_token = 2 * h + (q + 2 * kv) + (q + kv) + q + 3 * d'),
     ('SM3', 'fivefold/serve/lean_forward.py', 'stepmem',
-     '        del gate, up  #',
-     '        pass  #'),
+     '        del gate_up  # before',
+     '        pass  # before'),
+    ('SM5', 'fivefold/serve/step_memory.py', 'stepmem',  # the C++ SwiGLU's saving not planned
+     'per_token = 3 * f + 2 * h + 3 * d',
+     'per_token = 4 * f + 2 * h + 3 * d'),
+    ('BO1', 'fivefold/serve/lean_forward.py', 'blockops',  # the residual add dropped before a C++ norm
+     '    return add_rms_norm_rows(x, delta, norm.weight, norm.eps)',
+     '    return x, kernel_norm(norm, x)'),
+    ('BO2', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # RoPE's partner element from the wrong half
+     'x[i < half ? i + half : i - half]',
+     'x[i < half ? i + half : i]'),
+    ('BO3', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # a padding row stored in slot 0... or past it
+     '    if (slot[t] < 0) continue;',
+     '    if (slot[t] < -1) continue;'),
     ('B1', 'fivefold/serve/blocks.py', 'serve',
      'for i in range((len(tokens) - 1) // bs):',
      'for i in range(len(tokens) // bs):'),
