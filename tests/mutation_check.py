@@ -144,9 +144,9 @@ MUTANTS = [Mutant(*m) for m in [
     ('BO2', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # RoPE's partner element from the wrong half
      'x[i < half ? i + half : i - half]',
      'x[i < half ? i + half : i]'),
-    ('BO3', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # a padding row stored in slot 0... or past it
-     '    if (slot[t] < 0) continue;',
-     '    if (slot[t] < -1) continue;'),
+    ('BO3', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # a value's first element not stored
+     '      for (int64_t i = 0; i < dim; ++i) vp[at + i] = v[i];',
+     '      for (int64_t i = 1; i < dim; ++i) vp[at + i] = v[i];'),
     ('B1', 'fivefold/serve/blocks.py', 'serve',
      'for i in range((len(tokens) - 1) // bs):',
      'for i in range(len(tokens) // bs):'),
