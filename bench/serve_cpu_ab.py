@@ -17,6 +17,8 @@
 - `block-ops`: under serve.cpu_kernel, the lean loop's norms (with the residual add before each) and a
   decode-only step's RoPE + KV store + attention as one C++ call each (fivefold/kernels/cpu_block_ops.py)
   against torch's ops for them (the attention kernel on both sides);
+- `one-call`: a decode-only step's blocks as one C++ call where their products all run the rows kernel
+  (fivefold.kernels.cpu_block_ops.decode_blocks) against the same ops called one by one from Python;
 - `rows-kernel`: linears at 4-32 rows through fivefold's rows kernel where it was timed faster for their shape
   (fivefold/kernels/cpu_linear_rows.py, among serve.linear=auto's candidates) against the libraries' products;
 - `one-row`: the rows kernel's one to three rows (a batch-1 decode) run by whichever of the kernel, MKL and
@@ -49,6 +51,7 @@ from fivefold.model.attention import AttentionCore
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.kv_pool import PagedBatch
+import fivefold.serve.lean_forward as lean_forward
 import fivefold.serve.cpu_linear as cpu_linear
 
 
@@ -80,6 +83,7 @@ SIDES = {
     "lm-head": (("LM head as chosen", {}), ("LM head on F.linear", {"lm_head": "F.linear"})),
     "cpu-kernel": (("C++ paged decode kernel", {"cpu_kernel": "true"}), ("gather + SDPA", {"cpu_kernel": "false"})),
     "block-ops": (("C++ block ops", {}), ("torch's ops", {"block_ops": False})),
+    "one-call": (("one call for all blocks", {}), ("a call per op", {"one_call": False})),
     "rows-kernel": (("rows kernel", {}), ("libraries' products", {"rows_kernel": False})),
     "one-row": (("one row as timed", {}), ("one row on MKL", {"rows_forms": ("rows kernel+F.linear",)})),
     "all": (("defaults", {}), ("none of the five", {"input_major": False, "fuse_launches": False,
@@ -101,6 +105,17 @@ def torch_block_ops():
         yield
     finally:
         PagedBatch.__init__ = init
+
+
+@contextlib.contextmanager
+def a_call_per_op():
+    """The lean loop calling the C++ block ops one by one on decode-only steps too (no decode_blocks)."""
+    find = lean_forward.rows_kernel_blocks
+    lean_forward.rows_kernel_blocks = lambda blocks, rows: None
+    try:
+        yield
+    finally:
+        lean_forward.rows_kernel_blocks = find
 
 
 @contextlib.contextmanager
@@ -136,6 +151,8 @@ def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager
     context = contextlib.nullcontext if options.pop("heads_as_rows", True) else one_row_per_head
     if not options.pop("block_ops", True):
         context = torch_block_ops
+    if not options.pop("one_call", True):
+        context = a_call_per_op
     try:
         llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=700, max_num_seqs=64,
                   **options)

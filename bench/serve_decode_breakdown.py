@@ -57,6 +57,8 @@ def instrument(llm: LLM, times: dict) -> None:
                 norm.forward = timed(times, "norms", norm.forward)
             layer.attn.rope_fn = timed(times, "rope", layer.attn.rope_fn)
             layer.forward = timed(times, "layers", layer.forward)
+    # Wrapping the products sends decode steps through the loop's calls one by one: C++ cannot call a wrapper
+    # (fivefold.kernels.cpu_block_ops.decode_blocks), so this times that loop.
     PagedBatch.attend_heads = timed(times, "attention (store, gather, core)", PagedBatch.attend_heads)
     # serve.cpu_kernel's decode-only steps: RoPE, the store and the attention in one C++ call
     PagedBatch.attend_rotary_rows = timed(times, "attention (store, gather, core)", PagedBatch.attend_rotary_rows)

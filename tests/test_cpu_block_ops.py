@@ -2,19 +2,24 @@
 the norms and SwiGLU to float32 rounding, the residual add exactly, and RoPE + the KV store bit for bit before
 the paged decode attention; and the lean loop that calls them against the model's modules."""
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.kernels.cpu_block_ops import add_rms_norm_rows, rms_norm_rows, rotary_decode_attention, silu_mul_rows
+from fivefold.kernels.cpu_block_ops import (add_rms_norm_rows, decode_blocks, rms_norm_rows, rotary_decode_attention,
+                                            silu_mul_rows)
+from fivefold.kernels.cpu_linear_rows import max_rows
 from fivefold.kernels.cpu_paged_decode import decode_attention, kernel_problem
 from fivefold.model import ForwardContext, build_model
 from fivefold.presets import PRESETS
+from fivefold.serve.cpu_linear import Product, route_linears
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
-from fivefold.serve.lean_forward import use_lean_forward
+import fivefold.serve.lean_forward as lean_forward
+from fivefold.serve.lean_forward import lean_blocks, rows_kernel_blocks, use_lean_forward
 from paged_steps import admitted
 
 if kernel_problem():
@@ -120,27 +125,42 @@ def test_what_the_calls_refuse_is_named():
                                 torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
 
 
-@torch.no_grad()
-def test_the_loop_with_the_calls_follows_the_modules():
-    """The lean loop under serve.cpu_kernel (the C++ norms, and RoPE + store + attention on decode-only
-    steps) against the modules with the same decode kernel, over prompt chunks, mixed steps and decode-only
-    steps: logits and pool to float32 rounding, step after step."""
-    cfg = dataclasses.replace(PRESETS["tiny"], max_seq_len=256)
+def served_tiny(qkv_bias=False, rows_kernel=False):
+    """The tiny model as the engine prepares it for the CPU path (fused, the lean loop), with norm weights other
+    than ones; every product on the rows kernel where asked."""
+    cfg = dataclasses.replace(PRESETS["tiny"], max_seq_len=256, qkv_bias=qkv_bias)
     model = build_model(cfg, seed=3).eval()
     g = torch.Generator().manual_seed(3)
-    for name, p in model.named_parameters():
-        if "norm" in name:  # weights other than ones
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    assert fuse_projections(model) == 2 * cfg.num_layers and use_lean_forward(model)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 14, 10)]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    assert fuse_projections(model) == 2 * cfg.num_layers
+    if rows_kernel:
+        route_linears(model, choose=lambda shape, dtype, layouts: Product("rows kernel"))
+    assert use_lean_forward(model)
+    return model
+
+
+# (tokens already computed, tokens this step) per sequence: prompt chunks, mixed steps, decode-only steps (step
+# 2 padded with an inert row), 1 to 3 decodes a step
+STEPS = [[(0, 5), (0, 3), (0, 0)], [(5, 1), (3, 7), (0, 4)], [(6, 1), (10, 1), (4, 1)],
+         [(7, 1), (11, 1), (5, 1)], [(8, 14), (12, 1), (6, 3)], [(22, 1), (13, 1), (9, 1)], [(23, 1), (0, 0), (0, 0)]]
+
+
+@torch.no_grad()
+def run_steps(model, sides: dict) -> dict:
+    """Each side's (logits of every step, KV pool) over STEPS: `sides` maps a name to (PagedBatch options, a
+    context manager to run it under)."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (24, 14, 10)]
     plan = kv_plan(cfg, 1, 4, torch.float32, num_blocks=24)
-    pools = {lean: KVPool(cfg, plan, "cpu", torch.float32) for lean in (True, False)}
+    pools = {name: KVPool(cfg, plan, "cpu", torch.float32) for name in sides}
     tables = [[3, 9, 1, 14, 6, 12, 20], [0, 7, 2, 11], [5, 8, 21]]
-    steps = [[(0, 5), (0, 3), (0, 0)], [(5, 1), (3, 7), (0, 4)], [(6, 1), (10, 1), (4, 1)],
-             [(7, 1), (11, 1), (5, 1)], [(8, 14), (12, 1), (6, 3)], [(22, 1), (13, 1), (9, 1)]]
     batch, buffers, rows = admitted(seqs, tables, block_size=4, max_model_len=28, rows=4)
-    rotary_steps = 0
-    for i, step in enumerate(steps):
+    logits = {name: [] for name in sides}
+    for i, step in enumerate(STEPS):
         work = [(rows[j], n) for j, (past, n) in enumerate(step) if n]
         for j, (past, n) in enumerate(step):
             rows[j].num_computed = past
@@ -149,18 +169,62 @@ def test_the_loop_with_the_calls_follows_the_modules():
         if i == 2:
             inputs = inputs.padded(4)  # a padding row in a decode-only step
         dev = buffers.upload(inputs)
-        logits = {}
-        for lean in (True, False):
-            paged = PagedBatch(pools[lean], dev, inputs, fused_launches=lean, cpu_kernel=True)
-            rotary_steps += lean and paged.kernel_whole
+        for name, (options, context) in sides.items():
+            paged = PagedBatch(pools[name], dev, inputs, **options)
             ctx = ForwardContext(positions=paged.positions, kv_cache=paged, mask=paged,
                                  logits_at=torch.arange(inputs.num_tokens))
-            logits[lean] = model(dev.input_ids[None], ctx)
-        torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5, msg=f"step {i}")
-        torch.testing.assert_close(pools[True].k, pools[False].k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(pools[True].v, pools[False].v, rtol=1e-5, atol=1e-5)
-    assert rotary_steps == 3  # steps 2, 3 and 5 are decode-only
+            with context():
+                logits[name].append(model(dev.input_ids[None], ctx))
+    return {name: (logits[name], pools[name]) for name in sides}
 
+
+def test_the_loop_with_the_calls_follows_the_modules(monkeypatch):
+    """The lean loop under serve.cpu_kernel (the C++ norms and SwiGLU, and RoPE + store + attention on
+    decode-only steps) against the modules with the same decode kernel, over prompt chunks, mixed steps and
+    decode-only steps: logits and pool to float32 rounding, step after step."""
+    rotary = []
+    attend_rotary_rows = PagedBatch.attend_rotary_rows
+    monkeypatch.setattr(PagedBatch, "attend_rotary_rows", lambda self, *a: rotary.append(1) or attend_rotary_rows(self, *a))
+    runs = run_steps(served_tiny(qkv_bias=True), {"loop": (dict(fused_launches=True, cpu_kernel=True), contextlib.nullcontext),
+                                                  "modules": (dict(fused_launches=False, cpu_kernel=True), contextlib.nullcontext)})
+    (loop, loop_pool), (modules, modules_pool) = runs["loop"], runs["modules"]
+    for i, (a, b) in enumerate(zip(loop, modules, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {i}")
+    torch.testing.assert_close(loop_pool.k, modules_pool.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loop_pool.v, modules_pool.v, rtol=1e-5, atol=1e-5)
+    assert len(rotary) == 4 * 2  # the four decode-only steps, each layer
+
+
+@pytest.mark.skipif(max_rows() == 0, reason="this CPU has no rows kernel")
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_one_call_for_all_blocks_equals_the_calls_one_by_one(qkv_bias, monkeypatch):
+    """Every product on the rows kernel: decode-only steps of 1 to 3 rows (and one padded) as one C++ call give
+    the logits and KV pool of the loop calling the same ops one by one, bit for bit; other steps take the loop."""
+    calls = []
+    monkeypatch.setattr(lean_forward, "decode_blocks", lambda *a: calls.append(a[0].shape[0]) or decode_blocks(*a))
+
+    @contextlib.contextmanager
+    def one_by_one():
+        with monkeypatch.context() as m:
+            m.setattr(lean_forward, "rows_kernel_blocks", lambda blocks, rows: None)
+            yield
+    options = dict(fused_launches=True, cpu_kernel=True)
+    runs = run_steps(served_tiny(qkv_bias, rows_kernel=True),
+                     {"one call": (options, contextlib.nullcontext), "one by one": (options, one_by_one)})
+    (one, one_pool), (each, each_pool) = runs["one call"], runs["one by one"]
+    assert all(torch.equal(a, b) for a, b in zip(one, each, strict=True))
+    assert torch.equal(one_pool.k, each_pool.k) and torch.equal(one_pool.v, each_pool.v)
+    assert calls == [4, 3, 3, 1]  # the decode-only steps' rows (step 2 padded to 4)
+
+
+def test_blocks_one_call_cannot_run_keep_the_loop():
+    """A product other than the rows kernel in any block, or rows past the kernel's: no params."""
+    model = served_tiny(rows_kernel=True)
+    blocks = lean_blocks(model)
+    assert rows_kernel_blocks(blocks, 1) is not None
+    assert rows_kernel_blocks(blocks, max_rows() + 1) is None
+    blocks[1][2].linear_fn = F.linear  # one block's o_proj on torch's product
+    assert rows_kernel_blocks(blocks, 1) is None
 
 def test_heads_in_any_layout_give_the_same_call():
     """A quantized product's output can come transposed ((T, N) with unit stride along T): the call takes it

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.corpus import cache_dir
-from fivefold.kernels.cpu_linear_rows import linear_rows
+from fivefold.kernels.cpu_linear_rows import MIN_ROWS, linear_rows, max_rows
 from fivefold.quant.linear import QuantLinear
 from fivefold.serve.fused import FusedAttention
 
@@ -70,6 +70,15 @@ def rows_kernel_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 # oneDNN at 13-19 and the kernel at 25-28). All three read the weight in its (out, in) layout only.
 LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear, "rows kernel": rows_kernel_all,
                                   "rows kernel+F.linear": linear_rows, "rows kernel+oneDNN": rows_kernel_onednn}
+
+
+def runs_rows_kernel(fn: Callable, rows: int) -> bool:
+    """Whether a linear whose product is `fn` (a value of LIBRARIES) runs fivefold's rows kernel itself at `rows`
+    rows of float32 (fivefold.kernels.cpu_linear_rows.linear_rows' own rule), so that C++ can call the kernel
+    in its place (fivefold.kernels.cpu_block_ops.decode_blocks)."""
+    if not 0 < rows <= max_rows():
+        return False
+    return fn is rows_kernel_all or (rows >= MIN_ROWS and (fn is linear_rows or fn is rows_kernel_onednn))
 
 
 @dataclass(frozen=True)
