@@ -176,7 +176,7 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
 
 // Every block of a decode-only step whose four products all run on the rows kernel (cpu_linear_rows.cpp), as one
 // call: the lean loop's ops in its order, each the call above or the rows kernel, so the result equals the loop
-// calling them one by one bit for bit, without ~50 us of Python and dispatch a block. x (T, h) the embedded
+// calling them one by one bit for bit, without the Python and dispatch between them. x (T, h) the embedded
 // rows; per layer 7 params (attn norm weight, q/k/v weight, its bias or an empty tensor, o weight, mlp norm
 // weight, gate/up weight, down weight) and 2 eps; k_pools, v_pools each layer's (blocks, block_size, Hkv, D);
 // the rest as rotary_decode_attention takes them. -> x after the last block.

@@ -11,10 +11,10 @@ per-call overhead, not their bytes: ~4 ms of a 24 ms smollm2-135m token on the 2
 - `rotary_decode_attention`: from the fused q/k/v product of a decode-only step, RoPE on queries and keys, the
   store of keys and values in their slots, and fivefold.kernels.cpu_paged_decode's attention. The stored keys
   equal the torch path's bit for bit (each product and the sum rounded on its own, as torch's ops do).
-
 - `decode_blocks`: every block of a decode-only step as one call, where all four of each block's products run
   the rows kernel (fivefold.kernels.cpu_linear_rows): the lean loop's calls above in its order, so equal to the
-  loop calling them one by one bit for bit, without its Python and dispatch between them (~50 us a block).
+  loop calling them one by one bit for bit, without its Python and dispatch between them (+11% at batch 1 on
+  smollm2-135m, bench/serve_cpu_ab.py --compare one-call).
 
 float32 only; built with the other CPU kernels (fivefold.kernels.cpu_build). The lean loop
 (fivefold.serve.lean_forward) calls them on the engine's CPU path where serve.cpu_kernel is on.

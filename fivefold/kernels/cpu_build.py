@@ -1,8 +1,8 @@
 """The C++ CPU kernels (serve.cpu_kernel), built once per machine (and version of fivefold) as one torch extension.
 
 cpu_paged_decode.cpp (decode attention reading the paged pool in place), cpu_linear_rows.cpp (a linear's
-product at a decode's few rows) and cpu_block_ops.cpp (a block's norms, and RoPE with the KV store before decode
-attention, one call each), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
+product at a decode's few rows) and cpu_block_ops.cpp (a block's norms, SwiGLU, and RoPE with the KV store before
+decode attention, one call each, and a decode step's every block as one call), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
 (a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's instruction set, where torch keeps its
 extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a directory per version of the sources),
 and loaded from there afterwards.

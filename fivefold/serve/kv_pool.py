@@ -125,7 +125,7 @@ class PagedBatch:
         the decodes attend through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of
         in gathered groups; prompt chunks still gather."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
-        # The lean loop's norms and a decode-only step's RoPE + store + attention as C++ calls too
+        # The lean loop's norms, SwiGLU and a decode-only step's RoPE + store + attention as C++ calls too
         # (fivefold.kernels.cpu_block_ops): bench/serve_cpu_ab.py --compare block-ops turns this off alone.
         self.block_kernels = cpu_kernel and not kernel
         self.fused_launches = kernel and fused_launches
