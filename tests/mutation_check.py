@@ -24,6 +24,7 @@ TESTS = {  # the tests that cover each module
     "server": "tests/test_server.py",
     "stepmem": "tests/test_serve_step_memory.py",
     "blockops": "tests/test_cpu_block_ops.py tests/test_cpu_paged_decode.py",
+    "compiled": "tests/test_serve_compiled_decode.py",
     "nucleus": "tests/test_serve_engine.py::test_the_nucleus_among_candidates_is_the_full_sorts",
     "tpmem": "tests/test_serve_tp.py::test_tp2_step_memory_is_each_ranks_measured_peak",
     "notokens": "tests/test_serve_engine.py::test_max_tokens_0_computes_the_prompt_into_the_prefix_cache",
@@ -144,6 +145,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('BO2', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # RoPE's partner element from the wrong half
      'x[i < half ? i + half : i - half]',
      'x[i < half ? i + half : i]'),
+    ('CD1', 'fivefold/serve/compiled_decode.py', 'compiled',  # oneDNN's products compiled (inductor fails)
+     '                or not all(compiles(getattr(m, "linear_fn", F.linear))',
+     '                or not all(True or compiles(getattr(m, "linear_fn", F.linear))'),
+    ('CD2', 'fivefold/serve/compiled_decode.py', 'compiled',  # the graph preferred to the one C++ call
+     '                    and rows_kernel_blocks(blocks, x.shape[0]) is not None)):',
+     '                    and rows_kernel_blocks(blocks, x.shape[0]) is None and False)):'),
     ('BO3', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # a value's first element not stored
      '      for (int64_t i = 0; i < dim; ++i) vp[at + i] = v[i];',
      '      for (int64_t i = 1; i < dim; ++i) vp[at + i] = v[i];'),

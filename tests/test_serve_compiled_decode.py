@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError
+from fivefold.kernels.cpu_linear_rows import max_rows
+import fivefold.serve.cpu_linear as cpu_linear
+from fivefold.serve.cpu_linear import Product, onednn_available
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.compiled_decode import CompiledDecodeTransformer
 from fivefold.serve.lean_forward import LeanTransformer
@@ -49,3 +52,22 @@ def test_an_engine_without_it_runs_a_compiled_model_eagerly_and_one_without_the_
     assert type(model) is LeanTransformer and not llm.engine.compiled_decode
     with pytest.raises(ConfigError, match="serve.fuse_launches=false runs the modules; set serve.compile_decode=false"):
         LLM(tiny(), device="cpu", num_blocks=16, compile_decode=True, fuse_launches=False)
+
+
+@pytest.mark.parametrize("library", ["oneDNN", "rows kernel"])
+def test_steps_the_graph_should_not_run_take_the_eager_path(library, monkeypatch):
+    """Products on oneDNN (whose op inductor cannot lower: compiling them failed the step) and decode steps
+    whose blocks are one C++ call (faster than the graph, bench/serve_cpu_compile.py) run eagerly under
+    serve.compile_decode=true, with the tokens of an engine without it."""
+    if library == "oneDNN" and not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    if library == "rows kernel" and max_rows() == 0:
+        pytest.skip("this CPU has no rows kernel")
+    monkeypatch.setattr(cpu_linear, "chosen_product", lambda shape, dtype, *a: Product(library))
+    runs = {}
+    for on in (False, True):
+        model = tiny(num_layers=2)
+        llm = LLM(model, device="cpu", seed=0, num_blocks=32, block_size=8, compile_decode=on)
+        runs[on] = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert getattr(model, "compiled_steps", 0) == 0
+    assert runs[True] == runs[False]

@@ -18,6 +18,11 @@ batches in row order) run the graph; the others run the eager loop. The graph co
 order (fused loops, sums split differently), so its logits are the eager loop's to float rounding, not bit
 for bit, and a near tie between two tokens may break the other way: the tokens of a request are then those
 of its step's path, which the batch decides. The default is therefore off.
+
+Since the C++ block ops (fivefold.kernels.cpu_block_ops, serve.cpu_kernel), a decode step whose blocks all run
+the rows kernel is one C++ call, and that call beats the graph: on smollm2-135m, batch-1 decode 60.2 tok/s
+eager against 52.5 compiled (median of 4, 0.87x; 2026-11-29, AMD host). Such steps take the call; the graph
+runs the decode steps the call cannot (serve.cpu_kernel=false, products on other libraries, quantized blocks).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import functools
 import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fivefold.serve.cpu_linear import compiles
 from fivefold.serve.fused import FusedAttention, FusedMLP
-from fivefold.serve.lean_forward import LeanTransformer, blocks_loop
+from fivefold.serve.lean_forward import LeanTransformer, blocks_loop, rows_kernel_blocks
 
 _running = threading.local()  # the PagedBatch and attention cores of the forward this thread runs
 
@@ -67,8 +74,14 @@ class CompiledDecodeTransformer(LeanTransformer):
     compiled_steps = 0  # per instance once a step has run compiled; the tests read it
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
-        # Quantized blocks' products stay out of the graph, and so do steps of several attention groups.
-        if not cache.one_call or not all(type(b[1]) is FusedAttention and type(b[4]) is FusedMLP for b in blocks):
+        # Quantized blocks' products stay out of the graph, and so do steps of several attention groups; a step
+        # whose blocks are one C++ call (fivefold.kernels.cpu_block_ops.decode_blocks) takes that call, which
+        # measured 1.15x the graph (bench/serve_cpu_compile.py).
+        # So do blocks with a product on oneDNN, whose op inductor cannot lower.
+        if (not cache.one_call or not all(type(b[1]) is FusedAttention and type(b[4]) is FusedMLP for b in blocks)
+                or not all(compiles(getattr(m, "linear_fn", F.linear)) for b in blocks for m in (b[1], b[2], b[4], b[5]))
+                or (getattr(cache, "block_kernels", False) and cache.kernel_whole
+                    and rows_kernel_blocks(blocks, x.shape[0]) is not None)):
             return super().run_blocks(blocks, x, cos, signed_sin, half, cache)
         _running.batch = cache
         _running.cores = {b[1].layer_idx: b[1].core.forward for b in blocks}

@@ -81,6 +81,12 @@ def runs_rows_kernel(fn: Callable, rows: int) -> bool:
     return fn is rows_kernel_all or (rows >= MIN_ROWS and (fn is linear_rows or fn is rows_kernel_onednn))
 
 
+def compiles(fn: Callable) -> bool:
+    """Whether inductor can compile a linear whose product is `fn` (a value of LIBRARIES): F.linear's, or the rows
+    kernel with F.linear's products beside it (a registered op inside a graph); oneDNN's op fails its lowering."""
+    return fn is F.linear or fn is rows_kernel_all or fn is linear_rows
+
+
 @dataclass(frozen=True)
 class Product:
     """A linear's product on a CPU: which library, over which weight layout."""
