@@ -17,7 +17,7 @@ from fivefold.memory.units import human_bytes
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.cuda_graphs import batch_ladder
 from fivefold.serve.kv_pool import KVPlan, kv_plan
-from fivefold.serve.step_memory import StepMemory, forward_path, step_memory
+from fivefold.serve.step_memory import PATH_WORDS, StepMemory, forward_path, step_memory
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ServePlan:
         if self.tp > 1:
             lines.insert(0, f"one rank of {self.tp} (tensor parallel: its shard of the weights and of each KV block)")
         s = self.step
-        lines.append(f"step: the {s.path} forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, "
+        lines.append(f"step: the {PATH_WORDS[s.path]} forward {human_bytes(s.forward)}, sampling {human_bytes(s.sampling)}, "
                      f"scoring {human_bytes(s.scoring)}: the largest counts")
         lines.append(f"KV: {self.kv.bytes_per_token:,d} bytes/token, {self.kv.num_blocks:,d} blocks of "
                      f"{self.kv.block_size} tokens = {self.kv.tokens:,d} tokens"

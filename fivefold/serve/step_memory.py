@@ -33,6 +33,11 @@ SCORER_BYTES = 4 + 4 + 1
 SMALL = 4096
 
 
+# Each forward path in the words the plan and the engine print.
+PATH_WORDS = {"triton": "Triton kernels'", "lean": "lean loop's", "lean-cpp": "lean loop's (C++ block ops)",
+              "modules": "modules'"}
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """Bytes of each phase of a step at its worst. `forward`: the MLP's or the attention's moment, whichever holds
@@ -56,7 +61,7 @@ class StepMemory:
 
     def describe(self) -> str:
         mib = 2**20
-        return (f"a step's working set: up to {self.peak / mib:,.1f} MiB (the {self.path} forward "
+        return (f"a step's working set: up to {self.peak / mib:,.1f} MiB (the {PATH_WORDS[self.path]} forward "
                 f"{self.forward / mib:,.1f}, sampling {self.sampling / mib:,.1f}, scoring {self.scoring / mib:,.1f})")
 
 
