@@ -2,8 +2,9 @@
 batch-1 target: >= 60% of the measured read bandwidth), and re-checks it on a new torch or a new host.
 
 One process, one model, one engine built with serve.compile_decode=true, serve.cpu_kernel=false (the graph
-runs only the decode steps the C++ block ops cannot) and serve.linear=torch (oneDNN's products do not compile): batch-1 decodes run in turns through the eager lean loop
-(fivefold/serve/lean_forward.py) and through the same loop compiled by inductor
+runs only the decode steps the C++ block ops cannot) and serve.linear=torch (oneDNN's products do not
+compile): batch-1 decodes run in turns through the eager lean loop (fivefold/serve/lean_forward.py) and
+through the same loop compiled by inductor
 (fivefold/serve/compiled_decode.py: one graph over all the blocks, the paged attention a registered op that
 writes the KV pool). Also timed: the compile (the first compiled decode's wall time beyond the eager one's;
 inductor's on-disk cache shortens a second run's), and the fixed cost of calling a compiled function against
@@ -55,7 +56,8 @@ def main(argv=None) -> dict:
     # The graph runs the decode steps the C++ block ops cannot (fivefold.serve.compiled_decode): timed against
     # the torch loop it compiles with those ops off and F.linear's products (oneDNN's op does not compile), and
     # beside the default engine's C++ call on the same weights.
-    llm = LLM(model, device="cpu", seed=0, num_blocks=blocks, compile_decode=True, cpu_kernel="false", linear="torch")
+    llm = LLM(model, device="cpu", seed=0, num_blocks=blocks, compile_decode=True, cpu_kernel="false",
+              linear="torch")
     default = LLM(build_model(cfg, "cpu", seed=0, dtype=torch.float32).eval(), device="cpu", seed=0,
                   num_blocks=blocks)
     prompt = list(range(5, 5 + args.prompt))

@@ -184,9 +184,11 @@ def test_the_loop_with_the_calls_follows_the_modules(monkeypatch):
     decode-only steps: logits and pool to float32 rounding, step after step."""
     rotary = []
     attend_rotary_rows = PagedBatch.attend_rotary_rows
-    monkeypatch.setattr(PagedBatch, "attend_rotary_rows", lambda self, *a: rotary.append(1) or attend_rotary_rows(self, *a))
-    runs = run_steps(served_tiny(qkv_bias=True), {"loop": (dict(fused_launches=True, cpu_kernel=True), contextlib.nullcontext),
-                                                  "modules": (dict(fused_launches=False, cpu_kernel=True), contextlib.nullcontext)})
+    monkeypatch.setattr(PagedBatch, "attend_rotary_rows",
+                        lambda self, *a: rotary.append(1) or attend_rotary_rows(self, *a))
+    plain = contextlib.nullcontext
+    runs = run_steps(served_tiny(qkv_bias=True), {"loop": (dict(fused_launches=True, cpu_kernel=True), plain),
+                                                  "modules": (dict(fused_launches=False, cpu_kernel=True), plain)})
     (loop, loop_pool), (modules, modules_pool) = runs["loop"], runs["modules"]
     for i, (a, b) in enumerate(zip(loop, modules, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {i}")

@@ -79,7 +79,8 @@ class CompiledDecodeTransformer(LeanTransformer):
         # measured 1.15x the graph (bench/serve_cpu_compile.py).
         # So do blocks with a product on oneDNN, whose op inductor cannot lower.
         if (not cache.one_call or not all(type(b[1]) is FusedAttention and type(b[4]) is FusedMLP for b in blocks)
-                or not all(compiles(getattr(m, "linear_fn", F.linear)) for b in blocks for m in (b[1], b[2], b[4], b[5]))
+                or not all(compiles(getattr(m, "linear_fn", F.linear))
+                           for b in blocks for m in (b[1], b[2], b[4], b[5]))
                 or (getattr(cache, "block_kernels", False) and cache.kernel_whole
                     and rows_kernel_blocks(blocks, x.shape[0]) is not None)):
             return super().run_blocks(blocks, x, cos, signed_sin, half, cache)
