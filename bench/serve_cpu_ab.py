@@ -110,12 +110,12 @@ def torch_block_ops():
 @contextlib.contextmanager
 def a_call_per_op():
     """The lean loop calling the C++ block ops one by one on decode-only steps too (no decode_blocks)."""
-    find = lean_forward.rows_kernel_blocks
-    lean_forward.rows_kernel_blocks = lambda blocks, rows: None
+    find = lean_forward.one_call_blocks
+    lean_forward.one_call_blocks = lambda blocks, rows: None
     try:
         yield
     finally:
-        lean_forward.rows_kernel_blocks = find
+        lean_forward.one_call_blocks = find
 
 
 @contextlib.contextmanager

@@ -15,11 +15,12 @@ from fivefold.kernels.cpu_linear_rows import max_rows
 from fivefold.kernels.cpu_paged_decode import decode_attention, kernel_problem
 from fivefold.model import ForwardContext, build_model
 from fivefold.presets import PRESETS
-from fivefold.serve.cpu_linear import Product, route_linears
+from fivefold.serve.cpu_linear import (ROWS_KERNEL, TORCH_LINEAR, Product, onednn_linear, route_linears,
+                                       rows_kernel_onednn)
 from fivefold.serve.fused import fuse_projections
 from fivefold.serve.kv_pool import KVPool, PagedBatch, kv_plan
 import fivefold.serve.lean_forward as lean_forward
-from fivefold.serve.lean_forward import lean_blocks, rows_kernel_blocks, use_lean_forward
+from fivefold.serve.lean_forward import lean_blocks, one_call_blocks, use_lean_forward
 from paged_steps import admitted
 
 if kernel_problem():
@@ -125,9 +126,9 @@ def test_what_the_calls_refuse_is_named():
                                 torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
 
 
-def served_tiny(qkv_bias=False, rows_kernel=False):
+def served_tiny(qkv_bias=False, library=None):
     """The tiny model as the engine prepares it for the CPU path (fused, the lean loop), with norm weights other
-    than ones; every product on the rows kernel where asked."""
+    than ones; every product on `library` (fivefold.serve.cpu_linear.LIBRARIES) where given."""
     cfg = dataclasses.replace(PRESETS["tiny"], max_seq_len=256, qkv_bias=qkv_bias)
     model = build_model(cfg, seed=3).eval()
     g = torch.Generator().manual_seed(3)
@@ -136,8 +137,8 @@ def served_tiny(qkv_bias=False, rows_kernel=False):
             if "norm" in name or name.endswith("bias"):
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
     assert fuse_projections(model) == 2 * cfg.num_layers
-    if rows_kernel:
-        route_linears(model, choose=lambda shape, dtype, layouts: Product("rows kernel"))
+    if library:
+        route_linears(model, choose=lambda shape, dtype, layouts: Product(library))
     assert use_lean_forward(model)
     return model
 
@@ -183,6 +184,7 @@ def test_the_loop_with_the_calls_follows_the_modules(monkeypatch):
     decode-only steps) against the modules with the same decode kernel, over prompt chunks, mixed steps and
     decode-only steps: logits and pool to float32 rounding, step after step."""
     rotary = []
+    monkeypatch.setattr(lean_forward, "one_call_blocks", lambda blocks, rows: None)  # the calls one by one
     attend_rotary_rows = PagedBatch.attend_rotary_rows
     monkeypatch.setattr(PagedBatch, "attend_rotary_rows",
                         lambda self, *a: rotary.append(1) or attend_rotary_rows(self, *a))
@@ -198,20 +200,24 @@ def test_the_loop_with_the_calls_follows_the_modules(monkeypatch):
 
 
 @pytest.mark.skipif(max_rows() == 0, reason="this CPU has no rows kernel")
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_one_call_for_all_blocks_equals_the_calls_one_by_one(qkv_bias, monkeypatch):
-    """Every product on the rows kernel: decode-only steps of 1 to 3 rows (and one padded) as one C++ call give
-    the logits and KV pool of the loop calling the same ops one by one, bit for bit; other steps take the loop."""
+@pytest.mark.parametrize("library, qkv_bias", [("rows kernel", False), ("rows kernel", True), ("F.linear", True),
+                                               ("rows kernel+F.linear", True), (None, False)])
+def test_one_call_for_all_blocks_equals_the_calls_one_by_one(library, qkv_bias, monkeypatch):
+    """Every product on the rows kernel, on F.linear, on F.linear below 4 rows and the kernel from 4 (a q/k/v
+    bias added after the kernel's product, inside F.linear's), or left as the model's (serve.linear=torch: plain
+    linears): decode-only steps of 1 to 3 rows (and one
+    padded to 4) as one C++ call give the logits and KV pool of the loop calling the same ops one by one, bit
+    for bit; other steps take the loop."""
     calls = []
     monkeypatch.setattr(lean_forward, "decode_blocks", lambda *a: calls.append(a[0].shape[0]) or decode_blocks(*a))
 
     @contextlib.contextmanager
     def one_by_one():
         with monkeypatch.context() as m:
-            m.setattr(lean_forward, "rows_kernel_blocks", lambda blocks, rows: None)
+            m.setattr(lean_forward, "one_call_blocks", lambda blocks, rows: None)
             yield
     options = dict(fused_launches=True, cpu_kernel=True)
-    runs = run_steps(served_tiny(qkv_bias, rows_kernel=True),
+    runs = run_steps(served_tiny(qkv_bias, library=library),
                      {"one call": (options, contextlib.nullcontext), "one by one": (options, one_by_one)})
     (one, one_pool), (each, each_pool) = runs["one call"], runs["one by one"]
     assert all(torch.equal(a, b) for a, b in zip(one, each, strict=True))
@@ -219,14 +225,19 @@ def test_one_call_for_all_blocks_equals_the_calls_one_by_one(qkv_bias, monkeypat
     assert calls == [4, 3, 3, 1]  # the decode-only steps' rows (step 2 padded to 4)
 
 
-def test_blocks_one_call_cannot_run_keep_the_loop():
-    """A product other than the rows kernel in any block, or rows past the kernel's: no params."""
-    model = served_tiny(rows_kernel=True)
+def test_blocks_whose_products_c_cannot_run_keep_the_loop():
+    """A product on oneDNN in any block (C++ does not call it), or one on the rows kernel with oneDNN below 4
+    rows, at 1 row: no params; rows past the kernel's take torch's linear."""
+    model = served_tiny(library="rows kernel")
     blocks = lean_blocks(model)
-    assert rows_kernel_blocks(blocks, 1) is not None
-    assert rows_kernel_blocks(blocks, max_rows() + 1) is None
-    blocks[1][2].linear_fn = F.linear  # one block's o_proj on torch's product
-    assert rows_kernel_blocks(blocks, 1) is None
+    params, eps, products = one_call_blocks(blocks, 1)
+    assert products == [ROWS_KERNEL] * 8 and len(params) == 14 and len(eps) == 4
+    assert one_call_blocks(blocks, max_rows() + 1)[2] == [TORCH_LINEAR] * 8
+    blocks[1][2].linear_fn = onednn_linear  # one block's o_proj
+    assert one_call_blocks(blocks, 1) is None
+    blocks[1][2].linear_fn = rows_kernel_onednn
+    assert one_call_blocks(blocks, 1) is None and one_call_blocks(blocks, 4) is not None
+
 
 def test_heads_in_any_layout_give_the_same_call():
     """A quantized product's output can come transposed ((T, N) with unit stride along T): the call takes it

@@ -19,11 +19,14 @@ PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40)]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 
 
-def test_compiled_decode_steps_give_the_eager_loops_tokens_logprobs_and_pool():
+def test_compiled_decode_steps_give_the_eager_loops_tokens_logprobs_and_pool(monkeypatch):
+    # Products on F.linear whatever this machine would time fastest: oneDNN's do not compile (tested below).
+    monkeypatch.setattr(cpu_linear, "chosen_product", lambda shape, dtype, *a: Product("F.linear"))
     runs = {}
     for on in (False, True):
         model = tiny(num_layers=3)
-        llm = LLM(model, device="cpu", seed=0, num_blocks=32, block_size=8, compile_decode=on)
+        # serve.cpu_kernel=false: with the C++ block ops a decode step is one C++ call, which the graph defers to
+        llm = LLM(model, device="cpu", seed=0, num_blocks=32, block_size=8, compile_decode=on, cpu_kernel="false")
         assert llm.engine.compiled_decode is on
         assert ("one inductor graph" in llm.engine.path) is on
         alone = llm.generate(PROMPTS[1:2], PARAMS)[0]  # 11 decode steps of one row

@@ -1,6 +1,6 @@
 // A decode block's small ops on a CPU as one call each (serve.cpu_kernel): RMSNorm over rows, the residual add
 // followed by the next RMSNorm, SwiGLU's silu(gate) * up, and RoPE + the store of keys and values + the paged
-// decode attention; and every block of a decode-only step through them and the rows kernel, as one call. Built
+// decode attention; and every block of a decode-only step through them and its products, as one call. Built
 // once per machine with the other CPU kernels by fivefold/kernels/cpu_build.py.
 //
 // At a batch-1 decode each of these moves a few kilobytes; as torch ops they are ~10 calls each (F.rms_norm is
@@ -174,23 +174,34 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
   return decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, portable);
 }
 
-// Every block of a decode-only step whose four products all run on the rows kernel (cpu_linear_rows.cpp), as one
-// call: the lean loop's ops in its order, each the call above or the rows kernel, so the result equals the loop
-// calling them one by one bit for bit, without the Python and dispatch between them. x (T, h) the embedded
-// rows; per layer 7 params (attn norm weight, q/k/v weight, its bias or an empty tensor, o weight, mlp norm
-// weight, gate/up weight, down weight) and 2 eps; k_pools, v_pools each layer's (blocks, block_size, Hkv, D);
-// the rest as rotary_decode_attention takes them. -> x after the last block.
-torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps, int64_t q_heads,
-                            torch::Tensor cos, torch::Tensor signed_sin, std::vector<torch::Tensor> k_pools,
-                            std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, int64_t splits, int64_t width) {
+// Every block of a decode-only step whose four products run on the rows kernel (cpu_linear_rows.cpp) or torch's
+// linear, as one call: the lean loop's ops in its order, each the call above or the product the loop would
+// run, so the result equals the loop calling them one by one bit for bit, without the Python and dispatch
+// between them. x (T, h) the embedded rows; per layer 7 params (attn norm weight, q/k/v weight, its bias or an
+// empty tensor, o weight, mlp norm weight, gate/up weight, down weight), 2 eps and 4 products (q/k/v, o,
+// gate/up, down: 0 the rows kernel, 1 torch's linear); k_pools, v_pools each layer's (blocks, block_size, Hkv,
+// D); the rest as rotary_decode_attention takes them. -> x after the last block.
+torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps,
+                            std::vector<int64_t> products, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
+                            std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools, torch::Tensor slots,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t splits,
+                            int64_t width) {
   const int64_t layers = static_cast<int64_t>(k_pools.size()), tokens = x.size(0);
   TORCH_CHECK(layers > 0 && v_pools.size() == k_pools.size() && params.size() == 7 * k_pools.size() &&
-                  eps.size() == 2 * k_pools.size(),
-              "decode_blocks: 7 params and 2 eps a layer, and a key and a value pool each");
+                  eps.size() == 2 * k_pools.size() && products.size() == 4 * k_pools.size(),
+              "decode_blocks: 7 params, 2 eps and 4 products a layer, and a key and a value pool each");
+  // A product as the loop runs it: 0 the rows kernel (a bias added after, as its Python wrapper does), 1
+  // torch's linear (F.linear's op, the bias inside).
+  auto product = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& bias, int64_t kind) {
+    if (kind == 1) return bias.numel() ? at::linear(in, w, bias) : at::linear(in, w);
+    auto y = linear_rows(in, w, width);
+    return bias.numel() ? y + bias : y;
+  };
+  const torch::Tensor none;
   torch::Tensor delta, normed;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* p = params.data() + 7 * l;
+    const int64_t* kind = products.data() + 4 * l;
     if (!delta.defined()) {
       normed = rms_norm_rows(x, p[0], eps[2 * l]);
     } else {
@@ -198,15 +209,14 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, 
       x = both[0];
       normed = both[1];
     }
-    auto qkv = linear_rows(normed, p[1], width);
-    if (p[2].numel()) qkv = qkv + p[2];
+    auto qkv = product(normed, p[1], p[2], kind[0]);
     auto out = rotary_decode_attention(qkv.view({tokens, -1, k_pools[l].size(3)}), q_heads, cos, signed_sin,
                                        k_pools[l], v_pools[l], slots, block_tables, seq_lens, scale, splits, false);
     qkv = torch::Tensor();
-    auto both = add_rms_norm_rows(x, linear_rows(out.view({tokens, -1}), p[3], width), p[4], eps[2 * l + 1]);
+    auto both = add_rms_norm_rows(x, product(out.view({tokens, -1}), p[3], none, kind[1]), p[4], eps[2 * l + 1]);
     x = both[0];
     normed = both[1];
-    delta = linear_rows(silu_mul_rows(linear_rows(normed, p[5], width)), p[6], width);
+    delta = product(silu_mul_rows(product(normed, p[5], none, kind[2])), p[6], none, kind[3]);
   }
   return x + delta;
 }

@@ -11,10 +11,10 @@ per-call overhead, not their bytes: ~4 ms of a 24 ms smollm2-135m token on the 2
 - `rotary_decode_attention`: from the fused q/k/v product of a decode-only step, RoPE on queries and keys, the
   store of keys and values in their slots, and fivefold.kernels.cpu_paged_decode's attention. The stored keys
   equal the torch path's bit for bit (each product and the sum rounded on its own, as torch's ops do).
-- `decode_blocks`: every block of a decode-only step as one call, where all four of each block's products run
-  the rows kernel (fivefold.kernels.cpu_linear_rows): the lean loop's calls above in its order, so equal to the
-  loop calling them one by one bit for bit, without its Python and dispatch between them (+11% at batch 1 on
-  smollm2-135m, bench/serve_cpu_ab.py --compare one-call).
+- `decode_blocks`: every block of a decode-only step as one call, where each block's four products run on the
+  rows kernel (fivefold.kernels.cpu_linear_rows) or torch's linear: the lean loop's calls above in its order,
+  so equal to the loop calling them one by one bit for bit, without its Python and dispatch between them
+  (+11% at batch 1 on smollm2-135m, bench/serve_cpu_ab.py --compare one-call).
 
 float32 only; built with the other CPU kernels (fivefold.kernels.cpu_build). The lean loop
 (fivefold.serve.lean_forward) calls them on the engine's CPU path where serve.cpu_kernel is on.
@@ -69,13 +69,15 @@ def rotary_decode_attention(heads: torch.Tensor, q_heads: int, cos: torch.Tensor
                                              seq_lens, heads.shape[-1] ** -0.5, splits, portable)
 
 
-def decode_blocks(x: torch.Tensor, params: list[torch.Tensor], eps: list[float], q_heads: int, cos: torch.Tensor,
-                  signed_sin: torch.Tensor, k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor],
-                  slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """The blocks of a decode-only step over x (T, h) float32, their products on the rows kernel: per layer 7
-    `params` (attention norm weight, q/k/v weight, its bias or an empty tensor, o weight, MLP norm weight,
-    gate/up weight, down weight; each (out, in) with unit stride along in) and 2 `eps` (the norms'); each
-    layer's pools as `rotary_decode_attention` takes them, and its other arguments. -> x after the last block."""
+def decode_blocks(x: torch.Tensor, params: list[torch.Tensor], eps: list[float], products: list[int], q_heads: int,
+                  cos: torch.Tensor, signed_sin: torch.Tensor, k_blocks: list[torch.Tensor],
+                  v_blocks: list[torch.Tensor], slots: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor) -> torch.Tensor:
+    """The blocks of a decode-only step over x (T, h) float32: per layer 7 `params` (attention norm weight, q/k/v
+    weight, its bias or an empty tensor, o weight, MLP norm weight, gate/up weight, down weight; (out, in)), 2
+    `eps` (the norms') and 4 `products` (q/k/v, o, gate/up, down: fivefold.serve.cpu_linear.ROWS_KERNEL, whose
+    weight needs unit stride along in, or TORCH_LINEAR); each layer's pools as `rotary_decode_attention` takes
+    them, and its other arguments. -> x after the last block."""
     splits = decode_splits(x.shape[0], k_blocks[0].shape[2])
-    return _module().decode_blocks(x.contiguous(), params, eps, q_heads, cos, signed_sin, k_blocks, v_blocks, slots,
-                                   block_tables, seq_lens, k_blocks[0].shape[-1] ** -0.5, splits)
+    return _module().decode_blocks(x.contiguous(), params, eps, products, q_heads, cos, signed_sin, k_blocks, v_blocks,
+                                   slots, block_tables, seq_lens, k_blocks[0].shape[-1] ** -0.5, splits)

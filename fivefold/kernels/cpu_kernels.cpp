@@ -5,10 +5,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width);
 int64_t linear_rows_width();
-torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps, int64_t q_heads,
-                            torch::Tensor cos, torch::Tensor signed_sin, std::vector<torch::Tensor> k_pools,
-                            std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, int64_t splits, int64_t width);
+torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps,
+                            std::vector<int64_t> products, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
+                            std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools, torch::Tensor slots,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t splits,
+                            int64_t width);
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul_rows(torch::Tensor gate_up);
 std::vector<torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
@@ -33,9 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heads"), py::arg("q_heads"), py::arg("cos"), py::arg("signed_sin"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("splits"), py::arg("portable") = false);
-  m.def("decode_blocks", &decode_blocks, "every block of a decode-only step on the rows kernel, float32", py::arg("x"),
-        py::arg("params"), py::arg("eps"), py::arg("q_heads"), py::arg("cos"), py::arg("signed_sin"),
-        py::arg("k_pools"), py::arg("v_pools"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+  m.def("decode_blocks", &decode_blocks, "every block of a decode-only step as one call, float32", py::arg("x"),
+        py::arg("params"), py::arg("eps"), py::arg("products"), py::arg("q_heads"), py::arg("cos"),
+        py::arg("signed_sin"), py::arg("k_pools"), py::arg("v_pools"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("splits"), py::arg("width") = 0);
   m.def("linear_rows_width", &linear_rows_width, "the rows kernel's widest instruction set here: 512, 256 or 0");
 }

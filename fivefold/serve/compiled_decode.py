@@ -36,7 +36,7 @@ from torch import nn
 
 from fivefold.serve.cpu_linear import compiles
 from fivefold.serve.fused import FusedAttention, FusedMLP
-from fivefold.serve.lean_forward import LeanTransformer, blocks_loop, rows_kernel_blocks
+from fivefold.serve.lean_forward import LeanTransformer, blocks_loop, one_call_blocks
 
 _running = threading.local()  # the PagedBatch and attention cores of the forward this thread runs
 
@@ -82,7 +82,7 @@ class CompiledDecodeTransformer(LeanTransformer):
                 or not all(compiles(getattr(m, "linear_fn", F.linear))
                            for b in blocks for m in (b[1], b[2], b[4], b[5]))
                 or (getattr(cache, "block_kernels", False) and cache.kernel_whole
-                    and rows_kernel_blocks(blocks, x.shape[0]) is not None)):
+                    and one_call_blocks(blocks, x.shape[0]) is not None)):
             return super().run_blocks(blocks, x, cos, signed_sin, half, cache)
         _running.batch = cache
         _running.cores = {b[1].layer_idx: b[1].core.forward for b in blocks}

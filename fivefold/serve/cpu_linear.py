@@ -72,13 +72,24 @@ LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear,
                                   "rows kernel+F.linear": linear_rows, "rows kernel+oneDNN": rows_kernel_onednn}
 
 
-def runs_rows_kernel(fn: Callable, rows: int) -> bool:
-    """Whether a linear whose product is `fn` (a value of LIBRARIES) runs fivefold's rows kernel itself at `rows`
-    rows of float32 (fivefold.kernels.cpu_linear_rows.linear_rows' own rule), so that C++ can call the kernel
-    in its place (fivefold.kernels.cpu_block_ops.decode_blocks)."""
-    if not 0 < rows <= max_rows():
-        return False
-    return fn is rows_kernel_all or (rows >= MIN_ROWS and (fn is linear_rows or fn is rows_kernel_onednn))
+# How fivefold.kernels.cpu_block_ops.decode_blocks runs a product: the rows kernel, or torch's linear (F.linear's op).
+ROWS_KERNEL, TORCH_LINEAR = 0, 1
+
+
+def cpp_product(fn: Callable, rows: int, weight: torch.Tensor) -> int | None:
+    """The product a linear whose product is `fn` (a value of LIBRARIES) runs at `rows` rows of float32 over
+    `weight`, as C++ can call it in its place (fivefold.kernels.cpu_block_ops.decode_blocks): ROWS_KERNEL or
+    TORCH_LINEAR, by the rows kernel's own rule (fivefold.kernels.cpu_linear_rows.linear_rows); None for
+    oneDNN's, which C++ does not call."""
+    if fn is F.linear:
+        return TORCH_LINEAR
+    if not (fn is rows_kernel_all or fn is linear_rows or fn is rows_kernel_onednn):
+        return None
+    if not 0 < rows <= max_rows() or weight.stride(1) != 1:
+        return TORCH_LINEAR
+    if rows >= MIN_ROWS or fn is rows_kernel_all:
+        return ROWS_KERNEL
+    return TORCH_LINEAR if fn is linear_rows else None
 
 
 def compiles(fn: Callable) -> bool:

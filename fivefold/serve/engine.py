@@ -345,7 +345,7 @@ class Engine:
             attention += ", blocks as one loop of tensor ops"
             if self.cpu_kernel:  # fivefold.kernels.cpu_block_ops
                 attention += (" with its norms and a decode step's RoPE, KV store and attention as C++ calls, all"
-                              " blocks as one where their products run the rows kernel")
+                              " blocks as one where C++ can run their products (the rows kernel, F.linear's)")
         decode = ("CUDA graphs" if self.graphs else "one inductor graph on steps of one attention group, else eager"
                   if self.compiled_decode else "eager")
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"

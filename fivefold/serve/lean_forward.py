@@ -14,8 +14,9 @@ caches), so the loop saves ~1.3 ms of a ~21 ms token, not the whole overhead.
 
 Under serve.cpu_kernel (float32, where the CPU kernels build) the loop's norms (each with the residual add before
 it) and SwiGLU are C++ calls, and on a decode-only step so are RoPE, the KV store and the attention together
-(fivefold.kernels.cpu_block_ops): +15% at batch 1 (bench/serve_cpu_ab.py --compare block-ops). Where all four
-products of every block run the rows kernel, a decode-only step's blocks are one C++ call doing the same
+(fivefold.kernels.cpu_block_ops): +15% at batch 1 (bench/serve_cpu_ab.py --compare block-ops). Where C++ can run
+all four products of every block (the rows kernel, torch's linear; not oneDNN's), a decode-only step's blocks
+are one C++ call doing the same
 (decode_blocks, equal bit for bit; +11% at batch 1, --compare one-call). The logits then equal the modules' to
 float32 rounding, not bit for bit (the norm sums in another order); the loop's torch ops (TORCH_OPS) stay the
 reference, tested bit for bit.
@@ -43,7 +44,7 @@ from fivefold.model import ForwardContext
 from fivefold.model.layers import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
 from fivefold.model.transformer import Block, Transformer
-from fivefold.serve.cpu_linear import RoutedLinear, runs_rows_kernel
+from fivefold.serve.cpu_linear import RoutedLinear, cpp_product
 from fivefold.serve.fused import FusedAttention, FusedMLP, FusedQuantAttention, FusedQuantMLP
 
 
@@ -70,21 +71,21 @@ class LeanTransformer(Transformer):
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
         """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps. Under
         serve.cpu_kernel (float32) the norms and SwiGLU are C++ calls, and a decode-only step's RoPE, KV store
-        and attention one more (fivefold.kernels.cpu_block_ops); a decode-only step whose products all run the
-        rows kernel is one C++ call for every block (decode_blocks)."""
+        and attention one more (fivefold.kernels.cpu_block_ops); a decode-only step whose products C++ can run
+        (the rows kernel, torch's linear) is one C++ call for every block (decode_blocks)."""
         def attend(attn, q, k, v):
             return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
         if not (getattr(cache, "block_kernels", False) and x.dtype == torch.float32):
             return blocks_loop(blocks, x, cos, signed_sin, half, attend)
         cos_rows, sin_rows = cos[:, 0], signed_sin[:, 0]  # (T, d), contiguous
         if cache.kernel_whole:
-            one_call = rows_kernel_blocks(blocks, x.shape[0])
+            one_call = one_call_blocks(blocks, x.shape[0])
             if one_call is not None:
-                params, eps = one_call
+                params, eps, products = one_call
                 pools = [cache.pool.blocks(b[1].layer_idx) for b in blocks]
-                return decode_blocks(x, params, eps, blocks[0][1].qkv_sizes[0] // blocks[0][1].head_dim, cos_rows,
-                                     sin_rows, [k for k, _ in pools], [v for _, v in pools], cache.dev.slot_mapping,
-                                     cache.decode_tables, cache.decode_lens)
+                return decode_blocks(x, params, eps, products, blocks[0][1].qkv_sizes[0] // blocks[0][1].head_dim,
+                                     cos_rows, sin_rows, [k for k, _ in pools], [v for _, v in pools],
+                                     cache.dev.slot_mapping, cache.decode_tables, cache.decode_lens)
 
         def rotary_attend(attn, heads, q_heads):
             return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
@@ -92,25 +93,31 @@ class LeanTransformer(Transformer):
                            rotary_attend if cache.kernel_whole else None)
 
 
-def rows_kernel_blocks(blocks, rows: int) -> tuple[list[torch.Tensor], list[float]] | None:
-    """decode_blocks' params and eps for `blocks` (`lean_blocks`) at `rows` rows: where every block is full
-    precision and each of its four products runs the rows kernel itself at that many rows, in the weights'
-    (out, in) layout, with no bias but q/k/v's. Else None (the loop calls the ops one by one)."""
-    params, eps = [], []
+LINEARS = (nn.Linear, RoutedLinear)  # the o and down projections decode_blocks can run in C++
+
+
+def one_call_blocks(blocks, rows: int) -> tuple[list[torch.Tensor], list[float], list[int]] | None:
+    """decode_blocks' params, eps and products for `blocks` (`lean_blocks`) at `rows` rows: where every block is
+    full precision, with no bias but q/k/v's, and C++ can run each of its four products as the loop would
+    (fivefold.serve.cpu_linear.cpp_product: the rows kernel or torch's linear, not oneDNN's). Else None (the
+    loop calls the ops one by one)."""
+    params, eps, products = [], [], []
     empty = torch.empty(0)
     for attn_norm, attn, o_proj, mlp_norm, mlp, down_proj in blocks:
-        if not (type(attn) is FusedAttention and type(mlp) is FusedMLP and type(o_proj) is RoutedLinear
-                and type(down_proj) is RoutedLinear and o_proj.bias is None and down_proj.bias is None
+        if not (type(attn) is FusedAttention and type(mlp) is FusedMLP and type(o_proj) in LINEARS
+                and type(down_proj) in LINEARS and o_proj.bias is None and down_proj.bias is None
                 and mlp.gate_up_bias is None):
             return None
         weights = (attn.qkv_weight, o_proj.weight, mlp.gate_up_weight, down_proj.weight)
-        if not (all(runs_rows_kernel(m.linear_fn, rows) for m in (attn, o_proj, mlp, down_proj))
-                and all(w.dtype == torch.float32 and w.stride(1) == 1 for w in weights)):
+        kinds = [cpp_product(getattr(m, "linear_fn", F.linear), rows, w)  # a plain nn.Linear runs F.linear
+                 for m, w in zip((attn, o_proj, mlp, down_proj), weights)]
+        if None in kinds or any(w.dtype != torch.float32 for w in weights):
             return None
         bias = attn.qkv_bias if attn.qkv_bias is not None else empty
         params += [attn_norm.weight, weights[0], bias, weights[1], mlp_norm.weight, weights[2], weights[3]]
         eps += [attn_norm.eps, mlp_norm.eps]
-    return params, eps
+        products += kinds
+    return params, eps, products
 
 
 def blocks_loop(blocks, x, cos, signed_sin, half: int, attend, ops: LoopOps | None = None,
