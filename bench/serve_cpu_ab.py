@@ -17,8 +17,8 @@
 - `block-ops`: under serve.cpu_kernel, the lean loop's norms (with the residual add before each) and a
   decode-only step's RoPE + KV store + attention as one C++ call each (fivefold/kernels/cpu_block_ops.py)
   against torch's ops for them (the attention kernel on both sides);
-- `one-call`: a decode-only step's blocks as one C++ call where their products all run the rows kernel
-  (fivefold.kernels.cpu_block_ops.decode_blocks) against the same ops called one by one from Python;
+- `one-call`: a decode-only step's blocks as one C++ call where C++ can run all their products (the rows kernel,
+  F.linear's; fivefold.kernels.cpu_block_ops.decode_blocks) against the same ops called one by one from Python;
 - `rows-kernel`: linears at 4-32 rows through fivefold's rows kernel where it was timed faster for their shape
   (fivefold/kernels/cpu_linear_rows.py, among serve.linear=auto's candidates) against the libraries' products;
 - `one-row`: the rows kernel's one to three rows (a batch-1 decode) run by whichever of the kernel, MKL and
