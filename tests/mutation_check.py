@@ -149,11 +149,11 @@ MUTANTS = [Mutant(*m) for m in [
      '                or not all(compiles(getattr(m, "linear_fn", F.linear))',
      '                or not all(True or compiles(getattr(m, "linear_fn", F.linear))'),
     ('CD2', 'fivefold/serve/compiled_decode.py', 'compiled',  # the graph preferred to the one C++ call
-     '                    and one_call_blocks(blocks, x.shape[0]) is not None)):',
-     '                    and one_call_blocks(blocks, x.shape[0]) is None and False)):'),
+     '        out = self.one_call(blocks, x, cos, signed_sin, cache)\n        if out is not None:\n            return out\n',
+     '        out = None\n'),
     ('BO4', 'fivefold/serve/cpu_linear.py', 'blockops',  # C++ runs the rows kernel where the loop runs F.linear
-     '    return TORCH_LINEAR if fn is linear_rows else None',
-     '    return ROWS_KERNEL if fn is linear_rows else None'),
+     'ROWS_KERNEL_FORMS = {rows_kernel_all: None, linear_rows: F.linear,',
+     'ROWS_KERNEL_FORMS = {rows_kernel_all: None, linear_rows: None,'),
     ('BO3', 'fivefold/kernels/cpu_block_ops.cpp', 'blockops',  # a value's first element not stored
      '      for (int64_t i = 0; i < dim; ++i) vp[at + i] = v[i];',
      '      for (int64_t i = 1; i < dim; ++i) vp[at + i] = v[i];'),

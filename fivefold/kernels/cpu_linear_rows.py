@@ -68,6 +68,17 @@ def offered(cpu_kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     return cpu_kernel != "false" and device.type == "cpu" and dtype == torch.float32 and rows_kernel_problem() is None
 
 
+def product_at(rows: int, weight: torch.Tensor, few_rows: Callable | None) -> Callable | None:
+    """What `linear_rows` runs for `rows` rows of float32 over `weight`: None for the rows kernel itself, else the
+    product it hands them to (F.linear, or `few_rows` below MIN_ROWS). fivefold.serve.cpu_linear.cpp_product
+    asks it too, so that C++ runs the product the loop would."""
+    if not 0 < rows <= max_rows() or weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
+        return F.linear
+    if rows < MIN_ROWS and few_rows is not None:
+        return few_rows
+    return None
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 few_rows: Callable | None = F.linear) -> torch.Tensor:
     """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..max_rows() rows of float32 with the
@@ -76,12 +87,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (not 0 < rows <= max_rows() or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or weight.dim() != 2 or weight.stride(1) != 1 or x.device.type != "cpu"
+    if (x.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
-    if rows < MIN_ROWS and few_rows is not None:
-        return few_rows(x, weight, bias)
+    other = product_at(rows, weight, few_rows)
+    if other is not None:
+        return other(x, weight, bias)
     x2 = x.reshape(rows, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()

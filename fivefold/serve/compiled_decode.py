@@ -36,7 +36,7 @@ from torch import nn
 
 from fivefold.serve.cpu_linear import compiles
 from fivefold.serve.fused import FusedAttention, FusedMLP
-from fivefold.serve.lean_forward import LeanTransformer, blocks_loop, one_call_blocks
+from fivefold.serve.lean_forward import LeanTransformer, blocks_loop
 
 _running = threading.local()  # the PagedBatch and attention cores of the forward this thread runs
 
@@ -74,16 +74,17 @@ class CompiledDecodeTransformer(LeanTransformer):
     compiled_steps = 0  # per instance once a step has run compiled; the tests read it
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
-        # Quantized blocks' products stay out of the graph, and so do steps of several attention groups; a step
-        # whose blocks are one C++ call (fivefold.kernels.cpu_block_ops.decode_blocks) takes that call, which
-        # measured 1.15x the graph (bench/serve_cpu_compile.py).
-        # So do blocks with a product on oneDNN, whose op inductor cannot lower.
+        # Quantized blocks' products stay out of the graph, and so do steps of several attention groups and
+        # blocks with a product on oneDNN, whose op inductor cannot lower.
         if (not cache.one_call or not all(type(b[1]) is FusedAttention and type(b[4]) is FusedMLP for b in blocks)
                 or not all(compiles(getattr(m, "linear_fn", F.linear))
-                           for b in blocks for m in (b[1], b[2], b[4], b[5]))
-                or (getattr(cache, "block_kernels", False) and cache.kernel_whole
-                    and one_call_blocks(blocks, x.shape[0]) is not None)):
+                           for b in blocks for m in (b[1], b[2], b[4], b[5]))):
             return super().run_blocks(blocks, x, cos, signed_sin, half, cache)
+        # A step whose blocks are one C++ call (fivefold.kernels.cpu_block_ops.decode_blocks) takes it: with the
+        # same products it measured 1.15x the graph (2026-11-29, AMD host).
+        out = self.one_call(blocks, x, cos, signed_sin, cache)
+        if out is not None:
+            return out
         _running.batch = cache
         _running.cores = {b[1].layer_idx: b[1].core.forward for b in blocks}
         try:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.corpus import cache_dir
-from fivefold.kernels.cpu_linear_rows import MIN_ROWS, linear_rows, max_rows
+from fivefold.kernels.cpu_linear_rows import linear_rows, product_at
 from fivefold.quant.linear import QuantLinear
 from fivefold.serve.fused import FusedAttention
 
@@ -72,6 +72,8 @@ LIBRARIES: dict[str, Callable] = {"oneDNN": onednn_linear, "F.linear": F.linear,
                                   "rows kernel+F.linear": linear_rows, "rows kernel+oneDNN": rows_kernel_onednn}
 
 
+# The rows kernel's forms (values of LIBRARIES) and the product each hands one to three rows to (None: itself).
+ROWS_KERNEL_FORMS = {rows_kernel_all: None, linear_rows: F.linear, rows_kernel_onednn: onednn_linear}
 # How fivefold.kernels.cpu_block_ops.decode_blocks runs a product: the rows kernel, or torch's linear (F.linear's op).
 ROWS_KERNEL, TORCH_LINEAR = 0, 1
 
@@ -79,17 +81,14 @@ ROWS_KERNEL, TORCH_LINEAR = 0, 1
 def cpp_product(fn: Callable, rows: int, weight: torch.Tensor) -> int | None:
     """The product a linear whose product is `fn` (a value of LIBRARIES) runs at `rows` rows of float32 over
     `weight`, as C++ can call it in its place (fivefold.kernels.cpu_block_ops.decode_blocks): ROWS_KERNEL or
-    TORCH_LINEAR, by the rows kernel's own rule (fivefold.kernels.cpu_linear_rows.linear_rows); None for
-    oneDNN's, which C++ does not call."""
+    TORCH_LINEAR, by the rows kernel's own rule (fivefold.kernels.cpu_linear_rows.product_at); None for oneDNN's,
+    which C++ does not call."""
     if fn is F.linear:
         return TORCH_LINEAR
-    if not (fn is rows_kernel_all or fn is linear_rows or fn is rows_kernel_onednn):
+    if fn not in ROWS_KERNEL_FORMS:
         return None
-    if not 0 < rows <= max_rows() or weight.stride(1) != 1:
-        return TORCH_LINEAR
-    if rows >= MIN_ROWS or fn is rows_kernel_all:
-        return ROWS_KERNEL
-    return TORCH_LINEAR if fn is linear_rows else None
+    other = product_at(rows, weight, ROWS_KERNEL_FORMS[fn])
+    return ROWS_KERNEL if other is None else TORCH_LINEAR if other is F.linear else None
 
 
 def compiles(fn: Callable) -> bool:

@@ -62,11 +62,11 @@ class LeanTransformer(Transformer):
         # apply_rope's x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) * cat(-sin1, sin2): a negation
         # moved from one factor to the other, exact in floating point.
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        kernels = getattr(cache, "block_kernels", False) and x.dtype == torch.float32
+        norm = kernel_norm if block_kernels(cache, x) else rms_norm
         x = self.run_blocks(blocks, x, cos, signed_sin, half, cache)
         if ctx.logits_at is not None:
             x = x[ctx.logits_at]
-        return self.lm_head.forward((kernel_norm if kernels else rms_norm)(self.norm, x))
+        return self.lm_head.forward(norm(self.norm, x))
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
         """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps. Under
@@ -75,22 +75,38 @@ class LeanTransformer(Transformer):
         (the rows kernel, torch's linear) is one C++ call for every block (decode_blocks)."""
         def attend(attn, q, k, v):
             return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
-        if not (getattr(cache, "block_kernels", False) and x.dtype == torch.float32):
+        if not block_kernels(cache, x):
             return blocks_loop(blocks, x, cos, signed_sin, half, attend)
+        out = self.one_call(blocks, x, cos, signed_sin, cache)
+        if out is not None:
+            return out
         cos_rows, sin_rows = cos[:, 0], signed_sin[:, 0]  # (T, d), contiguous
-        if cache.kernel_whole:
-            one_call = one_call_blocks(blocks, x.shape[0])
-            if one_call is not None:
-                params, eps, products = one_call
-                pools = [cache.pool.blocks(b[1].layer_idx) for b in blocks]
-                return decode_blocks(x, params, eps, products, blocks[0][1].qkv_sizes[0] // blocks[0][1].head_dim,
-                                     cos_rows, sin_rows, [k for k, _ in pools], [v for _, v in pools],
-                                     cache.dev.slot_mapping, cache.decode_tables, cache.decode_lens)
 
         def rotary_attend(attn, heads, q_heads):
             return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
         return blocks_loop(blocks, x, cos, signed_sin, half, attend, KERNEL_OPS,
                            rotary_attend if cache.kernel_whole else None)
+
+    @staticmethod
+    def one_call(blocks, x, cos, signed_sin, cache) -> torch.Tensor | None:
+        """A decode-only step's blocks as one C++ call (decode_blocks) where `one_call_blocks` allows it, under
+        the block kernels; else None."""
+        if not (block_kernels(cache, x) and cache.kernel_whole):
+            return None
+        one_call = one_call_blocks(blocks, x.shape[0])
+        if one_call is None:
+            return None
+        params, eps, products = one_call
+        pools = [cache.pool.blocks(b[1].layer_idx) for b in blocks]
+        return decode_blocks(x, params, eps, products, blocks[0][1].qkv_sizes[0] // blocks[0][1].head_dim,
+                             cos[:, 0], signed_sin[:, 0], [k for k, _ in pools], [v for _, v in pools],
+                             cache.dev.slot_mapping, cache.decode_tables, cache.decode_lens)
+
+
+def block_kernels(cache, x: torch.Tensor) -> bool:
+    """Whether this step's loop runs the C++ block ops: the batch asks for them (serve.cpu_kernel) and x is
+    float32."""
+    return getattr(cache, "block_kernels", False) and x.dtype == torch.float32
 
 
 LINEARS = (nn.Linear, RoutedLinear)  # the o and down projections decode_blocks can run in C++

@@ -30,7 +30,6 @@ import torch
 
 from fivefold.config import Config, ModelConfig, ServeConfig
 from fivefold.kernels.cpu_linear_rows import offered as rows_kernel_offered
-from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.model import build_model
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
@@ -39,6 +38,7 @@ from fivefold.serve.cpu_linear import serving_product
 from fivefold.serve.llm import LLM
 from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import SamplingParams
+from fivefold.serve.step_memory import cpu_kernels
 
 # Without a [serving] table: tensor-core tiles of 64 rows; host work of a graph-replayed decode step
 # (scheduling, inputs, sampling) ~0.3 ms plus ~4 us a sequence; an eager step's launches per layer.
@@ -87,8 +87,7 @@ class StepCostModel:
         self.cpu_attention = profile.device == "cpu"  # the gather + SDPA path reads the keys and values thrice
         # ...except a CPU's decodes under serve.cpu_kernel, which read them once in place. Priced from the
         # config (a plan builds nothing): a machine that cannot build the kernel gathers, and reads thrice.
-        self.cpu_decode_kernel = (s.cpu_kernel != "false"
-                                  and cpu_kernel_unsupported(m.head_size, getattr(torch, s.dtype)) is None)
+        self.cpu_decode_kernel = cpu_kernels(m, s)
         h, q, kv, f = m.hidden_size, m.q_size // tp, m.kv_size // tp, m.ffn_hidden_size // tp
         up = 2 * f if m.activation == "swiglu" else f
         # (K, N) of each block product, the fused ones as served (fivefold.serve.fused).
