@@ -497,6 +497,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('SP3', 'fivefold/planner/speed.py', 'speed',
      '    seconds = (local / (p.dp if p.zero >= 1 else 1)) * optimizer_bytes_per_param(cfg) / costs.bandwidth',
      '    seconds = local * optimizer_bytes_per_param(cfg) / costs.bandwidth'),
+    ('SP4', 'fivefold/planner/speed.py', 'speed',
+     '    own_work = breakdown["compute"] + breakdown["recompute"] + optimizer',
+     '    own_work = breakdown["compute"] + optimizer'),
+    ('SP5', 'fivefold/planner/speed.py', 'speed',
+     '    return spread * (devices - 1) / (2 * (devices + 1))',
+     '    return spread * devices / (2 * (devices + 1))'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:

@@ -48,6 +48,7 @@ GOOD = load_profile("h200").to_toml()
     (GOOD.replace("host_step_s = 0.0068", "host_step_s = -1"), "host_step_s=-1 must be a number >= 0"),
     (GOOD.replace("comm_interference = 0.18", "comm_interference = 1"), "comm_interference=1 must be a fraction "
                                                                          "in [0, 1)"),
+    (GOOD.replace("speed_spread = 0.08", "speed_spread = 1.5"), "speed_spread=1.5 must be a fraction in [0, 1)"),
     (GOOD + "\n[kernels.int4]\nmatmul_knee = 1\n", "[kernels.<dtype>] tables are for bf16, fp16, fp8, fp32"),
     (GOOD + "\n[kernels.fp32]\nop_overhead = 1e-6\n",
      "[kernels]: [fp32] takes matmul_efficiency, matmul_knee, attention_efficiency"),

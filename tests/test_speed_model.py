@@ -16,9 +16,9 @@ from fivefold.config_load import load_config
 from fivefold.memory import formulas
 from fivefold.memory.communication import Collective, step_collectives, step_communication
 from fivefold.memory.plan import plan_memory
-from fivefold.planner.hardware import load_profile, profile_from_dict
+from fivefold.planner.hardware import load_profile, profile_from_dict, shipped_profiles
 from fivefold.planner.speed import (OPS_PER_LAYER, attention_efficiency, collective_seconds, kernel_time,
-                                    optimizer_bytes_per_param, predict_step)
+                                    optimizer_bytes_per_param, predict_step, slowest_of)
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = load_profile("h100-sxm")
@@ -83,6 +83,29 @@ def test_a_step_waits_for_its_host_where_the_host_is_slower():
         replayed = predict_step(dataclasses.replace(small, train=dataclasses.replace(small.train, recompute=mode)),
                                 host)
         assert replayed.breakdown["host"] > waiting.breakdown["host"], mode
+
+
+def test_a_step_of_many_gpus_waits_for_the_slowest():
+    """slowest_of: same-SKU GPUs spread evenly over speed_spread, and a synchronous step waits for the slowest of
+    its N, the expected maximum of N draws, spread (N - 1) / (2 (N + 1)) beyond a typical one: none for one GPU,
+    towards half the spread for many. The step's own device work (compute, recomputation, optimizer) takes
+    that much longer; the layouts of one N alike, so the search's order does not change."""
+    assert slowest_of(1, 0.08) == 0.0
+    assert slowest_of(8, 0.08) == pytest.approx(0.08 * 7 / 18)
+    assert slowest_of(3, 0.2) == pytest.approx(0.05)
+    assert 0.0399 < slowest_of(16384, 0.08) < 0.04
+    even = dataclasses.replace(H100, speed_spread=0.0, host_step_s=0.0, host_launch_s=0.0, host_param_s=0.0)
+    spread = dataclasses.replace(even, speed_spread=0.08)
+    one = _cfg(preset="llama3.2-1b")
+    assert predict_step(one, spread).step_time_s == predict_step(one, even).step_time_s
+    assert predict_step(one, spread).breakdown["slowest"] == 0.0
+    for layout in (["parallel.dp=64"], ["parallel.dp=16", "parallel.tp=4", "train.recompute=full"]):
+        cfg = _cfg(*layout, preset="llama3.2-1b")
+        waits, alone = predict_step(cfg, spread), predict_step(cfg, even)
+        own = alone.breakdown["compute"] + alone.breakdown["recompute"] + alone.breakdown["optimizer"]
+        assert waits.breakdown["slowest"] == pytest.approx(own * 0.08 * 63 / 130), layout
+        assert waits.step_time_s == pytest.approx(alone.step_time_s + waits.breakdown["slowest"]), layout
+    assert all(load_profile(name).speed_spread == 0.08 for name in shipped_profiles())
 
 
 def test_the_optimizer_moves_the_bytes_its_update_reads_and_writes():
@@ -298,8 +321,9 @@ def test_published_runs():
     checks = [check_run(run) for run in load_runs()]
     s = summary(checks)
     assert s["runs"] >= 8 and s["sources"] >= 3
-    assert s["median_abs_error"] <= 0.15  # issue 32's target
-    assert s["worst_abs_error"] <= 0.60
+    assert s["median_abs_error"] <= 0.12  # issue 32's target: 15%
+    assert s["worst_abs_error"] <= 0.55
+    assert sum(c.error < 0 for c in checks if c.verified) >= 2  # both signs, if not yet in balance
     # Two runs miss the earlier 30%: DeepSpeed's ZeRO-3 of 2021 and Megatron-Bridge's GPT-OSS (see the page).
     assert sum(abs(c.error) > 0.30 for c in checks if c.verified) <= 2
     assert all(math.isfinite(c.predicted) and c.predicted > 0 for c in checks)

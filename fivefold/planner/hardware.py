@@ -38,6 +38,10 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
     comm_interference     fraction of the compute rate lost while an overlapped collective is in flight:
                           NCCL's kernels hold one SM per channel (CTA) for the whole collective, so the
                           kernels they overlap run on the rest (0: not modelled, as in a calibrated profile)
+    speed_spread          how far apart devices of this one kind run, slowest to fastest, as a fraction of the
+                          typical one's speed (manufacturing and power management: same-SKU GPUs differ by 8%
+                          on average, Sinha et al., SC'22). A synchronous step waits for its slowest device,
+                          so N devices take longer than one (fivefold.planner.speed.slowest_of) (0)
     [kernels.<dtype>]     matmul_efficiency, matmul_knee and attention_efficiency measured for one dtype (bf16,
                           fp16, fp8, fp32) apart from the figures above, which every other dtype uses:
                           `fivefold calibrate` times both fp32 and bf16, and on a CPU bf16's kernels sit much
@@ -80,7 +84,8 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 EFFICIENCY = {"matmul_efficiency": 0.8, "matmul_knee": 128.0, "attention_efficiency": 0.5, "attention_knee": 0.0,
               "memory_efficiency": 0.8, "op_overhead": 5e-6, "host_step_s": 0.0, "host_launch_s": 0.0,
-              "host_param_s": 0.0, "overlap": 1.0, "comm_interference": 0.0}
+              "host_param_s": 0.0, "overlap": 1.0, "comm_interference": 0.0,
+              "speed_spread": 0.0}
 _FRACTIONS = ("attention_efficiency", "memory_efficiency", "overlap")
 DTYPE_KERNELS = ("matmul_efficiency", "matmul_knee", "attention_efficiency")  # what [kernels.<dtype>] may hold
 SERVING = ("skinny_knee", "step_s", "seq_s", "layer_s", "layer_seq_s", "linear_flops_fp32", "linear_flops_bf16",
@@ -114,6 +119,7 @@ class HardwareProfile:
     host_param_s: float = EFFICIENCY["host_param_s"]
     overlap: float = EFFICIENCY["overlap"]
     comm_interference: float = EFFICIENCY["comm_interference"]
+    speed_spread: float = EFFICIENCY["speed_spread"]
     serving: dict[str, float] = field(default_factory=dict)  # [serving]: measured engine step costs
     kernels: dict[str, dict[str, float]] = field(default_factory=dict)  # [kernels.<dtype>]: per-dtype figures
 
@@ -218,6 +224,9 @@ def profile_from_dict(values: dict, where: str) -> HardwareProfile:
     if "comm_interference" in values and not 0 <= values["comm_interference"] < 1:
         raise ConfigError(f"hardware profile {where}: comm_interference={values['comm_interference']!r} must be a "
                           f"fraction in [0, 1)")
+    if "speed_spread" in values and not 0 <= values["speed_spread"] < 1:
+        raise ConfigError(f"hardware profile {where}: speed_spread={values['speed_spread']!r} must be a fraction "
+                          f"in [0, 1)")
     if values["memory_bytes"] <= 0:
         raise ConfigError(f"hardware profile {where}: memory_bytes must be > 0")
     if not isinstance(values["gpus_per_node"], int) or values["gpus_per_node"] < 1:

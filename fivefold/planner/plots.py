@@ -8,7 +8,8 @@ from fivefold.memory.plots import pyplot
 from fivefold.planner.speed import BREAKDOWN
 
 COLORS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp": "#f58518", "cp": "#ffbf79", "ep": "#e45756",
-          "pp": "#b279a2", "dp": "#54a24b", "bubble": "#bab0ac", "optimizer": "#72b7b2", "host": "#eeca3b"}
+          "pp": "#b279a2", "dp": "#54a24b", "bubble": "#bab0ac", "optimizer": "#72b7b2", "slowest": "#d6616b",
+          "host": "#eeca3b"}
 
 
 def plot_breakdown(candidates, path: str | Path, title: str) -> Path:

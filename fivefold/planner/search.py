@@ -224,4 +224,5 @@ def why_first(best: Candidate, second: Candidate) -> str:
 
 _NAMES = {"compute": "compute", "recompute": "recomputation", "tp": "tensor-parallel communication",
           "cp": "ring-attention communication", "ep": "expert all-to-alls", "pp": "pipeline sends",
-          "dp": "data-parallel communication", "bubble": "pipeline bubble", "optimizer": "the optimizer step"}
+          "dp": "data-parallel communication", "bubble": "pipeline bubble", "optimizer": "the optimizer step",
+          "slowest": "waiting on the slowest GPU", "host": "waiting on the host"}

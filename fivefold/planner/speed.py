@@ -33,6 +33,10 @@ reduction beyond the backward it overlaps, the optimizer step (memory-bound: the
 moves per local parameter, 50 under bf16-mixed with clipping: optimizer_bytes_per_param), and ZeRO-1/2's
 parameter all-gather.
 
+A step of N devices waits for the slowest of them: devices of one kind differ in speed (the profile's
+speed_spread), so the device work of the step (compute, recomputation, optimizer) takes the expected slowest
+of N draws, not one device's time (slowest_of).
+
 MFU counts model FLOPs (fivefold.memory.formulas.flops_per_token: no recomputation, the PaLM convention)
 against the profile's peak for the compute dtype.
 """
@@ -62,7 +66,7 @@ FUSED = {"norm": (3, 0), "residual": (0, 0), "rope": (3, 0), "heads": (0, 0), "s
 # read: 5 and 9. `combine`, per element of the layer's output: index_add's zeroed base and out-of-place copy.
 OPS_PER_LAYER = {False: 45, True: 12}  # kernels per layer forward (backward: twice), eager vs fused
 OPTIMIZER_OPS = 20
-BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "host")
+BREAKDOWN = ("compute", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "slowest", "host")
 
 
 @dataclass
@@ -106,7 +110,7 @@ class SpeedPlan:
 
 _LABELS = {"compute": "compute", "recompute": "recompute", "tp": "tp comm", "cp": "cp comm", "ep": "ep comm",
            "pp": "pp comm", "dp": "dp comm", "bubble": "bubble", "optimizer": "optimizer",
-           "host": "waiting on the host"}
+           "slowest": "waiting on the slowest GPU", "host": "waiting on the host"}
 
 
 def _seconds(t: float) -> str:
@@ -398,6 +402,16 @@ def host_bound(cfg: Config, costs: _Costs, layers: int, params: int, device: flo
     return hw.host_step_s + max(device, passes + max(optimizer, params * hw.host_param_s))
 
 
+def slowest_of(devices: int, spread: float) -> float:
+    """The fraction by which the slowest of `devices` devices takes longer than one typical device, when their
+    speeds spread evenly over `spread` (fastest to slowest): the expected maximum of n uniform draws lies
+    n / (n + 1) of the way across, the typical one half-way, so spread (n - 1) / (2 (n + 1)). Zero for one
+    device, spread / 2 for many: a large job holds both ends of the spread, and its collectives make every
+    rank wait for the slowest at every step. Outliers (Sinha et al.: up to 1.5x the median) are left out: a
+    production run finds and drains them."""
+    return spread * (devices - 1) / (2 * (devices + 1))
+
+
 def _optimizer_seconds(cfg: Config, profile: HardwareProfile, costs: _Costs, shapes) -> float:
     """The optimizer step's device time on a rank holding `shapes`: Adam's traffic over its (ZeRO: its
     shard of the) parameters, and under fp8 with weights cast once a step the cast after the update."""
@@ -575,6 +589,8 @@ def predict_step(cfg: Config, profile: HardwareProfile, fused: bool | None = Non
         elif c.phase == "after_step":
             breakdown["dp"] += _exposed(profile, seconds, optimizer)
     breakdown["optimizer"] = optimizer
+    own_work = breakdown["compute"] + breakdown["recompute"] + optimizer
+    breakdown["slowest"] = own_work * slowest_of(p.world_size, profile.speed_spread)
     device = sum(breakdown.values())
     layers = sum(len(parts[c * p.pp + busiest]) for c in range(v))
     breakdown["host"] = host_bound(cfg, costs, layers, len(shapes), device, optimizer) - device
