@@ -26,6 +26,7 @@ TESTS = {  # the tests that cover each module
     "blockops": "tests/test_cpu_block_ops.py tests/test_cpu_paged_decode.py",
     "compiled": "tests/test_serve_compiled_decode.py",
     "nucleus": "tests/test_serve_engine.py::test_the_nucleus_among_candidates_is_the_full_sorts",
+    "draws": "tests/test_serve_engine.py::test_drawing_a_few_rows_at_a_time_changes_no_token",
     "tpmem": "tests/test_serve_tp.py::test_tp2_step_memory_is_each_ranks_measured_peak",
     "notokens": "tests/test_serve_engine.py::test_max_tokens_0_computes_the_prompt_into_the_prefix_cache",
     "quant": "tests/test_quant.py",
@@ -136,6 +137,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('SM3', 'fivefold/serve/lean_forward.py', 'stepmem',
      '        del gate_up  # before',
      '        pass  # before'),
+    ('SA3', 'fivefold/serve/sampling.py', 'draws',  # every chunk of rows drawn with the first rows' uniforms
+     '(u[a:b] * cdf[:, -1])',
+     '(u[:b - a] * cdf[:, -1])'),
+    ('SM6', 'fivefold/serve/step_memory.py', 'stepmem',  # the draw's working set planned for every row at once
+     'min(rows, draw_rows(v)) * v * DRAW_BYTES',
+     'rows * v * DRAW_BYTES'),
     ('SM5', 'fivefold/serve/step_memory.py', 'stepmem',  # the C++ SwiGLU's saving not planned
      'per_token = 3 * f + 2 * h + 3 * d',
      'per_token = 4 * f + 2 * h + 3 * d'),

@@ -163,6 +163,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert other_seed.token_ids != together[0].token_ids
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_drawing_a_few_rows_at_a_time_changes_no_token(monkeypatch, rows):
+    """launch_sampling filters and draws draw_rows() rows at a time past DRAW_BUDGET (a large vocabulary at many
+    rows): greedy and drawn rows mixed, top-k, top-p and min-p, the same tokens and logprobs as one pass."""
+    from fivefold.serve import sampling
+    model = tiny()
+    prompts = mixed_prompts(8, model.cfg.vocab_size, seed=5)
+    params = [SamplingParams(max_tokens=10, temperature=0 if i % 3 == 0 else 0.9, top_k=40 * (i % 2), logprobs=2,
+                             top_p=0.9 if i % 4 else 1.0, min_p=0.02 * (i % 2), seed=100 + i, ignore_eos=True)
+              for i in range(8)]
+    one_pass = LLM(model).generate(prompts, params)
+    monkeypatch.setattr(sampling, "DRAW_BUDGET", rows * model.cfg.vocab_size * sampling.DRAW_BYTES)
+    assert sampling.draw_rows(model.cfg.vocab_size) == rows
+    chunked = LLM(model).generate(prompts, params)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in one_pass]
+    assert [o.logprobs for o in chunked] == [o.logprobs for o in one_pass]
+    assert len({t for o in one_pass for t in o.token_ids}) > 20  # drawn, not a constant
+
+
 def test_blocks_return_to_zero_after_finishing_and_aborting():
     model = tiny()
     llm = LLM(model, block_size=4)

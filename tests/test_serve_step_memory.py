@@ -102,6 +102,27 @@ def test_sampling_at_max_num_seqs_rows():
     assert planned.sampling >= measured and planned.sampling == pytest.approx(measured, rel=0.02)
 
 
+def test_sampling_draws_a_few_rows_at_a_time(monkeypatch):
+    """Past DRAW_BUDGET a draw's working set is taken draw_rows() rows at a time: the step's peak holds the
+    working set of those rows only, as planned (4 of 16 rows here)."""
+    from fivefold.serve import sampling
+    cfg = load_config(preset="tiny", overrides=SHAPE)
+    whole = step_memory(cfg, "cpu").sampling
+    v = cfg.model.vocab_size
+    monkeypatch.setattr(sampling, "DRAW_BUDGET", 4 * v * sampling.DRAW_BYTES)
+    assert sampling.draw_rows(v) == 4
+    cfg, eng = engine()
+    planned = step_memory(cfg, "cpu", eng)
+    assert whole - planned.sampling == 12 * v * sampling.DRAW_BYTES
+    params = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, logprobs=2, repetition_penalty=1.2,
+                            ignore_eos=True)
+    for i in range(16):
+        eng.add_request(prompt(8, seed=i), params)
+    eng.step()
+    measured = peak_of_step(eng, "sampling")
+    assert planned.sampling >= measured and planned.sampling == pytest.approx(measured, rel=0.02)
+
+
 def test_scoring_is_bounded_by_max_scored_tokens():
     """Prompts of 1,000 and 300 tokens scored under serve.max_scored_tokens=200 beside 14 decoding requests:
     no step scores more than 200 rows, every prompt token is scored once, and the largest step holds what the

@@ -259,6 +259,21 @@ class SampledTokens:
         return out, entries
 
 
+# A draw's bytes per (row, vocabulary) element at its peak, where top-p sorts a row's nucleus whole
+# (filtered_probs): the tempered logits, the probabilities, the sort's values and int64 order, the probabilities
+# in that order, their cumulative sum and the mask of what it keeps (fivefold.serve.step_memory counts them).
+DRAW_BYTES = 4 + 4 + 4 + 8 + 4 + 4 + 1
+# The most bytes that working set takes at once: at 256 rows of a 128K vocabulary the whole batch's would be
+# 0.95 GB beside the logits, so the rows are drawn this many bytes' worth at a time (72 rows there; 64 rows of
+# a 49K vocabulary are one pass).
+DRAW_BUDGET = 256 * 2**20
+
+
+def draw_rows(vocab: int) -> int:
+    """How many rows of a `vocab`-wide batch launch_sampling filters and draws at once (DRAW_BUDGET)."""
+    return max(1, DRAW_BUDGET // (vocab * DRAW_BYTES))
+
+
 def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eos_id: int | None = None
                     ) -> SampledTokens:
     """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
@@ -286,12 +301,20 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
         temperature, top_p, min_p, u = torch.from_numpy(host).to(device, non_blocking=True)
         top_k = torch.from_numpy(params.top_k).to(device, non_blocking=True)
         drawn = ~params.greedy
-        probs = filtered_probs(logits, temperature, top_k, top_p, min_p, kmax=int(params.top_k[drawn].max()),
-                               use_top_p=bool((params.top_p[drawn] < 1).any()),
-                               use_min_p=bool((params.min_p[drawn] > 0).any()))
-        cdf = probs.cumsum(dim=-1)
-        # right=True: the first token whose cumulative probability exceeds u, never a zero-probability one.
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+        filters = {"kmax": int(params.top_k[drawn].max()), "use_top_p": bool((params.top_p[drawn] < 1).any()),
+                   "use_min_p": bool((params.min_p[drawn] > 0).any())}
+        picked = tokens.clone()
+        step = draw_rows(logits.shape[-1])
+        for a in range(0, len(drawn), step):  # a few rows at a time: each row's draw is its own
+            b = min(a + step, len(drawn))
+            if drawn[a:b].any():
+                probs = filtered_probs(logits[a:b], temperature[a:b], top_k[a:b], top_p[a:b], min_p[a:b], **filters)
+                cdf = probs.cumsum(dim=-1)
+                del probs
+                # right=True: the first token whose cumulative probability exceeds u, never a zero-probability one.
+                picked[a:b] = torch.searchsorted(cdf, (u[a:b] * cdf[:, -1])[:, None], right=True).squeeze(-1)
+                del cdf
+        picked.clamp_(max=logits.shape[-1] - 1)
         greedy = torch.from_numpy(params.greedy).to(device, non_blocking=True)
         tokens = torch.where(greedy, tokens, picked)
     if not logprob_rows:

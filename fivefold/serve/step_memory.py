@@ -18,13 +18,13 @@ from fivefold.config import ModelConfig, ServeConfig
 from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.memory.live_peak import LivePeak
 from fivefold.serve.kv_pool import DECODE_GROUP
+from fivefold.serve.sampling import DRAW_BYTES, draw_rows
 
-# The sampler's bytes per (row, vocabulary) element at its peak (fivefold.serve.sampling.launch_sampling),
-# beside the forward's logits: the model's logprobs (fp32, rows asking for logprobs), a copy with logit biases
-# or penalties, and top-p's where a row's nucleus is sorted whole (fivefold.serve.sampling.filtered_probs): the
-# tempered logits, the probabilities, the sort's values and int64 order, the probabilities in that order,
-# their cumulative sum and the mask of what it keeps.
-SAMPLER_BYTES = 4 + 4 + (4 + 4 + 4 + 8 + 4 + 4 + 1)
+# The sampler's bytes per (row, vocabulary) element beside the forward's logits, for every row of the step
+# (fivefold.serve.sampling.launch_sampling): the model's logprobs (fp32, rows asking for logprobs) and a copy with
+# logit biases or penalties; and a draw's working set (sampling.DRAW_BYTES) for the rows drawn at once
+# (sampling.draw_rows).
+SAMPLER_BYTES = 4 + 4
 # The scorer's, per element of the rows it takes at once (fivefold.serve.sampling.score_rows): logsumexp's
 # shifted and exponentiated rows and the rank's comparison.
 SCORER_BYTES = 4 + 4 + 1
@@ -119,7 +119,7 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
         mask = tokens * length
     upcast = 4 if itemsize != 4 else 0  # the sampler and scorer work in fp32
     head = (v + 2 * h) * itemsize  # a row's logits, its hidden state and its norm
-    sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + SMALL
+    sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + min(rows, draw_rows(v)) * v * DRAW_BYTES + SMALL
     chunk = max(1, rows // 4)  # fivefold.serve.engine scores this many rows at a time
     # The logits of the sampled and scored rows, with (at the LM head, the forward's end) the rows' hidden states
     # and norms and the step's residual stream, or (after) the scorer's chunk, or (last) the sampled rows' copy.
