@@ -9,7 +9,7 @@
 #                                         # BATCH_SIZES=256 times fewer transformers static batches
 #
 # Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json, serve_paths_<gpu>.json,
-# serve_step_memory_<gpu>.json and
+# serve_step_memory_<gpu>.json, serve_sampling_draws_<gpu>.json and
 # gpu_serve_<gpu>.log, where <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
 #
 # A dry run on a CPU checks the plumbing (a tiny model; the CUDA-only profile and tests are skipped there):
@@ -39,6 +39,9 @@ step "paths" 150 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --work
 # (e) a step's working set: the plan's forward, sampler and scored rows against LivePeak and the allocator
 step "step-memory" 60 "$PY" bench/serve_step_memory.py --device "$DEVICE" --model "$MODEL" --dtype bfloat16 \
     --max-num-seqs 256 --max-model-len 8192 --json "bench/results/serve_step_memory_$gpu.json"
+# (f) the sampler's draw of 256 flat rows of Llama 3's vocabulary, in one pass and DRAW_BUDGET's rows at a time
+step "draws" 30 "$PY" bench/serve_sampling.py --rows 8 --vocab 4000 --reps 3 --device "$DEVICE" --draw-rows 256 \
+    --json "bench/results/serve_sampling_draws_$gpu.json"
 step "serve-predict" 75 "$PY" bench/serve_predict.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_predict_$gpu.json"
 

@@ -13,21 +13,32 @@ given (`--run`), and each row's nucleus size is reported.
   transformers' `TopPLogitsWarper` / `TopKLogitsWarper` then the softmax. The kept sets are compared.
 - **engine**: `LLM(run).generate` of `--requests` prompts with top-p, candidates first against every row
   sorted: the tokens (the same seeds) and the time.
+- **draws** (`--draw-rows`, `--draw-vocab`; default 256 x 128,256, Llama 3's vocabulary at a GPU batch): the
+  whole draw (`launch_sampling`) of flat random logits at top-p 0.9, every row drawn and sorted whole, in one
+  pass and `draw_rows()` rows at a time (DRAW_BUDGET): the peak of the memory it allocates beside the logits
+  (measured op by op, fivefold.memory.live_peak), the time, the tokens, and the working set `fivefold plan
+  --serve` counts for it (no logprobs or biases here, which it counts beside).
 
     python bench/serve_sampling.py --run runs/default --json bench/results/serve_sampling_cpu.json
     python bench/serve_sampling.py                                    # random logits only, a quick check
+    python bench/serve_sampling.py --draw-rows 256 --draw-vocab 128256   # + the draws, ~1 min on 2 vCPUs
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 import fivefold.serve.sampling as sampling
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.sampling import filtered_probs
+from fivefold.memory.live_peak import LivePeak
+from fivefold.serve.batch import SlotParams
+from fivefold.serve.step_memory import SMALL
 from machine import base_info, write_results
 
 
@@ -40,6 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8, help="engine: requests decoded together")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--draw-rows", type=int, default=0, help="draws: rows of logits (0: skip the draws)")
+    p.add_argument("--draw-vocab", type=int, default=128256, help="draws: their vocabulary")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="draws: where they run")
+    p.add_argument("--draw-budget-mib", type=float, default=sampling.DRAW_BUDGET / 2**20,
+                   help="draws: DRAW_BUDGET for the chunked side (default: fivefold's)")
     p.add_argument("--json")
     return p.parse_args(argv)
 
@@ -126,6 +142,36 @@ def engine(llm: LLM, args) -> dict:
     return result
 
 
+def draws(rows: int, vocab: int, top_p: float, reps: int, budget: int, device: str = "cpu") -> dict:
+    """launch_sampling of `rows` flat rows, all drawn at top-p: one pass against draw_rows() at a time."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)).to(device)
+    f32 = lambda x: np.full(rows, x, dtype=np.float32)  # noqa: E731
+    params = SlotParams(f32(1.0), np.zeros(rows, dtype=np.int64), f32(top_p), f32(0.0), f32(1.0), f32(0.0), f32(0.0),
+                        np.zeros(rows, dtype=bool), np.random.default_rng(0).random(rows, dtype=np.float32))
+    requests = [SimpleNamespace(params=SamplingParams(temperature=1.0, top_p=top_p), prompt_ids=[], output_ids=[])
+                for _ in range(rows)]
+    out = {"rows": rows, "vocab": vocab, "top_p": top_p, "draw_bytes": sampling.DRAW_BYTES, "device": device}
+    for name, budget in (("one_pass", 1 << 62), ("chunked", budget)):
+        saved, sampling.DRAW_BUDGET = sampling.DRAW_BUDGET, budget
+        try:
+            with LivePeak() as peak:
+                tokens = sampling.launch_sampling(logits, params, requests).result()[0]
+            seconds = best_time(lambda: sampling.launch_sampling(logits, params, requests).result(), reps)
+            out[name] = {"rows_at_once": min(rows, sampling.draw_rows(vocab)), "peak_bytes": peak.peak,
+                         "planned_bytes": min(rows, sampling.draw_rows(vocab)) * vocab * sampling.DRAW_BYTES + SMALL,
+                         "s": seconds, "tokens": tokens}
+        finally:
+            sampling.DRAW_BUDGET = saved
+    out["same_tokens"] = out["one_pass"]["tokens"] == out["chunked"]["tokens"]
+    one, chunked = out["one_pass"], out["chunked"]
+    print(f"draws, {rows} rows x {vocab:,} (flat, top-p {top_p}): one pass peak {one['peak_bytes'] / 2**20:,.0f} MiB "
+          f"(planned {one['planned_bytes'] / 2**20:,.0f}), {one['s'] * 1e3:.0f} ms; {chunked['rows_at_once']} rows at a "
+          f"time peak {chunked['peak_bytes'] / 2**20:,.0f} MiB (planned {chunked['planned_bytes'] / 2**20:,.0f}), "
+          f"{chunked['s'] * 1e3:.0f} ms ({chunked['s'] / one['s']:.2f}x the time); same tokens: {out['same_tokens']}",
+          flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(0)
@@ -141,6 +187,9 @@ def main(argv=None) -> dict:
         logits = torch.randn(args.rows, args.vocab, generator=g) * scale
         print(f"random logits x {scale} ({spread}), vocabulary {args.vocab:,}")
         out["filters"][spread] = filters(logits, args.top_p, args.reps)
+    if args.draw_rows:
+        out["draws"] = draws(args.draw_rows, args.draw_vocab, args.top_p, min(args.reps, 3),
+                             int(args.draw_budget_mib * 2**20), args.device)
     if args.json:
         write_results(args.json, out)
     return out
