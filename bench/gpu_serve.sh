@@ -9,7 +9,7 @@
 #                                         # BATCH_SIZES=256 times fewer transformers static batches
 #
 # Writes bench/results/serve_anchors_<gpu>.json, serve_default_<gpu>.json, serve_paths_<gpu>.json,
-# serve_step_memory_<gpu>.json, serve_sampling_draws_<gpu>.json and
+# serve_step_memory_<gpu>.json, serve_sampling_draws_<gpu>.json, quant_dequantize_<gpu>.json and
 # gpu_serve_<gpu>.log, where <gpu> is a slug of the GPU's name (h100, h200, a100, ...).
 #
 # A dry run on a CPU checks the plumbing (a tiny model; the CUDA-only profile and tests are skipped there):
@@ -42,6 +42,9 @@ step "step-memory" 60 "$PY" bench/serve_step_memory.py --device "$DEVICE" --mode
 # (f) the sampler's draw of 256 flat rows of Llama 3's vocabulary, in one pass and DRAW_BUDGET's rows at a time
 step "draws" 30 "$PY" bench/serve_sampling.py --rows 8 --vocab 4000 --reps 3 --device "$DEVICE" --draw-rows 256 \
     --json "bench/results/serve_sampling_draws_$gpu.json"
+# (g) a quantized weight dequantized in chunks against the whole weight, the 1B's shapes
+step "dequantize" 30 "$PY" bench/quant_dequantize.py --preset "$MODEL" --device "$DEVICE" --reps 5 \
+    --json "bench/results/quant_dequantize_$gpu.json"
 step "serve-predict" 75 "$PY" bench/serve_predict.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_predict_$gpu.json"
 

@@ -27,6 +27,7 @@ TESTS = {  # the tests that cover each module
     "compiled": "tests/test_serve_compiled_decode.py",
     "nucleus": "tests/test_serve_engine.py::test_the_nucleus_among_candidates_is_the_full_sorts",
     "draws": "tests/test_serve_engine.py::test_drawing_a_few_rows_at_a_time_changes_no_token",
+    "dequant": "tests/test_quant.py tests/test_bench_quant_dequantize.py",
     "tpmem": "tests/test_serve_tp.py::test_tp2_step_memory_is_each_ranks_measured_peak",
     "notokens": "tests/test_serve_engine.py::test_max_tokens_0_computes_the_prompt_into_the_prefix_cache",
     "quant": "tests/test_quant.py",
@@ -143,6 +144,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('SM6', 'fivefold/serve/step_memory.py', 'stepmem',  # the draw's working set planned for every row at once
      'min(rows, draw_rows(v)) * v * DRAW_BYTES',
      'rows * v * DRAW_BYTES'),
+    ('QD1', 'fivefold/quant/formats.py', 'dequant',  # the whole weight's fp32 values at once
+     '        rows = max(1, DEQUANT_CHUNK // in_f)',
+     '        rows = out_f'),
+    ('QD2', 'fivefold/serve/step_memory.py', 'stepmem',  # a weight's dequantizing planned as the weight alone
+     'out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size',
+     'out * k * size + max(0, 0'),
     ('SM5', 'fivefold/serve/step_memory.py', 'stepmem',  # the C++ SwiGLU's saving not planned
      'per_token = 3 * f + 2 * h + 3 * d',
      'per_token = 4 * f + 2 * h + 3 * d'),

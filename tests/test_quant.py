@@ -97,6 +97,32 @@ def test_group_size_must_divide_the_width():
         gptq_quantize(torch.randn(4, 64), torch.eye(64), 48)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [2**24, 7 * 64, 64])  # whole, 7 rows, one row at a time
+def test_dequantize_takes_rows_a_chunk_at_a_time_and_holds_what_it_says(method, dtype, chunk, monkeypatch):
+    """dequantize computes DEQUANT_CHUNK elements of rows at a time, in place where the weight is fp32: bit for bit
+    the whole weight's (q - zero) * scale in fp32 then cast, holding at its peak what dequantized_bytes says
+    (the weight, one chunk's fp32 values unless they are the weight's, int4's unpacked codes)."""
+    from fivefold.memory.live_peak import LivePeak
+    from fivefold.quant import formats
+    w = torch.randn(30, 64, generator=gen(21))
+    qw = quantize_int8(w) if method == "int8" else quantize_int4(w, 16)
+    qw.method = method
+    if method == "int8":
+        whole = (qw.qweight.float() * qw.scales.float()).to(dtype)
+    else:
+        q = formats.unpack_int4(qw.qweight).view(30, 4, 16)
+        whole = ((q.float() - qw.zeros.float()[..., None]) * qw.scales.float()[..., None]).view(30, 64).to(dtype)
+    monkeypatch.setattr(formats, "DEQUANT_CHUNK", chunk)
+    with LivePeak() as held:
+        got = qw.dequantize(dtype)
+    assert got.dtype == dtype and torch.equal(got, whole)
+    assert held.peak == formats.dequantized_bytes(method, (30, 64), dtype.itemsize)
+    rows = min(30, max(1, chunk // 64))
+    assert held.peak == 30 * 64 * dtype.itemsize + rows * 64 * ((dtype != torch.float32) * 4 + (method != "int8") * 2)
+
+
 def test_state_round_trip_checks_shapes():
     from fivefold.quant.formats import QuantizedWeight
 

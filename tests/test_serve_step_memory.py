@@ -75,6 +75,31 @@ def test_forward_at_the_token_budget(path, overrides):
     assert planned.mlp >= measured and planned.mlp == pytest.approx(measured, rel=0.01)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("path,overrides", [("lean-cpp", []), ("modules", ["serve.fuse_launches=false"])])
+def test_a_quantized_forward_holds_its_dequantized_weight(method, path, overrides):
+    """A quantized model's linears dequantize their weights for a chunk's products (fivefold.quant.linear): the
+    largest one's weight and chunk (gate/up, fused: 4 MB here, where the 64-token chunk's activations are 2 MB)
+    counted on top of the forward's activations, a bound within 20% of what the step holds; without it the plan
+    would be less than half the measured peak."""
+    from fivefold.quant.gptq import quantize_model
+    from fivefold.quant.linear import swap_linears
+    cfg = load_config(preset="tiny", overrides=SHAPE + ["serve.max_num_batched_tokens=64",
+                                                        "model.ffn_hidden_size=2048", *overrides])
+    model = build_model(cfg.model, seed=0)
+    swap_linears(model, quantize_model(model, method, group_size=64))
+    eng = LLM(model, **vars(cfg.serve)).engine
+    planned = eng.step_memory
+    weight = 2 * 2048 * 256 * 4  # gate/up fused, fp32, one chunk: int4's codes (2 bytes an element) beyond its output
+    assert planned.path == path
+    assert planned.dequantized == weight + (method == "int4") * (2 * (2 * 2048) * 256 - 64 * 2 * 2048 * 4)
+    eng.add_request(prompt(64), SamplingParams(max_tokens=1, temperature=0))
+    measured = peak_of_step(eng, "forward")
+    assert planned.forward >= measured > 0.8 * planned.forward
+    assert measured > 2 * (planned.forward - planned.dequantized)
+    assert "with a dequantized weight's" in planned.describe()
+
+
 def test_forward_attention_over_a_long_context():
     """A narrow model with a long context: the last chunk's mask over its earlier tokens and their gathered
     keys and values outweigh its MLP, as planned (the chunk is one token short of the budget)."""

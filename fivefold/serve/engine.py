@@ -43,7 +43,7 @@ from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling, score_rows
 from fivefold.serve.scheduler import Scheduler, Sequence
 from fivefold.serve.plan import graph_pool_bytes
-from fivefold.serve.step_memory import StepMemory, step_memory
+from fivefold.serve.step_memory import StepMemory, quantized_shapes, step_memory
 
 
 # A sequence's last token while it is still being sampled on the device (asynchronous scheduling): never
@@ -158,7 +158,8 @@ class Engine:
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
         path = "triton" if self.kernel else ("lean-cpp" if self.cpu_kernel else "lean") if self.lean else "modules"
-        self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards)
+        self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards,
+                                                   quantized=quantized_shapes(self.model))
         graphs = 0 if self.cfg.cuda_graphs == "false" or self._graphs_obstacle() else \
             graph_pool_bytes(Config(model=mc, serve=self.cfg), self.dtype.itemsize)
         self._check_room(free, graphs)

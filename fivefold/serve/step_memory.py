@@ -17,6 +17,8 @@ import torch
 from fivefold.config import ModelConfig, ServeConfig
 from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.memory.live_peak import LivePeak
+from fivefold.quant.formats import dequantized_bytes
+from fivefold.quant.linear import QuantLinear
 from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import DRAW_BYTES, draw_rows
 
@@ -50,10 +52,11 @@ class StepMemory:
     mask: int  # the torch path's boolean masks of the chunks' rows over their context
     sampling: int
     scoring: int
+    dequantized: int = 0  # the largest quantized weight dequantized for its product (fivefold.quant), with its chunk
 
     @property
     def forward(self) -> int:
-        return max(self.mlp, self.attention) + self.mask
+        return max(self.mlp, self.attention) + self.mask + self.dequantized
 
     @property
     def peak(self) -> int:
@@ -61,8 +64,10 @@ class StepMemory:
 
     def describe(self) -> str:
         mib = 2**20
+        weight = f" with a dequantized weight's {self.dequantized / mib:,.1f}" if self.dequantized else ""
         return (f"a step's working set: up to {self.peak / mib:,.1f} MiB (the {PATH_WORDS[self.path]} forward "
-                f"{self.forward / mib:,.1f}, sampling {self.sampling / mib:,.1f}, scoring {self.scoring / mib:,.1f})")
+                f"{self.forward / mib:,.1f}{weight}, sampling {self.sampling / mib:,.1f}, scoring "
+                f"{self.scoring / mib:,.1f})")
 
 
 def forward_path(m: ModelConfig, s: ServeConfig, device: str, tp: int = 1) -> str:
@@ -85,11 +90,17 @@ def cpu_kernels(m: ModelConfig, s: ServeConfig) -> bool:
     return s.cpu_kernel != "false" and cpu_kernel_unsupported(m.head_size, getattr(torch, s.dtype)) is None
 
 
-def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: int = 1) -> StepMemory:
+def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: int = 1,
+                quantized: tuple = ()) -> StepMemory:
     """The step's phases in bytes on one rank for the model `m` served under `s` on forward `path`
     (`forward_path`) in elements of `itemsize` bytes, tensor parallel over `tp` ranks: each holds its share of
-    the heads and MLP columns, and gathers the logits whole (fivefold.serve.sharded). Counted for dense SwiGLU or GELU blocks in the serving dtype: a mixture of experts' dispatch
-    and a quantized linear's dequantized weight, where a path makes one, are not."""
+    the heads and MLP columns, and gathers the logits whole (fivefold.serve.sharded). Counted for dense SwiGLU
+    or GELU blocks in the serving dtype; a mixture of experts' dispatch is not. `quantized`: a quantized model's
+    linears as (method, (out, in), itemsize) (quantized_shapes), each of which dequantizes its weight for a
+    chunk's product (fivefold.quant.formats.dequantized_bytes): the largest such weight is counted on top of
+    the forward's activations, with what its dequantizing holds beyond the product's output (which the
+    activations count and which is not allocated yet while it dequantizes). A bound: the weight lives beside
+    one product's input and output, not the MLP's whole peak."""
     tokens, rows, scored = s.max_num_batched_tokens, s.max_num_seqs, s.max_scored_tokens
     h, f, d, v = m.hidden_size, m.ffn_hidden_size // tp, m.head_size, m.vocab_size
     q, kv = m.q_size // tp, m.kv_size // tp
@@ -129,7 +140,17 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
     if tp > 1:  # gathered: each rank's share, the parts received and their concatenation at once
         scoring = max(scoring, (rows + scored) * v * itemsize * (2 * tp + 1) // tp + tokens * h * itemsize)
     scoring = scoring + SMALL if scored else 0
-    return StepMemory(path, mlp, attention, mask, sampling, scoring)
+    dequantized = max((out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size
+                                            - tokens * out * size) for method, (out, k), size in quantized), default=0)
+    return StepMemory(path, mlp, attention, mask, sampling, scoring, dequantized)
+
+
+def quantized_shapes(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, int], int], ...]:
+    """(method, (out, in), compute itemsize) of each of `model`'s quantized linears (fivefold.quant.linear.
+    QuantLinear; the serving engine's fused ones too, which are attributes, not submodules)."""
+    found = {id(q): q for module in model.modules() for q in (module, *vars(module).values())
+             if isinstance(q, QuantLinear)}
+    return tuple(sorted({(q.method, (q.out_features, q.in_features), q.dtype.itemsize) for q in found.values()}))
 
 
 @contextmanager
