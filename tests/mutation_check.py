@@ -150,6 +150,15 @@ MUTANTS = [Mutant(*m) for m in [
     ('QD2', 'fivefold/serve/step_memory.py', 'stepmem',  # a weight's dequantizing planned as the weight alone
      'out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size',
      'out * k * size + max(0, 0'),
+    ('ME1', 'fivefold/serve/step_memory.py', 'stepmem',  # the grouped experts' activation left out
+     '        routed = k * h + 4 * k * f',
+     '        routed = k * h + 3 * k * f'),
+    ('ME2', 'fivefold/serve/step_memory.py', 'stepmem',  # the loop's joined outputs left out
+     '        routed = max((2 * k - 1) * h + 4 * f, 3 * k * h)',
+     '        routed = (2 * k - 1) * h + 4 * f'),
+    ('ME3', 'fivefold/model/moe.py', 'stepmem',  # rows of any width taken as grouped products' own
+     '    return all(d * itemsize % 16 == 0 for d in widths)',
+     '    return True'),
     ('SM5', 'fivefold/serve/step_memory.py', 'stepmem',  # the C++ SwiGLU's saving not planned
      'per_token = 3 * f + 2 * h + 3 * d',
      'per_token = 4 * f + 2 * h + 3 * d'),

@@ -100,6 +100,29 @@ def test_a_quantized_forward_holds_its_dequantized_weight(method, path, override
     assert "with a dequantized weight's" in planned.describe()
 
 
+MOE = ["model.num_experts=8", "model.experts_per_token=2", "model.moe_ffn_hidden_size=512"]
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # the experts as grouped products
+    ["model.moe_grouped_mm=false"],  # one expert at a time: the outputs so far held beside it
+    ["model.moe_grouped_mm=false", "model.moe_ffn_hidden_size=64", "model.experts_per_token=3"],  # then joined
+    ["model.moe_ffn_hidden_size=98"],  # rows of 392 bytes: F.grouped_mm cannot run them, the loop does
+    ["model.moe_ffn_hidden_size=128", "model.shared_expert_size=2048"],  # the shared expert's MLP after them
+])
+def test_a_mixture_of_experts_forward_at_its_worst_routing(overrides):
+    """A mixture of experts' block at the token budget (moe_bytes_per_token): the routed copies, the experts'
+    products, the router's logits and the routing's index vectors, as planned. With a zero router every token
+    goes to the same experts, the worst a loop over experts meets: the plan is its bound, to the routing's
+    bytes."""
+    cfg, eng = engine(*MOE, *overrides)
+    [mod.router.weight.data.zero_() for mod in eng.model.modules() if hasattr(mod, "router")]
+    planned = step_memory(cfg, "cpu", eng)
+    eng.add_request(prompt(1000), SamplingParams(max_tokens=1, temperature=0))
+    measured = peak_of_step(eng, "forward")  # the first chunk: 512 tokens, no context
+    assert planned.path == "modules" and planned.mlp >= measured and planned.mlp == pytest.approx(measured, rel=0.002)
+
+
 def test_forward_attention_over_a_long_context():
     """A narrow model with a long context: the last chunk's mask over its earlier tokens and their gathered
     keys and values outweigh its MLP, as planned (the chunk is one token short of the budget)."""

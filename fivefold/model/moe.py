@@ -56,16 +56,24 @@ def _grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether F.grouped_mm runs these operands: bf16 on CUDA from sm80, fp32 / bf16 on the CPU (bf16 only
     inside torch.compile, whose shape function for it knows no other dtype), every row a multiple of 16
     bytes."""
-    if not hasattr(F, "grouped_mm") or x.dtype != weights[0].dtype:
+    if x.dtype != weights[0].dtype or (torch.compiler.is_compiling() and x.dtype != torch.bfloat16):
         return False
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
         return False
-    if x.device.type == "cuda":
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
-            return False
-    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    return grouped_mm_runs(x.device.type, x.dtype, {d for w in weights for d in w.shape[1:]})
+
+
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, widths) -> bool:
+    """Whether F.grouped_mm takes experts of these `widths` (hidden and expert sizes) in `dtype` on a device of
+    this type (a CUDA one from sm80): bf16 on CUDA, fp32 / bf16 on the CPU, rows a multiple of 16 bytes.
+    fivefold.serve.step_memory asks it too: the experts' memory depends on which form runs."""
+    if not hasattr(F, "grouped_mm"):
         return False
-    return all(d * x.element_size() % 16 == 0 for w in weights for d in w.shape[1:])
+    if dtype not in ((torch.bfloat16,) if device_type == "cuda" else (torch.float32, torch.bfloat16)
+                     if device_type == "cpu" else ()):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(d * itemsize % 16 == 0 for d in widths)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

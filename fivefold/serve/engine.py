@@ -159,7 +159,8 @@ class Engine:
                               f"bytes); raise serve.kv_memory")
         path = "triton" if self.kernel else ("lean-cpp" if self.cpu_kernel else "lean") if self.lean else "modules"
         self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards,
-                                                   quantized=quantized_shapes(self.model))
+                                                   quantized=quantized_shapes(self.model), device=self.device.type,
+                                                   dtype=str(self.dtype).removeprefix("torch."))
         graphs = 0 if self.cfg.cuda_graphs == "false" or self._graphs_obstacle() else \
             graph_pool_bytes(Config(model=mc, serve=self.cfg), self.dtype.itemsize)
         self._check_room(free, graphs)

@@ -102,6 +102,6 @@ def plan_serving(cfg: Config, device_memory: int | None = None, free_bytes: int 
                  max_blocks=s.max_num_seqs * blocks_for(max_model_len, s.block_size), tp=tp)
     tables = s.max_num_seqs * blocks_for(max_model_len, s.block_size) * 4
     graphs = replays_graphs(cfg, device, tp)
-    step = step_memory(m, s, forward_path(m, s, device, tp), itemsize, tp)
+    step = step_memory(m, s, forward_path(m, s, device, tp), itemsize, tp, device=device)
     return ServePlan(weights, kv, step, max_model_len, free_bytes, tables,
                      graph_pool_bytes(cfg, itemsize) if graphs else 0, tp)

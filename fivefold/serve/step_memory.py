@@ -17,6 +17,7 @@ import torch
 from fivefold.config import ModelConfig, ServeConfig
 from fivefold.kernels.cpu_paged_decode import unsupported as cpu_kernel_unsupported
 from fivefold.memory.live_peak import LivePeak
+from fivefold.model.moe import grouped_mm_runs
 from fivefold.quant.formats import dequantized_bytes
 from fivefold.quant.linear import QuantLinear
 from fivefold.serve.kv_pool import DECODE_GROUP
@@ -91,16 +92,17 @@ def cpu_kernels(m: ModelConfig, s: ServeConfig) -> bool:
 
 
 def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: int = 1,
-                quantized: tuple = ()) -> StepMemory:
+                quantized: tuple = (), device: str = "cuda", dtype: str = "") -> StepMemory:
     """The step's phases in bytes on one rank for the model `m` served under `s` on forward `path`
-    (`forward_path`) in elements of `itemsize` bytes, tensor parallel over `tp` ranks: each holds its share of
-    the heads and MLP columns, and gathers the logits whole (fivefold.serve.sharded). Counted for dense SwiGLU
-    or GELU blocks in the serving dtype; a mixture of experts' dispatch is not. `quantized`: a quantized model's
-    linears as (method, (out, in), itemsize) (quantized_shapes), each of which dequantizes its weight for a
-    chunk's product (fivefold.quant.formats.dequantized_bytes): the largest such weight is counted on top of
-    the forward's activations, with what its dequantizing holds beyond the product's output (which the
-    activations count and which is not allocated yet while it dequantizes). A bound: the weight lives beside
-    one product's input and output, not the MLP's whole peak."""
+    (`forward_path`) on a `device` of this type in elements of `itemsize` bytes, tensor parallel over `tp` ranks:
+    each holds its share of the heads and MLP columns, and gathers the logits whole (fivefold.serve.sharded).
+    Counted for SwiGLU or GELU blocks in the serving `dtype` (default serve.dtype), a mixture of experts' by
+    moe_bytes_per_token. `quantized`: a quantized model's linears as (method, (out, in), itemsize)
+    (quantized_shapes), each of which dequantizes its weight for a chunk's product
+    (fivefold.quant.formats.dequantized_bytes): the largest such weight is counted on top of the forward's
+    activations, with what its dequantizing holds beyond the product's output (which the activations count
+    and which is not allocated yet while it dequantizes). A bound: the weight lives beside one product's input
+    and output, not the MLP's whole peak."""
     tokens, rows, scored = s.max_num_batched_tokens, s.max_num_seqs, s.max_scored_tokens
     h, f, d, v = m.hidden_size, m.ffn_hidden_size // tp, m.head_size, m.vocab_size
     q, kv = m.q_size // tp, m.kv_size // tp
@@ -115,6 +117,8 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
     else:  # the modules: gate/up (or fc), their activation and product; the embedding, stream and norm; cos, sin
         per_token = 4 * f + 3 * h + 2 * d
     mlp = tokens * (per_token * itemsize + 8) + SMALL
+    if m.num_experts:
+        mlp = tokens * moe_bytes_per_token(m, path, dtype or s.dtype, device) + SMALL
     attention = mask = 0
     if path != "triton":
         # The torch path's attention gathers a chunk's earlier keys and values for SDPA (whole blocks), with a
@@ -143,6 +147,36 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
     dequantized = max((out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size
                                             - tokens * out * size) for method, (out, k), size in quantized), default=0)
     return StepMemory(path, mlp, attention, mask, sampling, scoring, dequantized)
+
+
+# A mixture of experts' routing, per token and routed copy (fivefold.model.moe.MoE, LocalDispatch): top-k's values
+# and int64 ids, their softmax, the copies' token ids, what capacity keeps (a mask, the kept ids, token ids and
+# weights), the order by expert and the rows it gathers: 4 + 8 + 4 + 8 + 1 + 8 + 8 + 4 + 8 + 8.
+ROUTING_BYTES = 61
+
+
+def moe_bytes_per_token(m: ModelConfig, path: str, dtype: str, device: str) -> int:
+    """A mixture-of-experts block's most bytes per token in a forward (every block routes): at the experts, the
+    routed copies' gathered rows, gate, up, activation and product (k of each), with the router's fp32 logits
+    and the routing's index vectors (ROUTING_BYTES); without grouped products (model.moe_grouped_mm=false, or
+    where F.grouped_mm does not run: fivefold.model.moe.grouped_mm_runs) the
+    experts run one at a time, each on at most every token (a token's k experts differ), beside the outputs
+    so far, which are then joined (the worst routing: every token to the same k experts). Then, with a
+    shared expert, its MLP beside the routed output while the routing's tensors are still held. The
+    residual stream around them is the path's: the modules' embedding, stream, norm and cos / sin, or the
+    Triton path's streams and attention outputs."""
+    h, d, k, e, f, shared = (m.hidden_size, m.head_size, m.experts_per_token, m.num_experts, m.expert_size,
+                             m.shared_expert_size)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    stream = 6 * h + 2 * m.q_size + 2 * d if path == "triton" else 3 * h + 2 * d
+    logits = e * (4 + (itemsize if itemsize != 4 else 0))  # the router's output, then in fp32
+    if m.moe_grouped_mm and grouped_mm_runs(device, getattr(torch, dtype), (h, f)):
+        routed = k * h + 4 * k * f
+    else:  # one expert at a time, on at most every token; the outputs so far held, then joined
+        routed = max((2 * k - 1) * h + 4 * f, 3 * k * h)
+    experts = (stream + routed) * itemsize + logits + ROUTING_BYTES * k
+    after = (stream + h + 4 * shared) * itemsize + logits + 25 * k if shared else 0
+    return max(experts, after) + 8  # and the positions'
 
 
 def quantized_shapes(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, int], int], ...]:
