@@ -286,7 +286,7 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
     logits = logits.float()
     asked = [r.params.logprobs for r in requests]
     logprob_rows = [i for i, k in enumerate(asked) if k is not None]
-    raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # the model's own distribution
+    model = logits  # the model's own distribution: logprobs are read off it after the draw, a few rows at a time
     biased = _biased(logits, requests, eos_id)
     penalised = np.flatnonzero((params.repetition_penalty != 1) | (params.presence_penalty != 0)
                                | (params.frequency_penalty != 0))
@@ -320,9 +320,15 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
     if not logprob_rows:
         return SampledTokens(tokens, tokens, asked, [], 0)
     top = max(asked[i] for i in logprob_rows)
-    rows = torch.tensor(logprob_rows, device=device)
-    chosen = raw.gather(1, tokens[rows][:, None])
-    values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
+    parts = []
+    step = draw_rows(model.shape[-1])
+    for a in range(0, len(logprob_rows), step):
+        rows = torch.tensor(logprob_rows[a:a + step], device=device)
+        raw = torch.log_softmax(model[rows], dim=-1)
+        values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
+        parts.append((raw.gather(1, tokens[rows][:, None]), ids, values))
+        del raw
+    chosen, ids, values = (torch.cat(p) for p in zip(*parts))
     # One copy to the host: tokens, the chosen tokens' logprobs, the top ids and logprobs.
     packed = torch.cat([tokens.double(), chosen.double().flatten(), ids.double().flatten(), values.double().flatten()])
     return SampledTokens(tokens, packed, asked, logprob_rows, top)

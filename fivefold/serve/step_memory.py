@@ -24,10 +24,10 @@ from fivefold.serve.kv_pool import DECODE_GROUP
 from fivefold.serve.sampling import DRAW_BYTES, draw_rows
 
 # The sampler's bytes per (row, vocabulary) element beside the forward's logits, for every row of the step
-# (fivefold.serve.sampling.launch_sampling): the model's logprobs (fp32, rows asking for logprobs) and a copy with
-# logit biases or penalties; and a draw's working set (sampling.DRAW_BYTES) for the rows drawn at once
-# (sampling.draw_rows).
-SAMPLER_BYTES = 4 + 4
+# (fivefold.serve.sampling.launch_sampling): a copy with logit biases or penalties; and a draw's working set
+# (sampling.DRAW_BYTES) for the rows drawn at once (sampling.draw_rows), after which the same rows' logprobs
+# take less (their gathered logits and log-softmax, 8 bytes).
+SAMPLER_BYTES = 4
 # The scorer's, per element of the rows it takes at once (fivefold.serve.sampling.score_rows): logsumexp's
 # shifted and exponentiated rows and the rank's comparison.
 SCORER_BYTES = 4 + 4 + 1
