@@ -277,9 +277,9 @@ def draw_rows(vocab: int) -> int:
 def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eos_id: int | None = None
                     ) -> SampledTokens:
     """Logits (N, V), one row per request, and the rows' parameters (fivefold.serve.batch.SlotParams) ->
-    the next token of each, and its logprobs entry where asked for. One batched pass on the device and
-    one device-to-host copy: greedy rows take the argmax, the others the first token whose cumulative
-    probability passes the row's own pre-drawn uniform (inverse-CDF sampling). Logit biases (and the bans
+    the next token of each, and its logprobs entry where asked for. Batched passes on the device (draw_rows()
+    rows each) and one device-to-host copy: greedy rows take the argmax, the others the first token whose
+    cumulative probability passes the row's own pre-drawn uniform (inverse-CDF sampling). Logit biases (and the bans
     that hold a request to its min_tokens: `eos_id` and its stop token ids), then penalties, apply before
     both; logprobs are the model's own distribution, before either."""
     device = logits.device
@@ -325,7 +325,7 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
     for a in range(0, len(logprob_rows), step):
         rows = torch.tensor(logprob_rows[a:a + step], device=device)
         raw = torch.log_softmax(model[rows], dim=-1)
-        values, ids = raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0])
+        values, ids = raw.topk(top, dim=-1) if top else (raw.new_empty(len(rows), 0),) * 2  # not views of raw
         parts.append((raw.gather(1, tokens[rows][:, None]), ids, values))
         del raw
     chosen, ids, values = (torch.cat(p) for p in zip(*parts))
