@@ -10,9 +10,13 @@ import torch
 from fivefold.planner.calibrate import cpu_model
 
 
-def base_info() -> dict:
-    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+def base_info(device: str = "cpu") -> dict:
+    """The host, torch and Python; and the GPU's name where `device` is cuda."""
+    info = {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def write_results(path: str, data: dict) -> None:

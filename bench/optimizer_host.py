@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
                 line += f", device {1e3 * t['device_s_median']:.2f} ms"
             print(line)
         print(f"  {r['impl']:<8} ours / reference host time: {r['ours']['host_s_median'] / r['reference']['host_s_median']:.2f}x")
-    out = {"machine": base_info(), "preset": args.preset, "device": args.device, "parameters": len(params),
+    out = {"machine": base_info(args.device), "preset": args.preset, "device": args.device, "parameters": len(params),
            "elements": sum(p.numel() for p in params), "width": "narrow" if narrow else "full", "rows": rows}
     by_impl = {r["impl"]: r for r in rows}
     if "fused" in by_impl and "compiled" in by_impl:
@@ -127,8 +127,6 @@ def main(argv=None) -> dict:
         ratio = by_impl["compiled"]["ours"][key] / by_impl["fused"]["ours"][key]
         out["compiled_over_fused"] = ratio
         print(f"  compiled / fused, ours, {key.split('_')[0]} time: {ratio:.2f}x")
-    if args.device == "cuda":
-        out["gpu"] = torch.cuda.get_device_name()
     if args.json:
         write_results(args.json, out)
     return out

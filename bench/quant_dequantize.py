@@ -89,10 +89,8 @@ def main(argv=None) -> dict:
                       f"weight {row['whole_us']:7.0f} us ({row['whole_us'] / row['chunked_us']:.2f}x); peak "
                       f"{row['chunked_peak'] / 2**20:6.2f} MiB (planned {row['planned'] / 2**20:6.2f}), whole "
                       f"{row['whole_peak'] / 2**20:6.2f} MiB; same values: {same}", flush=True)
-    out = {**base_info(), "preset": args.preset, "device": args.device, "group_size": args.group_size,
+    out = {**base_info(args.device), "preset": args.preset, "device": args.device, "group_size": args.group_size,
            "threads": torch.get_num_threads(), "rows": rows}
-    if args.device == "cuda":
-        out["gpu"] = torch.cuda.get_device_name()
     if args.json:
         write_results(args.json, out)
     return out
