@@ -164,18 +164,23 @@ def moe_bytes_per_token(m: ModelConfig, path: str, dtype: str, device: str) -> i
     so far, which are then joined (the worst routing: every token to the same k experts). Then, with a
     shared expert, its MLP beside the routed output while the routing's tensors are still held. The
     residual stream around them is the path's: the modules' embedding, stream, norm and cos / sin, or the
-    Triton path's streams and attention outputs."""
+    Triton path's streams and attention outputs (checked in Triton's interpreter for grouped products, what
+    CUDA runs in bf16; the loop, CUDA's form in fp16 or fp32, held more there than counted here, unexplained
+    and not measured on a GPU)."""
     h, d, k, e, f, shared = (m.hidden_size, m.head_size, m.experts_per_token, m.num_experts, m.expert_size,
                              m.shared_expert_size)
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    stream = 6 * h + 2 * m.q_size + 2 * d if path == "triton" else 3 * h + 2 * d
+    # The Triton path keeps the fused norms' streams, the last layer's output and the attention's q-wide
+    # tensors, and its SwiGLU kernel writes one output (gate, up, output: 3 of f); the modules' activation
+    # and product are two (4 of f).
+    stream, acts = (5 * h + 2 * m.q_size + 2 * d, 3) if path == "triton" else (3 * h + 2 * d, 4)
     logits = e * (4 + (itemsize if itemsize != 4 else 0))  # the router's output, then in fp32
     if m.moe_grouped_mm and grouped_mm_runs(device, getattr(torch, dtype), (h, f)):
-        routed = k * h + 4 * k * f
+        routed = k * h + acts * k * f
     else:  # one expert at a time, on at most every token; the outputs so far held, then joined
-        routed = max((2 * k - 1) * h + 4 * f, 3 * k * h)
+        routed = max((2 * k - 1) * h + acts * f, 3 * k * h)
     experts = (stream + routed) * itemsize + logits + ROUTING_BYTES * k
-    after = (stream + h + 4 * shared) * itemsize + logits + 25 * k if shared else 0
+    after = (stream + h + acts * shared) * itemsize + logits + 25 * k if shared else 0
     return max(experts, after) + 8  # and the positions'
 
 
