@@ -159,9 +159,9 @@ def moe_bytes_per_token(m: ModelConfig, path: str, dtype: str, device: str) -> i
     """A mixture-of-experts block's most bytes per token in a forward (every block routes): at the experts, the
     routed copies' gathered rows, gate, up, activation and product (k of each), with the router's fp32 logits
     and the routing's index vectors (ROUTING_BYTES); without grouped products (model.moe_grouped_mm=false, or
-    where F.grouped_mm does not run: fivefold.model.moe.grouped_mm_runs) the
-    experts run one at a time, each on at most every token (a token's k experts differ), beside the outputs
-    so far, which are then joined (the worst routing: every token to the same k experts). Then, with a
+    where F.grouped_mm does not run: fivefold.model.moe.grouped_mm_runs) the experts run one at a time, each
+    on at most every token (a token's k experts differ), beside the outputs so far, which are then joined
+    (the worst routing: every token to the same k experts). Then, with a
     shared expert, its MLP beside the routed output while the routing's tensors are still held. The
     residual stream around them is the path's: the modules' embedding, stream, norm and cos / sin, or the
     Triton path's streams and attention outputs (checked in Triton's interpreter for grouped products, what
