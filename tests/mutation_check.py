@@ -151,11 +151,11 @@ MUTANTS = [Mutant(*m) for m in [
      'out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size',
      'out * k * size + max(0, 0'),
     ('ME1', 'fivefold/serve/step_memory.py', 'stepmem',  # the grouped experts' activation left out
-     '        routed = k * h + 4 * k * f',
-     '        routed = k * h + 3 * k * f'),
+     '        routed = k * h + acts * k * f',
+     '        routed = k * h + (acts - 1) * k * f'),
     ('ME2', 'fivefold/serve/step_memory.py', 'stepmem',  # the loop's joined outputs left out
-     '        routed = max((2 * k - 1) * h + 4 * f, 3 * k * h)',
-     '        routed = (2 * k - 1) * h + 4 * f'),
+     '        routed = max((2 * k - 1) * h + acts * f, 3 * k * h)',
+     '        routed = (2 * k - 1) * h + acts * f'),
     ('ME3', 'fivefold/model/moe.py', 'stepmem',  # rows of any width taken as grouped products' own
      '    return all(d * itemsize % 16 == 0 for d in widths)',
      '    return True'),

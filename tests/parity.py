@@ -130,9 +130,9 @@ def assert_matches_plan(rows: dict, activations: bool = True, late: float = 0.0,
     """Model states within 1% of the plan, activations within `tolerance` (0.5%, as for one process in
     test_memory_measured, where the replay agrees to bytes), the start-up peak at most the plan's. A layout
     that measurably differs more passes its own `tolerance`, with the measured figures beside it.
-    `late`: bytes of a buffer that a
-    collective whose result is copied out and dropped at once (SP's gathered sequence, EP's sent tokens)
-    may still hold when the peak comes: gloo's worker thread releases the buffers of a finished call a
+    `late`: bytes of a buffer that a collective whose result is copied out and dropped at once (SP's gathered
+    sequence, EP's sent tokens, the copy tensor parallelism's all-reduce sums) may still hold when the peak
+    comes: gloo's worker thread releases the buffers of a finished call a
     moment after the call has returned (measured: 30-40% of all_gather_into_tensor calls), so the measured
     peak may exceed the plan by up to that much, and by no more."""
     if "startup" in rows:  # the plan's start-up peak is a bound (the largest parameter made last)
