@@ -100,6 +100,38 @@ def test_a_quantized_forward_holds_its_dequantized_weight(method, path, override
     assert "with a dequantized weight's" in planned.describe()
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_plan_serve_of_a_quantized_directory_is_what_its_engine_holds(method, tmp_path, capsys):
+    """`fivefold plan --serve --model DIR` reads a quantized directory without its weights: the stored bytes of
+    its quantized linears in place of theirs at full size (what the engine then holds, to the byte), and the
+    step with each one's dequantizing (fused q/k/v and gate/up as the engine fuses them): the engine's count."""
+    from fivefold.cli import main
+    from fivefold.quant.directory import save_quantized
+    from fivefold.quant.gptq import quantize_model
+    from fivefold.quant.linear import QuantLinear
+    from fivefold.serve.plan import QuantizedLinears
+    cfg = load_config(preset="tiny", overrides=["model.ffn_hidden_size=512"])
+    model = build_model(cfg.model, seed=0)
+    save_quantized(tmp_path / method, cfg, model, quantize_model(model, method, group_size=32))
+    eng = LLM(tmp_path / method, num_blocks=64).engine
+    served = load_config(preset="tiny", overrides=["model.ffn_hidden_size=512", "serve.num_blocks=64"])
+    plan = plan_serving(served, device="cpu", quantized=QuantizedLinears.read(tmp_path / method))
+    assert plan.step == eng.step_memory and plan.step.dequantized > 0
+    held = sum(p.numel() * p.element_size() for p in eng.model.parameters()) + sum(
+        t.numel() * t.element_size() for m in eng.model.modules() if type(m) is QuantLinear
+        for t in m._buffers.values() if t is not None)
+    assert plan.weights == held < plan_serving(served, device="cpu").weights
+    assert main(["plan", "--serve", "--model", str(tmp_path / method), "--device", "cpu",
+                 "--set", "serve.num_blocks=64"]) == 0
+    out = capsys.readouterr().out
+    assert f"weights ({method})" in out and "with a dequantized weight's" in out
+    for args, message in ((["--set", "parallel.tp=2"], "served with tp=1"), (["--cluster", "h100-sxm"], "memory only")):
+        assert main(["plan", "--serve", "--model", str(tmp_path / method), "--set", "serve.num_blocks=64", *args]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["plan", "--model", str(tmp_path / method)]) == 2
+    assert "add --serve" in capsys.readouterr().err
+
+
 MOE = ["model.num_experts=8", "model.experts_per_token=2", "model.moe_ffn_hidden_size=512"]
 
 

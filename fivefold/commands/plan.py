@@ -12,6 +12,7 @@ from fivefold.commands import plan_fit, plan_serve, plan_speed
 from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
 from fivefold.commands.plan_fit import run_fit
 from fivefold.config import ConfigError
+from fivefold.parallel.rules import check_layout
 from fivefold.memory.plan import model_name, plan_memory, scores_materialised
 from fivefold.memory.plots import plot_recompute_sweep, plot_sweep, plot_timeline
 from fivefold.memory.sweeps import RECOMPUTE_SWEEP_NOTE, recompute_sweep, sweep, sweep_replays_eager
@@ -19,7 +20,8 @@ from fivefold.memory.tracker import measure_memory, random_datasets
 from fivefold.memory.units import human_bytes, parse_bytes
 from fivefold.parallel.launch import launch_workers
 from fivefold.planner.hardware import load_profile
-from fivefold.serve.plan import plan_serving
+from fivefold.serve.plan import QuantizedLinears, plan_serving
+from fivefold.weights import weight_source
 
 
 def register(sub) -> None:
@@ -43,6 +45,10 @@ def register(sub) -> None:
                       help="serving instead of training: weights, the KV pool (serve.*), and how many "
                            "sequences of each length fit at once; with --cluster, also the throughput and "
                            "latency of --workload (fivefold.serve.simulator)")
+    plan.add_argument("--model", metavar="PATH",
+                      help="with --serve: the model at PATH (a run, checkpoint, Hugging Face or quantized directory, "
+                           "as `fivefold serve` takes it), read without its weights: its shape, and a quantized "
+                           "directory's stored bytes and dequantizing")
     plan.add_argument("--workload", metavar="SPEC",
                       help="with --serve --cluster: the traffic, e.g. requests=256,prompt=100:1024,output=100:1024,"
                            "dist=uniform,rate=4 (rate 0: all at t=0), a name (default, chat, summarise, anchors) "
@@ -73,6 +79,18 @@ def register(sub) -> None:
 
 def run_plan(args) -> int:
     cfg = config_from_args(args)
+    quantized = None
+    if args.model:
+        if not args.serve:
+            raise ConfigError("--model plans serving the model at a path: add --serve (a training plan takes "
+                              "the model from --preset / --config / --set model.*)")
+        source = weight_source(args.model)
+        cfg.model = source.config.model
+        check_layout(cfg, implemented=False)  # the model's heads against parallel.tp, as load_config checks
+        quantized = QuantizedLinears.read(source.directory) if source.kind == "quantized" else None
+        if quantized and cfg.parallel.tp > 1:
+            raise ConfigError(f"{args.model} is a quantized model: it is served with tp=1 (its codes are not "
+                              f"sharded); drop parallel.tp")
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     profile = None
     if args.cluster:
@@ -104,8 +122,11 @@ def run_plan(args) -> int:
             raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
                              f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
         if profile is not None:
+            if quantized:
+                raise ConfigError("--model with a quantized directory plans memory only: leave out --cluster (the "
+                                  "speed model prices full-precision linears)")
             return plan_serve.run(args, cfg, profile, device_memory)
-        serving = plan_serving(cfg, device_memory, device=args.device)
+        serving = plan_serving(cfg, device_memory, device=args.device, quantized=quantized)
         print(json.dumps(serving.to_json(), indent=2) if args.json else serving.table())
         return 0
     if args.sweep:
