@@ -159,6 +159,12 @@ MUTANTS = [Mutant(*m) for m in [
     ('ME3', 'fivefold/model/moe.py', 'stepmem',  # rows of any width taken as grouped products' own
      '    return all(d * itemsize % 16 == 0 for d in widths)',
      '    return True'),
+    ('QP1', 'fivefold/serve/plan.py', 'stepmem',  # a quantized directory's weights at full size as well
+     '        weights += quantized.nbytes - sum(shapes[n][0] * shapes[n][1] for n in quantized.modules) * itemsize',
+     '        weights += quantized.nbytes'),
+    ('QP2', 'fivefold/serve/plan.py', 'stepmem',  # the engine's fused quantized products left out of the plan
+     '                if all(n in out for n in names):',
+     '                if not names:'),
     ('SM5', 'fivefold/serve/step_memory.py', 'stepmem',  # the C++ SwiGLU's saving not planned
      'per_token = 3 * f + 2 * h + 3 * d',
      'per_token = 4 * f + 2 * h + 3 * d'),
