@@ -262,25 +262,27 @@ print(peak_of_step(eng, "forward"), eng.step_memory.mlp)
 """
 
 
-def test_a_mixture_of_experts_forward_on_the_triton_path():
-    """A mixture of experts on the Triton path (its interpreter on the CPU): the grouped experts with the SwiGLU
-    kernel's one output, beside the Triton path's streams, as planned."""
+def interpreted(script: str) -> tuple[int, int]:
+    """(measured, planned) that `script` prints last, run in Triton's interpreter in a process of its own."""
     pytest.importorskip("triton")
-    run = subprocess.run([sys.executable, "-c", TRITON_MOE_STEP], capture_output=True, text=True, timeout=300,
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent.parent, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     measured, planned = map(int, run.stdout.split()[-2:])
+    return measured, planned
+
+
+def test_a_mixture_of_experts_forward_on_the_triton_path():
+    """A mixture of experts on the Triton path (its interpreter on the CPU): the grouped experts with the SwiGLU
+    kernel's one output, beside the Triton path's streams, as planned."""
+    measured, planned = interpreted(TRITON_MOE_STEP)
     assert planned >= measured and planned == pytest.approx(measured, rel=0.005)
 
 
 def test_forward_on_the_triton_path():
     """The Triton path (here in Triton's interpreter on the CPU): the fused norms' streams and the SwiGLU
     kernel's output, as planned for CUDA."""
-    pytest.importorskip("triton")
-    run = subprocess.run([sys.executable, "-c", TRITON_STEP], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent.parent, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    measured, planned = map(int, run.stdout.split()[-2:])
+    measured, planned = interpreted(TRITON_STEP)
     assert planned >= measured and planned == pytest.approx(measured, rel=0.02)
 
 
