@@ -40,8 +40,8 @@ How close kernels come to those peaks (the step-time model, fivefold.planner.spe
                           kernels they overlap run on the rest (0: not modelled, as in a calibrated profile)
     speed_spread          how far apart devices of this one kind run, slowest to fastest, as a fraction of the
                           typical one's speed (manufacturing and power management: same-SKU GPUs differ by 8%
-                          on average, Sinha et al., SC'22). A synchronous step waits for its slowest device,
-                          so N devices take longer than one (fivefold.planner.speed.slowest_of) (0)
+                          on average, Sinha et al. 2022, arXiv 2208.11035v3). A synchronous step waits for its
+                          slowest device, so N devices take longer than one (fivefold.planner.speed.slowest_of) (0)
     [kernels.<dtype>]     matmul_efficiency, matmul_knee and attention_efficiency measured for one dtype (bf16,
                           fp16, fp8, fp32) apart from the figures above, which every other dtype uses:
                           `fivefold calibrate` times both fp32 and bf16, and on a CPU bf16's kernels sit much
