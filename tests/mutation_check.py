@@ -148,8 +148,8 @@ MUTANTS = [Mutant(*m) for m in [
      '        rows = max(1, DEQUANT_CHUNK // in_f)',
      '        rows = out_f'),
     ('QD2', 'fivefold/serve/step_memory.py', 'stepmem',  # a weight's dequantizing planned as the weight alone
-     'out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size',
-     'out * k * size + max(0, 0'),
+     '        return weight + max(0, dequantized_bytes(method, (out, k), size) - weight - tokens * out * size)',
+     '        return weight'),
     ('ME1', 'fivefold/serve/step_memory.py', 'stepmem',  # the grouped experts' activation left out
      '        routed = k * h + acts * k * f',
      '        routed = k * h + (acts - 1) * k * f'),
@@ -157,7 +157,7 @@ MUTANTS = [Mutant(*m) for m in [
      '        routed = max((2 * k - 1) * h + acts * f, 3 * k * h)',
      '        routed = (2 * k - 1) * h + acts * f'),
     ('ME3', 'fivefold/model/moe.py', 'stepmem',  # rows of any width taken as grouped products' own
-     '    return all(d * itemsize % 16 == 0 for d in widths)',
+     '    return all(d * dtype.itemsize % 16 == 0 for d in widths)',
      '    return True'),
     ('QP1', 'fivefold/serve/plan.py', 'stepmem',  # a quantized directory's weights at full size as well
      '        weights += quantized.nbytes - sum(shapes[n][0] * shapes[n][1] for n in quantized.modules) * itemsize',

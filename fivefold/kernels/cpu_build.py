@@ -2,10 +2,10 @@
 
 cpu_paged_decode.cpp (decode attention reading the paged pool in place), cpu_linear_rows.cpp (a linear's
 product at a decode's few rows) and cpu_block_ops.cpp (a block's norms, SwiGLU, and RoPE with the KV store before
-decode attention, one call each, and a decode step's every block as one call), bound by cpu_kernels.cpp. Built at first use with torch's extension builder
-(a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's instruction set, where torch keeps its
-extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a directory per version of the sources),
-and loaded from there afterwards.
+decode attention, one call each, and a decode step's every block as one call), bound by cpu_kernels.cpp. Built
+at first use with torch's extension builder (a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's
+instruction set, where torch keeps its extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a
+directory per version of the sources), and loaded from there afterwards.
 Where it cannot be built, `kernel_problem()` says why and the engine keeps torch's ops.
 
 torch's builder guards a build directory with a lock file that only the process holding it removes: a build

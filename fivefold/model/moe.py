@@ -72,8 +72,7 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, widths) -> bool:
     if dtype not in ((torch.bfloat16,) if device_type == "cuda" else (torch.float32, torch.bfloat16)
                      if device_type == "cpu" else ()):
         return False
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return all(d * itemsize % 16 == 0 for d in widths)
+    return all(d * dtype.itemsize % 16 == 0 for d in widths)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

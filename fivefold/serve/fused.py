@@ -24,6 +24,8 @@ from fivefold.quant.formats import QuantizedWeight
 from fivefold.quant.linear import QuantLinear
 from fivefold.train.fused_projections import unfuse_projections as unfuse_training
 
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")  # the parts each fused product joins
+
 
 def _fuse(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Concatenate the named nn.Linear's weights (and biases) along the output; re-point each parameter at
@@ -141,9 +143,8 @@ def fuse_projections(model: nn.Module) -> int:
         if _fused_parts(module) is not None:
             fused += 1
         elif type(module) is Attention:
-            names = ("q_proj", "k_proj", "v_proj")
-            parts = _fuse(module, names)
-            quantized = None if parts else _fuse_quantized(module, names)
+            parts = _fuse(module, QKV)
+            quantized = None if parts else _fuse_quantized(module, QKV)
             if parts:
                 module.qkv_weight, module.qkv_bias = parts
                 module.__class__ = FusedAttention
@@ -151,16 +152,16 @@ def fuse_projections(model: nn.Module) -> int:
                 module.__dict__["qkv_quant"] = quantized  # not a submodule: names and state dict unchanged
                 module.__class__ = FusedQuantAttention
             if parts or quantized is not None:
-                module.qkv_sizes = [getattr(module, n).out_features for n in names]
+                module.qkv_sizes = [getattr(module, n).out_features for n in QKV]
                 fused += 1
         elif isinstance(module, MLP) and module.swiglu and type(module).__name__ in ("MLP", "TritonMLP"):
-            parts = _fuse(module, ("gate_proj", "up_proj"))
+            parts = _fuse(module, GATE_UP)
             if parts:
                 module.gate_up_weight, module.gate_up_bias = parts
                 module.__class__ = _fused_mlp_class(type(module))
                 fused += 1
             elif type(module) is MLP:
-                quantized = _fuse_quantized(module, ("gate_proj", "up_proj"))
+                quantized = _fuse_quantized(module, GATE_UP)
                 if quantized is not None:
                     module.__dict__["gate_up_quant"] = quantized
                     module.__class__ = FusedQuantMLP
@@ -171,13 +172,13 @@ def fuse_projections(model: nn.Module) -> int:
 def _fused_parts(module: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
     """(fused weight's name, the parts' names, the attributes fusing added) of a fused module, else None."""
     if isinstance(module, FusedQuantAttention):
-        return "qkv_quant", ("q_proj", "k_proj", "v_proj"), ("qkv_quant", "qkv_sizes")
+        return "qkv_quant", QKV, ("qkv_quant", "qkv_sizes")
     if isinstance(module, FusedAttention):
-        return "qkv_weight", ("q_proj", "k_proj", "v_proj"), ("qkv_weight", "qkv_bias", "qkv_sizes")
+        return "qkv_weight", QKV, ("qkv_weight", "qkv_bias", "qkv_sizes")
     if isinstance(module, FusedQuantMLP):
-        return "gate_up_quant", ("gate_proj", "up_proj"), ("gate_up_quant",)
+        return "gate_up_quant", GATE_UP, ("gate_up_quant",)
     if isinstance(module, MLP) and hasattr(module, "gate_up_weight"):
-        return "gate_up_weight", ("gate_proj", "up_proj"), ("gate_up_weight", "gate_up_bias")
+        return "gate_up_weight", GATE_UP, ("gate_up_weight", "gate_up_bias")
     return None
 
 

@@ -19,6 +19,7 @@ from fivefold.model.init import meta_model
 from fivefold.quant.directory import read_quantization
 from fivefold.serve.blocks import blocks_for
 from fivefold.serve.cuda_graphs import batch_ladder
+from fivefold.serve.fused import GATE_UP, QKV
 from fivefold.serve.kv_pool import KVPlan, kv_plan
 from fivefold.serve.step_memory import PATH_WORDS, StepMemory, forward_path, step_memory
 
@@ -108,7 +109,7 @@ class QuantizedLinears:
         (fivefold.serve.fused: q/k/v and gate/up of one block, quantized alike), by name."""
         model = meta_model(m)
         out = {name: tuple(model.get_submodule(name).weight.shape) for name in self.modules}
-        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
+        for parts, fused in ((QKV, "qkv"), (GATE_UP, "gate_up")):
             parents = {n.rpartition(".")[0] for n in self.modules if n.rpartition(".")[2] == parts[0]}
             for parent in parents:
                 names = [f"{parent}.{p}" for p in parts]

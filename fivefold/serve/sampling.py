@@ -296,6 +296,7 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
         _penalise(biased, penalised, params, requests)
     logits = biased
     tokens = logits.argmax(dim=-1)
+    step = draw_rows(logits.shape[-1])  # rows filtered, drawn and read for logprobs at once
     if not params.greedy.all():
         host = np.stack([params.temperature, params.top_p, params.min_p, params.uniforms]).astype(np.float32)
         temperature, top_p, min_p, u = torch.from_numpy(host).to(device, non_blocking=True)
@@ -304,7 +305,6 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
         filters = {"kmax": int(params.top_k[drawn].max()), "use_top_p": bool((params.top_p[drawn] < 1).any()),
                    "use_min_p": bool((params.min_p[drawn] > 0).any())}
         picked = tokens.clone()
-        step = draw_rows(logits.shape[-1])
         for a in range(0, len(drawn), step):  # a few rows at a time: each row's draw is its own
             b = min(a + step, len(drawn))
             if drawn[a:b].any():
@@ -321,7 +321,6 @@ def launch_sampling(logits: torch.Tensor, params: SlotParams, requests: list, eo
         return SampledTokens(tokens, tokens, asked, [], 0)
     top = max(asked[i] for i in logprob_rows)
     parts = []
-    step = draw_rows(model.shape[-1])
     for a in range(0, len(logprob_rows), step):
         rows = torch.tensor(logprob_rows[a:a + step], device=device)
         raw = torch.log_softmax(model[rows], dim=-1)

@@ -144,8 +144,10 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
     if tp > 1:  # gathered: each rank's share, the parts received and their concatenation at once
         scoring = max(scoring, (rows + scored) * v * itemsize * (2 * tp + 1) // tp + tokens * h * itemsize)
     scoring = scoring + SMALL if scored else 0
-    dequantized = max((out * k * size + max(0, dequantized_bytes(method, (out, k), size) - out * k * size
-                                            - tokens * out * size) for method, (out, k), size in quantized), default=0)
+    def dequantizing(method: str, out: int, k: int, size: int) -> int:  # the weight, and its chunk past the output
+        weight = out * k * size
+        return weight + max(0, dequantized_bytes(method, (out, k), size) - weight - tokens * out * size)
+    dequantized = max((dequantizing(method, *shape, size) for method, shape, size in quantized), default=0)
     return StepMemory(path, mlp, attention, mask, sampling, scoring, dequantized)
 
 
@@ -169,7 +171,7 @@ def moe_bytes_per_token(m: ModelConfig, path: str, dtype: str, device: str) -> i
     and not measured on a GPU)."""
     h, d, k, e, f, shared = (m.hidden_size, m.head_size, m.experts_per_token, m.num_experts, m.expert_size,
                              m.shared_expert_size)
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    itemsize = getattr(torch, dtype).itemsize
     # The Triton path keeps the fused norms' streams, the last layer's output and the attention's q-wide
     # tensors, and its SwiGLU kernel writes one output (gate, up, output: 3 of f); the modules' activation
     # and product are two (4 of f).
