@@ -125,7 +125,8 @@ def test_plan_serve_of_a_quantized_directory_is_what_its_engine_holds(method, tm
                  "--set", "serve.num_blocks=64"]) == 0
     out = capsys.readouterr().out
     assert f"weights ({method})" in out and "with a dequantized weight's" in out
-    for args, message in ((["--set", "parallel.tp=2"], "served with tp=1"), (["--cluster", "h100-sxm"], "memory only")):
+    for args, message in ((["--set", "parallel.tp=2"], "served with tp=1"), (["--cluster", "h100-sxm"], "memory only"),
+                          (["--preset", "tiny", "--set", "model.num_layers=3"], "drop --preset, model.num_layers")):
         assert main(["plan", "--serve", "--model", str(tmp_path / method), "--set", "serve.num_blocks=64", *args]) == 2
         assert message in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / method)]) == 2

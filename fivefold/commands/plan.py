@@ -84,6 +84,9 @@ def run_plan(args) -> int:
         if not args.serve:
             raise ConfigError("--model plans serving the model at a path: add --serve (a training plan takes "
                               "the model from --preset / --config / --set model.*)")
+        given = ["--preset"] * bool(args.preset) + [o.split("=")[0] for o in args.overrides if o.startswith("model.")]
+        if given:
+            raise ConfigError(f"--model takes the model's shape from {args.model}: drop {', '.join(given)}")
         source = weight_source(args.model)
         cfg.model = source.config.model
         check_layout(cfg, implemented=False)  # the model's heads against parallel.tp, as load_config checks
