@@ -509,6 +509,35 @@ def test_engine_with_the_kernel_gives_the_reference_tokens(interpreter):
     assert outs["triton"] == outs["torch"]
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_model_fuses_gate_up_on_the_kernel_path(interpreter, method):
+    """On the kernel path the MLP is the Triton one; a quantized model's gate/up fuse there as on the torch
+    path (one QuantLinear over both parts' codes, which the parts view: what `fivefold plan --serve --model`
+    counts), and both paths give the same greedy tokens; unfusing gives the Triton MLP back."""
+    from fivefold.kernels.swiglu import TritonMLP
+    from fivefold.model import build_model
+    from fivefold.presets import PRESETS
+    from fivefold.quant.gptq import quantize_model
+    from fivefold.quant.linear import swap_linears
+    from fivefold.serve import LLM, SamplingParams
+    from fivefold.serve.fused import unfuse_projections
+
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 8, 4], [11, 12, 13]]
+    outs = {}
+    for choice in ("torch", "triton"):
+        model = build_model(PRESETS["tiny"], seed=1).eval()
+        swap_linears(model, quantize_model(model, method, group_size=16))
+        llm = LLM(model, kernels=choice, block_size=8)
+        assert llm.engine.fused == 2 * model.cfg.num_layers
+        outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0,
+                                                                                       ignore_eos=True))]
+    mlp = model.layers[0].mlp
+    assert type(mlp).__name__ == "FusedQuantTritonMLP" and isinstance(mlp, TritonMLP)
+    assert mlp.up_proj.qweight.untyped_storage().data_ptr() == mlp.gate_up_quant.qweight.untyped_storage().data_ptr()
+    assert outs["triton"] == outs["torch"]
+    assert unfuse_projections(model) == 2 * model.cfg.num_layers and type(model.layers[0].mlp) is TritonMLP
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the kernels in the interpreter itself")
 def test_in_a_fresh_process():
     """This file's tests in a child process that imports triton with TRITON_INTERPRET=1 (see the top)."""

@@ -263,6 +263,27 @@ print(peak_of_step(eng, "forward"), eng.step_memory.mlp)
 """
 
 
+TRITON_QUANTIZED_STEP = """
+import sys
+sys.path.insert(0, "tests")
+from test_serve_step_memory import SHAPE, peak_of_step, prompt
+from fivefold.config_load import load_config
+from fivefold.model import build_model
+from fivefold.quant.gptq import quantize_model
+from fivefold.quant.linear import swap_linears
+from fivefold.serve import LLM, SamplingParams
+cfg = load_config(preset="tiny", overrides=SHAPE + ["serve.max_num_batched_tokens=64", "model.ffn_hidden_size=2048",
+                                                    "serve.kernels=triton"])
+model = build_model(cfg.model, seed=0)
+swap_linears(model, quantize_model(model, "{method}", group_size=64))
+eng = LLM(model, **vars(cfg.serve)).engine
+assert eng.step_memory.path == "triton" and type(eng.model.layers[0].mlp).__name__ == "FusedQuantTritonMLP"
+assert eng.step_memory.dequantized == {dequantized}
+eng.add_request(prompt(64), SamplingParams(max_tokens=1, temperature=0))
+print(peak_of_step(eng, "forward"), eng.step_memory.forward)
+"""
+
+
 def interpreted(script: str) -> tuple[int, int]:
     """(measured, planned) that `script` prints last, run in Triton's interpreter in a process of its own."""
     pytest.importorskip("triton")
@@ -285,6 +306,16 @@ def test_forward_on_the_triton_path():
     kernel's output, as planned for CUDA."""
     measured, planned = interpreted(TRITON_STEP)
     assert planned >= measured and planned == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_forward_on_the_triton_path(method):
+    """The Triton MLP fuses a quantized gate/up as the torch path does, so the step holds the fused weight
+    dequantized, as planned (the same bound as on the torch path)."""
+    weight = 2 * 2048 * 256 * 4  # as in test_a_quantized_forward_holds_its_dequantized_weight
+    dequantized = weight + (method == "int4") * (2 * (2 * 2048) * 256 - 64 * 2 * 2048 * 4)
+    measured, planned = interpreted(TRITON_QUANTIZED_STEP.format(method=method, dequantized=dequantized))
+    assert planned >= measured > 0.8 * planned
 
 
 def test_a_pool_that_leaves_no_room_for_a_step_is_refused(monkeypatch):

@@ -68,7 +68,10 @@ class FusedAttention(Attention):
         Attention.forward."""
         if not (self.use_rope and getattr(kv_cache, "fused_launches", False)):
             return super().forward(x, rope, mask, kv_cache)
-        q, k, v = self.project(x)  # (1, T, width) column slices of one product
+        qkv = self.qkv(x)
+        if qkv.stride(-1) != 1:  # a few rows read from quantized codes on a CPU come out (out, rows): the kernel reads rows
+            qkv = qkv.contiguous()
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # (1, T, width) column slices of one product
         t, d = q.shape[1], self.head_dim
         cos, sin = rope  # (1, 1, T, d)
         out = kv_cache.attend_rotary(self.layer_idx, q[0].view(t, -1, d), k[0].view(t, -1, d), v[0].view(t, -1, d),
@@ -156,16 +159,14 @@ def fuse_projections(model: nn.Module) -> int:
                 fused += 1
         elif isinstance(module, MLP) and module.swiglu and type(module).__name__ in ("MLP", "TritonMLP"):
             parts = _fuse(module, GATE_UP)
+            quantized = None if parts else _fuse_quantized(module, GATE_UP)
             if parts:
                 module.gate_up_weight, module.gate_up_bias = parts
-                module.__class__ = _fused_mlp_class(type(module))
+            elif quantized is not None:
+                module.__dict__["gate_up_quant"] = quantized
+            if parts or quantized is not None:
+                module.__class__ = _fused_mlp_class(type(module), quantized is not None)
                 fused += 1
-            elif type(module) is MLP:
-                quantized = _fuse_quantized(module, GATE_UP)
-                if quantized is not None:
-                    module.__dict__["gate_up_quant"] = quantized
-                    module.__class__ = FusedQuantMLP
-                    fused += 1
     return fused
 
 
@@ -175,7 +176,7 @@ def _fused_parts(module: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ..
         return "qkv_quant", QKV, ("qkv_quant", "qkv_sizes")
     if isinstance(module, FusedAttention):
         return "qkv_weight", QKV, ("qkv_weight", "qkv_bias", "qkv_sizes")
-    if isinstance(module, FusedQuantMLP):
+    if isinstance(module, MLP) and "gate_up_quant" in module.__dict__:  # FusedQuantMLP, or the Triton MLP's twin
         return "gate_up_quant", GATE_UP, ("gate_up_quant",)
     if isinstance(module, MLP) and hasattr(module, "gate_up_weight"):
         return "gate_up_weight", GATE_UP, ("gate_up_weight", "gate_up_bias")
@@ -233,9 +234,10 @@ def _unfused_class(cls: type) -> type:
     return _unfused_class(cls.__bases__[0]) if cls.__bases__[0] in (FusedAttention, FusedMLP) else cls.__bases__[0]
 
 
-def _fused_mlp_class(cls: type) -> type:
-    """FusedMLP, or a fused subclass of the Triton MLP (whose forward calls gate_and_up too)."""
+def _fused_mlp_class(cls: type, quantized: bool) -> type:
+    """FusedMLP / FusedQuantMLP, or a fused subclass of the Triton MLP (whose forward calls gate_and_up too)."""
+    fused = FusedQuantMLP if quantized else FusedMLP
     if cls is MLP:
-        return FusedMLP
-    return derived_class(cls, "Fused", lambda: {"gate_up": FusedMLP.gate_up, "gate_and_up": FusedMLP.gate_and_up,
-                                                "linear_fn": FusedMLP.__dict__["linear_fn"]})
+        return fused
+    return derived_class(cls, "FusedQuant" if quantized else "Fused", lambda: {
+        "gate_up": fused.gate_up, "gate_and_up": FusedMLP.gate_and_up, "linear_fn": FusedMLP.__dict__["linear_fn"]})
