@@ -51,6 +51,10 @@ TESTS = {  # the tests that cover each module
     "loss": "tests/test_chunked_loss.py",
     "ops": "tests/test_recompute_ops.py::test_tensor_parallel_memory_matches_the_plan",
     "zero_plan": "tests/test_zero.py::test_measured_model_states_per_rank_match_the_plan",
+    "paged": "tests/test_paged_attention.py",
+    "kernels": "tests/test_kernels.py",
+    "fused": "tests/test_fused_projections.py",
+    "quantfuse": "tests/test_quant.py tests/test_paged_attention.py",
 }
 
 
@@ -532,6 +536,29 @@ MUTANTS = [Mutant(*m) for m in [
     ('SP5', 'fivefold/planner/speed.py', 'speed',
      '    return spread * (devices - 1) / (2 * (devices + 1))',
      '    return spread * devices / (2 * (devices + 1))'),
+    # the Triton kernels (run in Triton's interpreter on the CPU)
+    ('PA1', 'fivefold/kernels/paged_attention_triton.py', 'paged',
+     '(kpos[None, :] <= pos[:, None])', '(kpos[None, :] < pos[:, None])'),
+    ('PA2', 'fivefold/kernels/paged_attention_triton.py', 'paged',
+     '    pos = seq_len - n + tok  # (R,)', '    pos = seq_len - n + tok0 + BLOCK_Q - 1 + 0 * tok  # (R,)'),
+    ('PA3', 'fivefold/kernels/paged_attention_triton.py', 'paged',
+     'tl.math.exp2(m - tl.max(m, axis=0))', 'tl.math.exp2(m - m)'),
+    ('PA4', 'fivefold/kernels/paged_attention_triton.py', 'paged',
+     '        acc = acc * alpha[:, None] + _dot(', '        acc = acc + _dot('),
+    ('PA5', 'fivefold/kernels/paged_attention_triton.py', 'paged',
+     '    tl.store(out + HALF, (x2 * cos2 + x1 * sin2)', '    tl.store(out + HALF, (x2 * cos2 - x1 * sin2)'),
+    ('SW1', 'fivefold/kernels/swiglu.py', 'kernels', '(1 + g * (1 - sig))', '(1 + g * sig)'),
+    ('RN1', 'fivefold/kernels/rmsnorm.py', 'kernels',
+     'normed * (tl.sum(g_normed * normed, axis=0) / n_cols))', 'normed * (tl.sum(g_normed * normed, axis=0) / n_rows))'),
+    ('RO1', 'fivefold/kernels/rope.py', 'kernels', '        out2 = x2 * cos2 - x1 * sin1', '        out2 = x2 * cos2 + x1 * sin1'),
+    # fused projections: training's one product, serving's fused (quantized) parts
+    ('FP1', 'fivefold/train/fused_projections.py', 'fused', 'sums = flat.sum(0).split(ctx.rows)',
+     'sums = flat.mean(0).split(ctx.rows)'),
+    ('FS1', 'fivefold/serve/fused.py', 'quantfuse',
+     '    if isinstance(module, MLP) and "gate_up_quant" in module.__dict__:',
+     '    if isinstance(module, FusedQuantMLP):'),
+    ('FS2', 'fivefold/serve/fused.py', 'quantfuse',
+     '    keys = {(m.method, m.group_size, m.in_features,', '    keys = {(m.method, m.in_features,'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
