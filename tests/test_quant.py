@@ -543,3 +543,32 @@ def test_quantized_projections_fuse_in_serving_like_full_precision_ones(method, 
     q = model.layers[0].attn.q_proj.qweight
     assert q.untyped_storage().nbytes() == q.numel() * q.element_size()  # its own storage again
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
+
+
+@torch.no_grad()
+def test_parts_quantized_differently_are_served_apart():
+    """Only parts of one method and group size fuse: gate and up with different int4 group sizes, or q int8
+    beside k and v in int4, stay separate products (their scales could not be concatenated), and the engine
+    serves what the same quantized model computes unfused."""
+    import dataclasses
+
+    from fivefold.presets import PRESETS
+    from fivefold.serve import LLM, SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["tiny"], max_seq_len=128)
+    model = build_model(cfg, seed=5).eval()
+    chosen = {}
+    for n, p in model.named_parameters():
+        if n.startswith("layers.") and n.endswith("proj.weight"):
+            part = n.split(".")[-2]
+            chosen[n] = (quantize_int8(p) if part == "q_proj" else
+                         quantize_int4(p, 32 if part == "up_proj" else 16))
+    swap_linears(model, chosen)
+    ids = torch.tensor([[5, 17, 42, 7, 30, 31]])
+    want = model(ids)[0, -1]
+    llm = LLM(model, block_size=8, num_blocks=32)
+    assert llm.engine.fused == 0
+    assert type(model.layers[0].attn).__name__ == "Attention" and type(model.layers[0].mlp).__name__ == "MLP"
+    out = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=1, temperature=0, logprobs=0))[0]
+    assert out.token_ids == [int(want.argmax())]
+    assert out.logprobs[0]["logprob"] == pytest.approx(float(want.log_softmax(-1).max()), abs=1e-4)
