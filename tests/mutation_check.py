@@ -55,6 +55,9 @@ TESTS = {  # the tests that cover each module
     "kernels": "tests/test_kernels.py",
     "fused": "tests/test_fused_projections.py",
     "quantfuse": "tests/test_quant.py tests/test_paged_attention.py",
+    "model": "tests/test_model.py tests/test_serve_engine.py",
+    "fp8": "tests/test_fp8.py",
+    "search": "tests/test_speed_model.py tests/test_bench_planner_search.py tests/test_layout_rules.py",
 }
 
 
@@ -559,6 +562,21 @@ MUTANTS = [Mutant(*m) for m in [
      '    if isinstance(module, FusedQuantMLP):'),
     ('FS2', 'fivefold/serve/fused.py', 'quantfuse',
      '    keys = {(m.method, m.group_size, m.in_features,', '    keys = {(m.method, m.in_features,'),
+    # attention: the eager core's mask over a longer context, its grouped heads, a decode's heads as rows
+    ('AT1', 'fivefold/model/attention.py', 'model', '.tril(sk - sq)', '.tril(0)'),
+    ('AT2', 'fivefold/model/attention.py', 'model',
+     '            k = k.repeat_interleave(groups, dim=1)', '            k = k.repeat(1, groups, 1, 1)'),
+    ('AT3', 'fivefold/model/attention.py', 'model',
+     '            rows = q.reshape(b, k.shape[1], self.groups, d)',
+     '            rows = q.reshape(b, self.groups, k.shape[1], d).transpose(1, 2)'),
+    # float8 weights cast once a step: the scale from each weight's largest magnitude, cast again after each update
+    ('F8A', 'fivefold/train/fp8.py', 'fp8',
+     '        return torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32))',
+     '        return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))'),
+    ('F8B', 'fivefold/train/parallelize.py', 'fp8', '            optimizer.after_update.append(cast.refresh)\n', ''),
+    # the layout search keeps the top candidates, pruning below the last of them
+    ('SE1', 'fivefold/planner/search.py', 'search',
+     '                        floor = found[top - 1].speed', '                        floor = found[0].speed'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
