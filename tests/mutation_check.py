@@ -562,8 +562,7 @@ MUTANTS = [Mutant(*m) for m in [
      '    if isinstance(module, FusedQuantMLP):'),
     ('FS2', 'fivefold/serve/fused.py', 'quantfuse',
      '    keys = {(m.method, m.group_size, m.in_features,', '    keys = {(m.method, m.in_features,'),
-    # attention: the eager core's mask over a longer context, its grouped heads, a decode's heads as rows
-    ('AT1', 'fivefold/model/attention.py', 'model', '.tril(sk - sq)', '.tril(0)'),
+    # attention: the eager core's grouped heads, a decode's heads as rows
     ('AT2', 'fivefold/model/attention.py', 'model',
      '            k = k.repeat_interleave(groups, dim=1)', '            k = k.repeat(1, groups, 1, 1)'),
     ('AT3', 'fivefold/model/attention.py', 'model',
