@@ -573,6 +573,13 @@ MUTANTS = [Mutant(*m) for m in [
      '        return torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32))',
      '        return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))'),
     ('F8B', 'fivefold/train/parallelize.py', 'fp8', '            optimizer.after_update.append(cast.refresh)\n', ''),
+    # serving: stop strings (the earliest match wins, one may span tokens), a chunk over its earlier context
+    ('EN1', 'fivefold/serve/engine.py', 'serve', '                seq.text = seq.text[:min(hits)]',
+     '                seq.text = seq.text[:max(hits)]'),
+    ('EN2', 'fivefold/serve/engine.py', 'serve', 'seq.text.find(s, max(0, before - len(s) + 1 - back))',
+     'seq.text.find(s, before)'),
+    ('KV1', 'fivefold/serve/kv_pool.py', 'serve', '            length = n if chunk_mask is None else chunk_mask.shape[-1]',
+     '            length = n'),
     # the layout search keeps the top candidates, pruning below the last of them
     ('SE1', 'fivefold/planner/search.py', 'search',
      '                        floor = found[top - 1].speed', '                        floor = found[0].speed'),
