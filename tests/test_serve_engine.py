@@ -262,6 +262,14 @@ def test_stop_token_ids_eos_and_stop_strings():
     stop = free.text[4:7]
     by_text = llm.generate("the cat", SamplingParams(max_tokens=20, stop=[stop, "never-there"], **GREEDY))[0]
     assert by_text.text == free.text[:free.text.index(stop)] and by_text.finish_reason == "stop"
+    # Two stop strings completed by one token: the text ends before the one that starts first.
+    starts = [len(tokenizer.decode(free.token_ids[:i])) for i in range(len(free.token_ids) + 1)]
+    k = next(k for k in range(2, len(free.token_ids))
+             if starts[k + 1] > starts[k] > starts[k - 1] and free.text.find(free.text[starts[k]:starts[k + 1]]) == starts[k]
+             and free.text.find(free.text[starts[k - 1]:starts[k + 1]]) == starts[k - 1])
+    pair = [free.text[starts[k]:starts[k + 1]], free.text[starts[k - 1]:starts[k + 1]]]  # the later-starting first
+    both = llm.generate("the cat", SamplingParams(max_tokens=20, stop=pair, **GREEDY))[0]
+    assert both.token_ids == free.token_ids[:k + 1] and both.text == free.text[:starts[k - 1]]
     # eos ends a request unless ignore_eos; the eos token is not part of the text.
     eos_model = tiny(vocab_size=300, eos_token_id=free.token_ids[2])
     out = LLM(eos_model, tokenizer=tokenizer).generate("the cat", SamplingParams(max_tokens=20, temperature=0))[0]
