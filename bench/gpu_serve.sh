@@ -33,9 +33,10 @@ step "anchors" 255 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --wo
 step "default" 90 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" \
     --json "bench/results/serve_default_$gpu.json"
 # (d) the engine's other paths on the same weights: eager decode (no CUDA graphs), a LoRA adapter loaded
-#     (projections unfused, decode eager) with base requests and with every request on it
-step "paths" 150 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --requests 64 \
-    --skip-hf --paths --json "bench/results/serve_paths_$gpu.json"
+#     (projections unfused, decode eager) with base requests and with every request on it, int8 and int4 weights
+#     (dequantized per product on a GPU; q/k/v and gate/up fused on the Triton path too)
+step "paths" 195 "$PY" bench/serve.py --device "$DEVICE" --model "$MODEL" --workload anchors --requests 64 \
+    --skip-hf --paths --quant int8,int4 --json "bench/results/serve_paths_$gpu.json"
 # (e) a step's working set: the plan's forward, sampler and scored rows against LivePeak and the allocator
 step "step-memory" 60 "$PY" bench/serve_step_memory.py --device "$DEVICE" --model "$MODEL" --dtype bfloat16 \
     --max-num-seqs 256 --max-model-len 8192 --json "bench/results/serve_step_memory_$gpu.json"
