@@ -409,6 +409,31 @@ def test_plan_serve_predicts_the_memory_the_engine_takes():
     assert m["weights"] == pytest.approx(m["planned_weights"], rel=0.1)  # plus what glibc keeps of the init scratch
 
 
+def test_plan_serve_on_this_host_takes_its_available_memory(monkeypatch, capsys):
+    """`fivefold plan --serve --device cpu` with a fractional serve.kv_memory plans for this host: its available
+    memory now, as an engine started here would find it once its weights are loaded (the same KV blocks)."""
+    import json
+
+    import fivefold.commands.plan as plan_command
+    import fivefold.serve.engine as engine_module
+    from fivefold.cli import main
+    from fivefold.config_load import load_config
+    from fivefold.serve.plan import plan_serving
+
+    host = 3 * 10**8
+    monkeypatch.setattr(plan_command, "available_memory", lambda device: host)
+    sets = ["--set", "serve.kv_memory=0.5", "--set", "serve.max_num_seqs=4096"]  # 4,096 x 16 blocks: no cap
+    assert main(["plan", "--serve", "--preset", "tiny", "--device", "cpu", "--json", *sets]) == 0
+    out = capsys.readouterr()
+    planned = json.loads(out.out)
+    assert "planning for this host: 300.00 MB available now" in out.err
+    cfg = load_config(preset="tiny", overrides=["serve.kv_memory=0.5", "serve.max_num_seqs=4096"])
+    expected = plan_serving(cfg, device_memory=host, device="cpu")
+    assert planned["num_blocks"] == expected.kv.num_blocks > 0 and planned["kv_bytes"] < host / 2
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: host - expected.weights)
+    assert LLM(tiny(), **vars(cfg.serve)).engine.plan.num_blocks == planned["num_blocks"]
+
+
 def test_plan_serve_counts_every_cuda_graph_output():
     """The decode graphs' pool: the largest graph's working set plus each smaller graph's kept logits. An H100
     measured 1,078 and 1,110 MiB for the Llama-3.2-1B shape in bf16 at 256 sequences (35 graphs); the

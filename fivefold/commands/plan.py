@@ -8,6 +8,8 @@ import math
 import os
 import sys
 
+import torch
+
 from fivefold.commands import plan_fit, plan_serve, plan_speed
 from fivefold.commands.args import add_config_args, config_from_args, nonnegative_int, positive_int
 from fivefold.commands.plan_fit import run_fit
@@ -20,6 +22,7 @@ from fivefold.memory.tracker import measure_memory, random_datasets
 from fivefold.memory.units import human_bytes, parse_bytes
 from fivefold.parallel.launch import launch_workers
 from fivefold.planner.hardware import load_profile
+from fivefold.serve.kv_pool import available_memory
 from fivefold.serve.plan import QuantizedLinears, plan_serving
 from fivefold.weights import weight_source
 
@@ -122,8 +125,14 @@ def run_plan(args) -> int:
             raise ConfigError("--workload and --search with --serve predict speed: give the hardware with "
                               "--cluster PROFILE (a shipped one, or `fivefold calibrate --serve --out FILE`)")
         if cfg.serve.kv_memory < 1 and not cfg.serve.num_blocks and device_memory is None:
-            raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
-                             f"--device-memory, or give serve.kv_memory in GB (>= 1) or serve.num_blocks")
+            if args.device != "cpu" or profile is not None:
+                raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
+                                  f"--device-memory (or --device cpu for this host's), or give serve.kv_memory in "
+                                  f"GB (>= 1) or serve.num_blocks")
+            # This host's memory as an engine started now would find it (fivefold.serve.kv_pool.available_memory)
+            device_memory = available_memory(torch.device("cpu"))
+            print(f"planning for this host: {human_bytes(device_memory)} available now (--device-memory plans "
+                  f"for another)", file=sys.stderr)
         if profile is not None:
             if quantized:
                 raise ConfigError("--model with a quantized directory plans memory only: leave out --cluster (the "
