@@ -55,7 +55,7 @@ def test_the_boundary_prints_these_errors_as_one_line_with_exit_code_2(capsys):
     assert cli.main(["plan", *TINY, "--fit"]) == 2
     err = capsys.readouterr().err
     assert err == ("fivefold plan: error: --fit fills the device memory: give it with --device-memory 80GB or "
-                   "--cluster PROFILE\n")
+                   "--cluster PROFILE (or --device cpu for this host's)\n")
 
 
 # -- config files and --set overrides -------------------------------------------------------------------------

@@ -196,3 +196,20 @@ def test_cli_error_is_one_line(totals):
     out = _cli("--device-memory", "1MB")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "nothing fits" in out.stderr and "parallel.zero=3" in out.stderr
+
+
+def test_fit_on_this_host_fills_its_available_memory(totals, monkeypatch, capsys):
+    """`--fit --device cpu` without --device-memory plans for this host: its available memory now, the same
+    choice as that memory given explicitly."""
+    import fivefold.commands.plan as plan_command
+    from fivefold.cli import main
+
+    memory = _memory_for((totals["none"][4] + totals["none"][8]) / 2)
+    monkeypatch.setattr(plan_command, "available_memory", lambda device: memory)
+    base = ["plan", "--preset", PRESET, *(f"--set={o}" for o in BATCH), "--fit", "--device", "cpu", "--json"]
+    assert main(base) == 0
+    here = capsys.readouterr()
+    assert main([*base, "--device-memory", str(memory)]) == 0
+    given = capsys.readouterr()
+    assert "planning for this host" in here.err and "planning for this host" not in given.err
+    assert json.loads(here.out) == json.loads(given.out)

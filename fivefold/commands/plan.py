@@ -107,6 +107,8 @@ def run_plan(args) -> int:
         raise ConfigError("--search, --gpus and --global-batch predict speed: give the hardware with --cluster "
                           "PROFILE (see `fivefold hardware`)")
     args.device = args.device or "cuda"
+    if args.fit and device_memory is None and profile is None and args.device == "cpu":
+        device_memory = _this_host()
     if args.fit:
         return run_fit(args, cfg, device_memory, profile)
     if args.headroom is not None or args.grow_batch:
@@ -129,10 +131,7 @@ def run_plan(args) -> int:
                 raise ConfigError(f"serve.kv_memory={cfg.serve.kv_memory} is a fraction of free memory: pass "
                                   f"--device-memory (or --device cpu for this host's), or give serve.kv_memory in "
                                   f"GB (>= 1) or serve.num_blocks")
-            # This host's memory as an engine started now would find it (fivefold.serve.kv_pool.available_memory)
-            device_memory = available_memory(torch.device("cpu"))
-            print(f"planning for this host: {human_bytes(device_memory)} available now (--device-memory plans "
-                  f"for another)", file=sys.stderr)
+            device_memory = _this_host()
         if profile is not None:
             if quantized:
                 raise ConfigError("--model with a quantized directory plans memory only: leave out --cluster (the "
@@ -146,6 +145,15 @@ def run_plan(args) -> int:
     plan = plan_memory(cfg, device_memory, device=args.device)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0
+
+
+def _this_host() -> int:
+    """This host's memory as a process started now would find it (fivefold.serve.kv_pool.available_memory:
+    the RAM the kernel can give), announced on stderr (stdout may be JSON)."""
+    memory = available_memory(torch.device("cpu"))
+    print(f"planning for this host: {human_bytes(memory)} available now (--device-memory plans for another)",
+          file=sys.stderr)
+    return memory
 
 
 def _sweep_values(cfg, key: str) -> list[int]:

@@ -33,7 +33,8 @@ def run_fit(args, cfg: Config, device_memory: int | None, profile: HardwareProfi
         raise ConfigError(f"--fit keeps the config's layout and prints a choice; drop {', '.join(clash)} (set "
                           f"parallel.* with --set, or use --search to choose the layout)")
     if device_memory is None:
-        raise ConfigError("--fit fills the device memory: give it with --device-memory 80GB or --cluster PROFILE")
+        raise ConfigError("--fit fills the device memory: give it with --device-memory 80GB or --cluster PROFILE "
+                          "(or --device cpu for this host's)")
     if args.grow_batch and args.global_batch:
         raise ConfigError("--grow-batch lets the global batch follow the micro-batch, --global-batch fixes it: "
                           "give one of them")
