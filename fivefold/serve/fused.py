@@ -69,7 +69,8 @@ class FusedAttention(Attention):
         if not (self.use_rope and getattr(kv_cache, "fused_launches", False)):
             return super().forward(x, rope, mask, kv_cache)
         qkv = self.qkv(x)
-        if qkv.stride(-1) != 1:  # a few rows read from quantized codes on a CPU come out (out, rows): the kernel reads rows
+        # A few rows read from quantized codes on a CPU come out as an (out, rows) view; the store reads rows.
+        if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # (1, T, width) column slices of one product
         t, d = q.shape[1], self.head_dim
