@@ -58,6 +58,7 @@ TESTS = {  # the tests that cover each module
     "model": "tests/test_model.py tests/test_serve_engine.py",
     "fp8": "tests/test_fp8.py",
     "search": "tests/test_speed_model.py tests/test_bench_planner_search.py tests/test_layout_rules.py",
+    "cadam": "tests/test_compiled_adamw.py tests/test_train.py",
 }
 
 
@@ -580,6 +581,16 @@ MUTANTS = [Mutant(*m) for m in [
      'seq.text.find(s, before)'),
     ('KV1', 'fivefold/serve/kv_pool.py', 'serve', '            length = n if chunk_mask is None else chunk_mask.shape[-1]',
      '            length = n'),
+    # training: the compiled update's bias correction and its skipped step, the chunked loss's ignored labels,
+    # SFT's label mask, QLoRA's input gradient through the frozen base
+    ('CA1', 'fivefold/train/compiled_adamw.py', 'cadam', 'denom = v_new.sqrt() / (1 - beta2 ** t).sqrt() + eps',
+     'denom = v_new.sqrt() + eps'),
+    ('CA2', 'fivefold/train/compiled_adamw.py', 'cadam', 'w.copy_(torch.where(skip, w, w_new))', 'w.copy_(w_new)'),
+    ('CL1', 'fivefold/train/chunked_loss.py', 'loss', '        scale = grad.float() * keep', '        scale = grad.float() + 0 * keep'),
+    ('SF1', 'fivefold/data/sft.py', 'data', 'keep = torch.from_numpy(self.targets[idx, 1:])',
+     'keep = torch.from_numpy(self.targets[idx, :-1])'),
+    ('QL1', 'fivefold/finetune/qlora.py', 'lora', '        return grad @ dequantized(ctx.module, grad.dtype), None',
+     '        return None, None'),
     # the layout search keeps the top candidates, pruning below the last of them
     ('SE1', 'fivefold/planner/search.py', 'search',
      '                        floor = found[top - 1].speed', '                        floor = found[0].speed'),
