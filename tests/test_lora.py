@@ -206,6 +206,28 @@ def test_qlora_starts_from_the_dequantized_base_and_keeps_int4_codes(tiny_config
     torch.testing.assert_close(logits(merged, ids), logits(trainer.model, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_qlora_trains_as_lora_on_the_dequantized_base(tiny_config, base_run):
+    """QLoRA's frozen base is its int4 codes, dequantized for each product, forward and backward: the same
+    function as LoRA over a base holding those dequantized values, so the same steps (the layout tests above
+    compare QLoRA with QLoRA only, which a wrong input gradient through the codes would pass)."""
+    from fivefold.finetune.qlora import dequantized
+
+    qlora = Trainer(lora_config(tiny_config, base_run, **QLORA), quiet=True)
+    lora = Trainer(lora_config(tiny_config, base_run), quiet=True)
+    with torch.no_grad():
+        coded = [(n, m) for n, m in qlora.model.named_modules() if "qweight" in m._buffers]
+        assert len(coded) == 7 * qlora.cfg.model.num_layers
+        for name, module in coded:
+            lora.model.get_submodule(name).weight.copy_(dequantized(module, torch.float32))
+    ours, theirs = qlora.fit(until=3), lora.fit(until=3)
+    for key, rel in (("loss", 1e-6), ("grad_norm", 1e-5)):
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], rel=rel), key
+    adapters = dict(lora.model.named_parameters())
+    for name, p in qlora.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p, adapters[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_qlora_group_size_must_divide_the_widths():
     with pytest.raises(ConfigError, match="lora.group_size=48"):
         load_config(preset="tiny", overrides=["lora.r=4", "lora.quantize_base=int4", "lora.group_size=48"])
