@@ -2,7 +2,8 @@
 
 import pytest
 
-from fivefold.config import Config, ConfigError, validate
+from fivefold.config import Config, ConfigError
+from fivefold.config_checks import validate
 from fivefold.config_load import load_config
 from fivefold.parallel.rules import check_layout
 

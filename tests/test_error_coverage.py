@@ -2,6 +2,7 @@
 when a recorded line falls inside it, its continuation lines included."""
 
 import fivefold.config as config
+from fivefold.config_checks import validate
 from error_coverage import HITS, _record, raise_sites, unraised
 
 
@@ -20,8 +21,8 @@ def test_the_hook_records_where_a_config_error_is_made(monkeypatch):
     _record()
     HITS.clear()
     try:
-        config.validate(config.Config(model=config.ModelConfig(num_heads=4, num_kv_heads=3)))
+        validate(config.Config(model=config.ModelConfig(num_heads=4, num_kv_heads=3)))
     except config.ConfigError:
         pass
-    assert any(path.endswith("fivefold/config.py") for path, _ in HITS)
+    assert any(path.endswith("fivefold/config_checks.py") for path, _ in HITS)
     HITS.clear()

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fivefold"
 # Lowest first. A module takes the floor of the longest prefix listed here.
 FLOORS = {
     "fivefold.errors": 1,
-    "fivefold.config": 2, "fivefold.presets": 2,
+    "fivefold.config": 2, "fivefold.config_checks": 2, "fivefold.presets": 2,
     "fivefold.config_load": 3,  # loading checks the layout (rules) as it reads
     # pure layout arithmetic: what the planner and the runtime share
     "fivefold.memory.formulas": 3, "fivefold.memory.communication": 3, "fivefold.memory.activations": 3,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fivefold.cli import main
-from fivefold.config import ConfigError, recompute_layer_set
+from fivefold.config import ConfigError
+from fivefold.config_checks import recompute_layer_set
 from fivefold.config_load import load_config
 from fivefold.memory.plan import plan_memory
 from fivefold.train.trainer import Trainer

@@ -29,7 +29,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from fivefold.config import recompute_layer_set, Config, ConfigError
+from fivefold.config import Config, ConfigError
+from fivefold.config_checks import recompute_layer_set
 from fivefold.finetune.qlora import quantized_weight_bytes
 from fivefold.memory import formulas, model_states
 from fivefold.memory.activations import replay_forward

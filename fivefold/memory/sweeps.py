@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from fivefold.config import Config, recompute_layer_set
+from fivefold.config import Config
+from fivefold.config_checks import recompute_layer_set
 from fivefold.memory import formulas
 from fivefold.memory.plan import compiled_blocks_modelled, plan_memory, with_changes
 

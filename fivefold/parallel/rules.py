@@ -1,7 +1,7 @@
 """Whether a layout is legal: the one check that `fivefold plan`, the layout search, launch and the trainer
 all call, so a layout the planner prints is a layout `train` accepts.
 
-`check_layout` is the config's own rules (fivefold.config.validate: ranges, divisibility), the world size,
+`check_layout` is the config's own rules (fivefold.config_checks.validate: ranges, divisibility), the world size,
 what fp8 and the automatic batch ramp need of the layout, and the combinations whose implementation has not
 landed (`check_implemented`). Pure functions of the config, so every rank, the planner and the launcher
 decide alike. Whether this machine can run a layout (Triton, torchao, CUDA) is a separate question, asked at
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from fivefold.config import Config, ConfigError, ModelConfig, validate
+from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.config_checks import validate
 from fivefold.parallel.pipeline_schedules import build_schedule
 
 

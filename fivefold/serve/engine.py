@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fivefold.config import Config, ConfigError, ServeConfig, validate_serve
+from fivefold.config import Config, ConfigError, ServeConfig
+from fivefold.config_checks import validate_serve
 from fivefold.kernels import apply_kernels, check_usable, triton_available
 from fivefold.kernels.cpu_linear_rows import offered as rows_kernel_offered
 from fivefold.kernels.cpu_paged_decode import kernel_problem, unsupported

@@ -16,7 +16,8 @@ from torch import nn
 from torch.optim.adam import adam
 
 from fivefold.checkpoint.pieces import Piece
-from fivefold.config import TrainConfig, parse_batch_schedule
+from fivefold.config import TrainConfig
+from fivefold.config_checks import parse_batch_schedule
 from fivefold.memory.formulas import is_no_decay, joined_units, step_chunk_key
 from fivefold.train.compiled_adamw import compiled_adamw
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fivefold.config import recompute_layer_set
+from fivefold.config_checks import recompute_layer_set
 from fivefold.model import Transformer
 
 

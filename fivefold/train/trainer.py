@@ -18,7 +18,8 @@ import torch
 from fivefold.checkpoint import store as ckpt
 from fivefold.checkpoint.files import read_json, read_tensors
 from fivefold.checkpoint.pieces import read_state
-from fivefold.config import Config, ConfigError, resume_conflicts
+from fivefold.config import Config, ConfigError
+from fivefold.config_checks import resume_conflicts
 from fivefold.data.dataset import ResumableSampler
 from fivefold.data.labels import IGNORE_INDEX
 from fivefold.data.load import load_datasets
