@@ -59,6 +59,7 @@ TESTS = {  # the tests that cover each module
     "fp8": "tests/test_fp8.py",
     "search": "tests/test_speed_model.py tests/test_bench_planner_search.py tests/test_layout_rules.py",
     "cadam": "tests/test_compiled_adamw.py tests/test_train.py",
+    "hf": "tests/test_model.py tests/test_hf_interop.py tests/test_golden.py",
 }
 
 
@@ -591,6 +592,11 @@ MUTANTS = [Mutant(*m) for m in [
      'keep = torch.from_numpy(self.targets[idx, :-1])'),
     ('QL1', 'fivefold/finetune/qlora.py', 'lora', '        return grad @ dequantized(ctx.module, grad.dtype), None',
      '        return None, None'),
+    # the model's init (GPT-2's scaled residual outputs), Llama 3's RoPE band, the remembered matmul peak
+    ('IN1', 'fivefold/model/init.py', 'hf', '        std /= math.sqrt(2 * cfg.num_layers)\n', ''),
+    ('RP1', 'fivefold/model/rope.py', 'hf', 'interpolated = (1 - smooth) * scaled / factor + smooth * scaled',
+     'interpolated = smooth * scaled / factor + (1 - smooth) * scaled'),
+    ('MT1', 'fivefold/train/metrics.py', 'train', '    peak = max(measured, known.get(key, 0.0))', '    peak = measured'),
     # the layout search keeps the top candidates, pruning below the last of them
     ('SE1', 'fivefold/planner/search.py', 'search',
      '                        floor = found[top - 1].speed', '                        floor = found[0].speed'),
