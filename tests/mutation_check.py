@@ -593,7 +593,7 @@ MUTANTS = [Mutant(*m) for m in [
     ('QL1', 'fivefold/finetune/qlora.py', 'lora', '        return grad @ dequantized(ctx.module, grad.dtype), None',
      '        return None, None'),
     # the model's init (GPT-2's scaled residual outputs), Llama 3's RoPE band, the remembered matmul peak
-    ('IN1', 'fivefold/model/init.py', 'hf', '        std /= math.sqrt(2 * cfg.num_layers)\n', ''),
+    ('IN1', 'fivefold/model/init.py', 'hf', '        std /= math.sqrt(2 * cfg.num_layers)', '        std /= 1.0'),
     ('RP1', 'fivefold/model/rope.py', 'hf', 'interpolated = (1 - smooth) * scaled / factor + smooth * scaled',
      'interpolated = smooth * scaled / factor + (1 - smooth) * scaled'),
     ('MT1', 'fivefold/train/metrics.py', 'train', '    peak = max(measured, known.get(key, 0.0))', '    peak = measured'),
