@@ -75,6 +75,12 @@ def test_forward_at_the_token_budget(path, overrides):
     assert planned.mlp >= measured and planned.mlp == pytest.approx(measured, rel=0.01)
 
 
+def dequantized_gate_up(method: str) -> int:
+    """The fused gate/up weight of the quantized tests' shape (ffn 2048, hidden 256) dequantized in fp32 for one
+    64-token chunk: the weight, and for int4 its codes unpacked (2 bytes an element) beyond the chunk's output."""
+    return 2 * 2048 * 256 * 4 + (method == "int4") * (2 * (2 * 2048) * 256 - 64 * 2 * 2048 * 4)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("path,overrides", [("lean-cpp", []), ("modules", ["serve.fuse_launches=false"])])
 def test_a_quantized_forward_holds_its_dequantized_weight(method, path, overrides):
@@ -90,9 +96,8 @@ def test_a_quantized_forward_holds_its_dequantized_weight(method, path, override
     swap_linears(model, quantize_model(model, method, group_size=64))
     eng = LLM(model, **vars(cfg.serve)).engine
     planned = eng.step_memory
-    weight = 2 * 2048 * 256 * 4  # gate/up fused, fp32, one chunk: int4's codes (2 bytes an element) beyond its output
     assert planned.path == path
-    assert planned.dequantized == weight + (method == "int4") * (2 * (2 * 2048) * 256 - 64 * 2 * 2048 * 4)
+    assert planned.dequantized == dequantized_gate_up(method)
     eng.add_request(prompt(64), SamplingParams(max_tokens=1, temperature=0))
     measured = peak_of_step(eng, "forward")
     assert planned.forward >= measured > 0.8 * planned.forward
@@ -312,9 +317,8 @@ def test_forward_on_the_triton_path():
 def test_a_quantized_forward_on_the_triton_path(method):
     """The Triton MLP fuses a quantized gate/up as the torch path does, so the step holds the fused weight
     dequantized, as planned (the same bound as on the torch path)."""
-    weight = 2 * 2048 * 256 * 4  # as in test_a_quantized_forward_holds_its_dequantized_weight
-    dequantized = weight + (method == "int4") * (2 * (2 * 2048) * 256 - 64 * 2 * 2048 * 4)
-    measured, planned = interpreted(TRITON_QUANTIZED_STEP.format(method=method, dequantized=dequantized))
+    script = TRITON_QUANTIZED_STEP.format(method=method, dequantized=dequantized_gate_up(method))
+    measured, planned = interpreted(script)
     assert planned >= measured > 0.8 * planned
 
 

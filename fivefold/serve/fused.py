@@ -68,11 +68,9 @@ class FusedAttention(Attention):
         Attention.forward."""
         if not (self.use_rope and getattr(kv_cache, "fused_launches", False)):
             return super().forward(x, rope, mask, kv_cache)
-        qkv = self.qkv(x)
-        # A few rows read from quantized codes on a CPU come out as an (out, rows) view; the store reads rows.
-        if qkv.stride(-1) != 1:
-            qkv = qkv.contiguous()
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # (1, T, width) column slices of one product
+        # contiguous(): a few rows read from quantized codes on a CPU come out as an (out, rows) view, and the
+        # store reads rows (a no-op for every other product)
+        q, k, v = self.qkv(x).contiguous().split(self.qkv_sizes, dim=-1)  # (1, T, width) column slices of one product
         t, d = q.shape[1], self.head_dim
         cos, sin = rope  # (1, 1, T, d)
         out = kv_cache.attend_rotary(self.layer_idx, q[0].view(t, -1, d), k[0].view(t, -1, d), v[0].view(t, -1, d),
