@@ -14,7 +14,7 @@ What is measured, per rank:
   full-size copies (an fp32 model before it is sharded, master weights cloned before the cast) show.
 - steps peak: VmHWM over --steps calls of trainer.train_step(), minus the baseline.
 VmHWM is reset before each phase by writing "5" to /proc/self/clear_refs. Without that (old kernel,
-no procfs) the peaks fall back to ru_maxrss, which counts from process start and cannot be reset.
+not Linux) the peaks are the high-water mark since the process started (fivefold.memory.host).
 
 RSS is what the OS holds for the process, not what tensors hold. glibc normally keeps freed blocks for
 reuse and raises its mmap threshold as large blocks are freed, so RSS would stay at an old peak. The
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -78,35 +77,33 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from fivefold.memory.plan import plan_memory  # noqa: F401 (all of fivefold's modules load now, together)
-    from fivefold.memory.tracker import proc_status, random_datasets, reset_rss_peak
+    from fivefold.memory import host
+    from fivefold.memory.tracker import random_datasets
     from fivefold.train.trainer import Trainer  # imported here so the baseline holds its modules too
-
-    def read_peak(resettable: bool) -> int:
-        return proc_status("VmHWM") if resettable else 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     torch.set_num_threads(1)
     cfg = make_config(args)
     datasets = random_datasets(cfg)
-    baseline = proc_status("VmRSS")
-    resettable = reset_rss_peak()
+    baseline = host.resident()
+    resettable = host.reset_resident_peak()
     out_dir = tempfile.mkdtemp(prefix="fivefold-bench-mem-")
     start = time.perf_counter()
     trainer = Trainer(cfg, out_dir=out_dir, quiet=True, datasets=datasets)
-    startup_peak, startup_s = read_peak(resettable), time.perf_counter() - start
-    rss_after_startup = proc_status("VmRSS")
+    startup_peak, startup_s = host.resident_peak(), time.perf_counter() - start
+    rss_after_startup = host.resident()
     if trainer.mesh.is_main:  # a run takes minutes on a small CPU machine: show that it moves
         print(f"rank 0: start-up {startup_s:.0f} s, {startup_peak / MiB:.0f} MiB peak RSS", flush=True)
-    resettable = resettable and reset_rss_peak()
+    resettable = resettable and host.reset_resident_peak()
     start = time.perf_counter()
     records = [trainer.train_step() for _ in range(args.steps)]
-    steps_peak, steps_s = read_peak(resettable), time.perf_counter() - start
+    steps_peak, steps_s = host.resident_peak(), time.perf_counter() - start
     mine = {"rank": trainer.mesh.rank, "stage": trainer.mesh.pp_rank, "baseline": baseline,
             "startup_peak": startup_peak, "startup_above_baseline": startup_peak - baseline,
             "rss_after_startup": rss_after_startup, "steps_peak": steps_peak,
-            "steps_above_baseline": steps_peak - baseline, "rss_after_steps": proc_status("VmRSS"),
+            "steps_above_baseline": steps_peak - baseline, "rss_after_steps": host.resident(),
             "startup_s": startup_s, "steps_s": steps_s, "losses": [r["loss"] for r in records],
             "step_times_s": [r["step_time"] for r in records],
-            "peak_source": "VmHWM, reset per phase" if resettable else "ru_maxrss (since process start)"}
+            "peak_source": "VmHWM, reset per phase" if resettable else "since process start (no reset)"}
     ranks = [mine]
     if dist.is_initialized():
         ranks = [None] * dist.get_world_size()

@@ -22,7 +22,7 @@ FLOORS = {
     "fivefold.memory.formulas": 3, "fivefold.memory.communication": 3, "fivefold.memory.activations": 3,
     "fivefold.memory.replay": 3, "fivefold.memory.replay_layers": 3, "fivefold.memory.replay_moe": 3,
     "fivefold.memory.replay_compiled": 3, "fivefold.memory.backward_temporaries": 3,
-    "fivefold.memory.categories": 3, "fivefold.parallel.rules": 3, "fivefold.parallel.pipeline_schedules": 3,
+    "fivefold.memory.categories": 3, "fivefold.memory.host": 3, "fivefold.parallel.rules": 3, "fivefold.parallel.pipeline_schedules": 3,
     "fivefold.parallel.placement": 3, "fivefold.planner.hardware": 3,
     "fivefold.model": 4, "fivefold.kernels": 4,
     # formats

@@ -65,9 +65,10 @@ def assert_matches_plan(timeline, **tolerances: float):
 
 KNOWN_ALLOCATION = """
 import json, torch
-from fivefold.memory.tracker import StartupPeak, reset_rss_peak
+from fivefold.memory.host import reset_resident_peak
+from fivefold.memory.tracker import StartupPeak
 size = 32 * 2 ** 20
-if not reset_rss_peak():
+if not reset_resident_peak():
     print(json.dumps(None))
     raise SystemExit
 earlier = torch.ones(3 * size, dtype=torch.uint8)  # a higher peak before the measurement

@@ -361,7 +361,7 @@ MEASURE_SERVING_MEMORY = """
 import json
 import sys
 from fivefold.config_load import load_config
-from fivefold.memory.tracker import proc_status, return_freed_memory
+from fivefold.memory.host import resident, return_freed_memory
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM
@@ -376,12 +376,12 @@ if sys.argv[1:] == ["choose"]:  # a first start: on a CPU, each linear shape's p
     sys.exit()
 LLM(build_model(PRESETS["tiny"]), num_blocks=1)  # the code it runs is loaded: lazily imported modules are not weights
 return_freed_memory()
-before = proc_status("VmRSS")
+before = resident()
 model = build_model(cfg.model)
 return_freed_memory()  # the initialiser's scratch
-weights = proc_status("VmRSS") - before
+weights = resident() - before
 llm = LLM(model, **vars(cfg.serve))
-kv = proc_status("VmRSS") - before - weights
+kv = resident() - before - weights
 print(json.dumps({"weights": weights, "kv": kv, "planned_weights": planned.weights, "planned_kv": planned.kv.bytes,
                   "same_plan": llm.engine.plan == planned.kv}))
 """

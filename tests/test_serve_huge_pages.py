@@ -103,7 +103,7 @@ def test_huge_pages_true_is_refused_where_the_kernel_has_none(monkeypatch):
 MEASURE_MOVE = """
 import json
 import torch
-from fivefold.memory.tracker import proc_status, reset_rss_peak
+from fivefold.memory import host
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
 from fivefold.serve import LLM
@@ -114,12 +114,12 @@ cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=512, num_layers=4, ffn_hi
 llm = LLM(build_model(cfg, seed=0).eval(), huge_pages="false", num_blocks=4)
 from fivefold.serve.huge_pages import _trim_heap, move_to_huge_pages
 _trim_heap()
-assert reset_rss_peak()
-before = proc_status("VmRSS")
+assert host.reset_resident_peak()
+before = host.resident()
 largest = max(p.untyped_storage().nbytes() for p in llm.engine.model.parameters())
 moved = move_to_huge_pages(llm.engine.model)
-print(json.dumps({"moved": moved, "largest": largest, "growth": proc_status("VmRSS") - before,
-                  "peak_growth": proc_status("VmHWM") - before}))
+print(json.dumps({"moved": moved, "largest": largest, "growth": host.resident() - before,
+                  "peak_growth": host.resident_peak() - before}))
 """
 
 
@@ -129,7 +129,7 @@ def test_moving_holds_at_most_one_storage_twice():
     by at most the largest storage (it is copied before its old copy is freed), and afterwards by nothing
     but page rounding."""
     run = subprocess.run([sys.executable, "-c", MEASURE_MOVE], capture_output=True, text=True, timeout=300)
-    if run.returncode and "reset_rss_peak" in run.stderr:
+    if run.returncode and "reset_resident_peak" in run.stderr:
         pytest.skip("this kernel does not let a process reset its resident-set peak")
     assert run.returncode == 0, run.stderr[-2000:]
     m = json.loads(run.stdout.strip().splitlines()[-1])

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fivefold.config import Config
+from fivefold.memory import host
 from fivefold.memory.plan import plan_memory
 from fivefold.memory.units import CATEGORIES
 from fivefold.parallel.mesh import local_device, resolve_device
@@ -285,9 +286,11 @@ class MemoryTimeline:
 
 class StartupPeak:
     """The memory a block of code adds at its peak: on CUDA the caching allocator's high-water mark;
-    on CPU the process's resident set (VmHWM, reset through /proc/self/clear_refs), which also counts
-    what no tensor owns (malloc arenas, communication buffers). Run with MALLOC_MMAP_THRESHOLD_=1048576
-    so glibc returns freed large blocks and the resident set follows live memory."""
+    on CPU the process's resident set (fivefold.memory.host), which also counts what no tensor owns (malloc
+    arenas, communication buffers). Run with MALLOC_MMAP_THRESHOLD_=1048576 so glibc returns freed large
+    blocks and the resident set follows live memory. Where the system cannot restart the resident set's
+    high-water mark (not Linux), a block that stays below the process's earlier peak has no peak of its
+    own to read: `bytes` is then None rather than the earlier peak's."""
 
     def __init__(self, device: torch.device):
         self.device, self.bytes = torch.device(device), None
@@ -297,52 +300,19 @@ class StartupPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
-            return_freed_memory()
-            self.base = proc_status("VmRSS")
-            reset_rss_peak()
+            host.return_freed_memory()
+            self.base = host.resident()
+            self.reset = host.reset_resident_peak()
+            self.earlier_peak = host.resident_peak()
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
-        else:
-            self.bytes = max(0, proc_status("VmHWM") - self.base)
-
-
-def return_freed_memory() -> None:
-    """Make glibc give large freed blocks back to the system at once (as MALLOC_MMAP_THRESHOLD_=1048576
-    would), so the resident set measures live memory instead of the allocator's hoard."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        # Free chunks already in the heap (left there while glibc's dynamic threshold was high) would be
-        # reused, resident pages the resident set does not see grow: hand their pages back first.
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the resident set may then over-state the peak
-
-
-def reset_rss_peak() -> bool:
-    """Restart the process's resident-set high-water mark (Linux: clear_refs 5); False where the kernel
-    does not allow it (VmHWM then counts from the process's start)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def proc_status(key: str) -> int:
-    """A /proc/self/status memory field, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+            return
+        peak = host.resident_peak()
+        if self.reset or peak > self.earlier_peak:
+            self.bytes = max(0, peak - self.base)
 
 
 class RandomTokens:

@@ -20,7 +20,6 @@ Measured, each as the best of several repetitions (outside load only slows a rep
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -28,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fivefold.memory import host
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.train.metrics import measure_peak_flops, probed_peak_flops
@@ -115,7 +115,7 @@ def measure_op_overhead(device: torch.device) -> float:
 def memory_size(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host.total()
 
 
 def measure_collectives(device: torch.device) -> dict[str, float]:

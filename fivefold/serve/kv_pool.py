@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
+from fivefold.memory import host
 from fivefold.kernels.cpu_block_ops import rotary_decode_attention
 from fivefold.kernels.cpu_paged_decode import decode_attention
 from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
@@ -53,9 +54,7 @@ def available_memory(device: torch.device) -> int:
     """Bytes free for the KV pool: free accelerator memory, or on CPU the RAM the kernel can give."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", info["MemFree"])
+    return host.available()
 
 
 def kv_plan(cfg: ModelConfig, kv_memory: float, block_size: int, dtype: torch.dtype,

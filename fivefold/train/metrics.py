@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from fivefold.data.corpus import cache_dir
+from fivefold.memory import host
 from fivefold.parallel.mesh import synchronize
 from fivefold.planner.hardware import load_profile, profile_for_device_name
 
@@ -169,11 +170,7 @@ def memory_bytes(device: torch.device) -> int:
     """Memory in use now: the CUDA caching allocator's allocated bytes, or this process's RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    return host.resident()
 
 
 class MetricsLog:
