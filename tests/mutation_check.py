@@ -60,6 +60,7 @@ TESTS = {  # the tests that cover each module
     "search": "tests/test_speed_model.py tests/test_bench_planner_search.py tests/test_layout_rules.py",
     "cadam": "tests/test_compiled_adamw.py tests/test_train.py",
     "hf": "tests/test_model.py tests/test_hf_interop.py tests/test_golden.py",
+    "host": "tests/test_host_memory.py tests/test_memory_measured.py::test_startup_peak_measures_a_known_allocation",
 }
 
 
@@ -600,6 +601,12 @@ MUTANTS = [Mutant(*m) for m in [
     # the layout search keeps the top candidates, pruning below the last of them
     ('SE1', 'fivefold/planner/search.py', 'search',
      '                        floor = found[top - 1].speed', '                        floor = found[0].speed'),
+    # a resident-set peak that cannot be restarted read as the block's although the block set no new peak
+    ('HM1', 'fivefold/memory/tracker.py', 'host', '        if self.reset or peak > self.earlier_peak:',
+     '        if True:'),
+    # the KV pool sized from the whole RAM instead of what a new allocation can have
+    ('HM2', 'fivefold/memory/host.py', 'host', '    return psutil.virtual_memory().available',
+     '    return psutil.virtual_memory().total'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
