@@ -2,7 +2,10 @@
 python without activating it, a directory per version of the sources, shared by checkouts, and a build that
 survives one interrupted before it."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 from torch.utils.cpp_extension import verify_ninja_availability
@@ -112,3 +115,50 @@ def test_a_real_build_after_an_interrupted_one_loads(tmp_path):
     assert "waiting for another process building" in waiting, waiting + err
     assert out.split() == ["None", "True"], err
     assert not (build_dir / "lock").exists()
+
+
+REMEMBERED = r"""
+import json, os, sys
+import torch.utils.cpp_extension as ext
+from fivefold.kernels import cpu_build
+
+calls = []
+def failing_load(**kwargs):
+    calls.append(kwargs["name"])
+    raise RuntimeError("Error building extension: clang: error: unsupported option '-fopenmp'")
+ext.load = failing_load
+seen = []
+def attempt():
+    cpu_build.build.cache_clear()
+    before = len(calls)
+    seen.append({"why": cpu_build.build()[1], "built": len(calls) > before,
+                 "remembered": (cpu_build.build_directory() / cpu_build.FAILED).exists()})
+attempt()  # fails, and is remembered
+attempt()  # the same compiler: not tried again
+os.utime(os.environ["CXX"], ns=(1, 1))  # the compiler changed (installed anew)
+attempt()  # tried again
+ext.load = lambda **kwargs: calls.append(kwargs["name"]) or "module"
+os.utime(os.environ["CXX"], ns=(2, 2))
+attempt()  # builds: the failure is forgotten
+print(json.dumps(seen))
+"""
+
+
+def test_a_failed_build_is_remembered_until_the_compiler_changes(tmp_path):
+    """Where the kernels cannot be built (a Mac's clang without OpenMP), each later process takes the failure
+    from the build directory instead of building again, and says how to retry; a changed compiler tries again,
+    and a build that succeeds forgets the failure."""
+    compiler = tmp_path / "c++"
+    compiler.write_text("#!/bin/sh\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": str(compiler)}
+    run = subprocess.run([sys.executable, "-c", REMEMBERED], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    first, again, changed, built = json.loads(run.stdout.strip().splitlines()[-1])
+    assert first == {"why": "building it failed: RuntimeError: Error building extension: clang: error: "
+                            "unsupported option '-fopenmp'", "built": True, "remembered": True}
+    assert not again["built"] and again["why"].startswith(first["why"] + " (an earlier build's; remove ")
+    assert again["why"].endswith(f"{cpu_build.FAILED} to try again)")
+    assert changed == first
+    assert built == {"why": None, "built": True, "remembered": False}
+    assert "building fivefold's CPU kernels" in run.stderr

@@ -6,7 +6,8 @@ decode attention, one call each, and a decode step's every block as one call), b
 at first use with torch's extension builder (a C++ compiler and ninja; ~1 min on 2 cores) for this CPU's
 instruction set, where torch keeps its extensions ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; a
 directory per version of the sources), and loaded from there afterwards.
-Where it cannot be built, `kernel_problem()` says why and the engine keeps torch's ops.
+Where it cannot be built, `kernel_problem()` says why and the engine keeps torch's ops; the failure is
+remembered in the build directory (`failed.txt`) until the compiler changes.
 
 torch's builder guards a build directory with a lock file that only the process holding it removes: a build
 interrupted (Ctrl-C, a killed job) leaves it behind, and every later process waits on it forever, silently.
@@ -24,6 +25,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,6 +35,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_paged_decode.cpp", HERE / "cpu_linear_rows.cpp",
            HERE / "cpu_block_ops.cpp"]
 HEADERS = [HERE / "cpu_simd.h"]
+FAILED = "failed.txt"  # in the build directory: the compiler of a build that failed, and why
 
 
 def _signature() -> str:
@@ -113,9 +116,27 @@ def build_directory() -> Path:
     return Path(root) / f"fivefold_cpu_kernels_{_signature()}"
 
 
+def _compiler() -> str:
+    """The C++ compiler torch's builder runs ($CXX, default c++) as the path it resolves to and that file's
+    time stamp: a build that failed is tried again once either changes (a compiler installed or updated)."""
+    path = shutil.which(os.environ.get("CXX", "c++"))
+    return f"{path} {os.stat(path).st_mtime_ns}" if path else "no compiler"
+
+
+def _remembered_failure(build_dir: Path) -> str | None:
+    """Why the last build in build_dir failed, where it failed with this compiler; None otherwise."""
+    try:
+        compiler, why = (build_dir / FAILED).read_text().split("\n", 1)
+    except (OSError, ValueError):
+        return None
+    return why if compiler == _compiler() else None
+
+
 @functools.cache
 def build():
-    """(module, None) once built and loaded, or (None, why not)."""
+    """(module, None) once built and loaded, or (None, why not). A build that fails is remembered in its
+    directory with the compiler that failed it, so that each later process of this machine (every
+    `fivefold generate` on a Mac whose clang has no OpenMP) does not try again and announce a minute's build."""
     from torch.utils.cpp_extension import load, verify_ninja_availability
 
     _ninja_on_path()
@@ -125,6 +146,9 @@ def build():
         return None, "ninja is not installed (pip install ninja)"
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
+    failed = _remembered_failure(build_dir)
+    if failed:
+        return None, f"{failed} (an earlier build's; remove {build_dir / FAILED} to try again)"
     if not any(build_dir.glob("*.so")):  # on stderr: `fivefold generate` writes its text on stdout
         print(f"building fivefold's CPU kernels for this machine (once; ~1 min on 2 cores) in {build_dir}",
               file=sys.stderr, flush=True)
@@ -136,7 +160,12 @@ def build():
                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - whatever failed (no compiler, a linker error), the answer is the same
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return None, f"building it failed: {type(e).__name__}: {first}"[:300]
+        why = f"building it failed: {type(e).__name__}: {first}"[:300]
+        partial = build_dir / f"{FAILED}.{os.getpid()}.partial"
+        partial.write_text(f"{_compiler()}\n{why}")
+        os.replace(partial, build_dir / FAILED)
+        return None, why
+    (build_dir / FAILED).unlink(missing_ok=True)
     return module, None
 
 
