@@ -97,7 +97,7 @@ def test_a_row_alone_equals_the_row_in_any_batch_and_any_thread_count(width):
 
 def test_the_wrapper_runs_the_kernel_only_where_it_applies():
     """MIN_ROWS..max_rows() float32 rows over an (out, in) weight: the kernel (any leading shape, a bias
-    added); anything else: F.linear itself, bit for bit (fewer or more rows, an input-major weight, bfloat16,
+    added); anything else: F.linear itself, bit for bit (fewer or more rows, an input-major weight, float16,
     autograd)."""
     w, b = randn(64, 48, seed=9), randn(64, seed=10)
     with torch.no_grad():
@@ -113,10 +113,46 @@ def test_the_wrapper_runs_the_kernel_only_where_it_applies():
         x = randn(8, 48, seed=12)
         major = w.t().contiguous().t()
         assert torch.equal(linear_rows(x, major), F.linear(x, major))
-        assert torch.equal(linear_rows(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+        assert torch.equal(linear_rows(x.half(), w.half()), F.linear(x.half(), w.half()))
     leaf = w.clone().requires_grad_()
     linear_rows(x, leaf).sum().backward()  # F.linear's autograd
     torch.testing.assert_close(leaf.grad, x.sum(0).expand(64, 48))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 15, 16, 17, 100, 576])
+def test_bfloat16_weights_widened_as_loaded(k, width):
+    """bfloat16 weights (a bfloat16 engine's), read at their 2 bytes and widened to float32 as loaded, every
+    tail of rows, weight rows and K: the float32 product of the same values to float32 rounding, and a row alone
+    bit for bit the row in a batch."""
+    for n in (1, 3, 5, 37):
+        w = randn(n, k, seed=20 + n).bfloat16()
+        for m in (1, 3, 4, 7, 33):
+            x = randn(m, k, seed=m)
+            y = kernel(x, w, width)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert_within_float32_sums(y, x, w.float())
+    w, batch = randn(203, k, seed=7).bfloat16(), randn(32, k, seed=8)
+    alone = torch.cat([kernel(batch[i:i + 1], w, width) for i in range(32)])
+    for m in (2, 5, 32):
+        torch.testing.assert_close(kernel(batch[:m], w, width), alone[:m], rtol=0, atol=0)
+
+
+def test_the_wrapper_in_bfloat16_rounds_once():
+    """bfloat16 rows over a bfloat16 weight: the rows widened, the kernel's float32 sums, a bias added in float32,
+    then one rounding to bfloat16; so within half a bfloat16 step, 2^-8 of the value (plus the sums' float32 error) of the exact
+    product, as F.linear's bfloat16 product is (checked beside it)."""
+    w, b = randn(64, 48, seed=9).bfloat16(), randn(64, seed=10).bfloat16()
+    with torch.no_grad():
+        for m in (MIN_ROWS, 9, max_rows()):
+            x = randn(m, 48, seed=m).bfloat16()
+            y = linear_rows(x, w, b)
+            assert y.dtype == torch.bfloat16
+            assert torch.equal(y, (kernel(x.float(), w) + b.float()).bfloat16())
+            exact = x.double() @ w.double().t() + b.double()
+            for product in (y, F.linear(x, w, b)):
+                err = (product.double() - exact).abs()
+                assert bool((err <= 2.0**-8 * exact.abs() + 1e-5).all()), float(err.max())
 
 
 def test_under_torch_compile_it_is_one_op_in_the_graph():
@@ -270,6 +306,29 @@ def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(m
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     diff = max(abs(x["logprob"] - y["logprob"]) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
     assert diff < 1e-5
+
+
+def test_a_bfloat16_engine_takes_it_and_gives_the_libraries_tokens(monkeypatch, tmp_path):
+    """serve.dtype=bfloat16: the kernel is offered for bfloat16 weights too (here made the choice); 8 greedy
+    requests give the libraries' tokens, their logprobs within bfloat16's rounding of the libraries'."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    chosen = cl.chosen_product
+
+    def prefer_rows(shape, dtype, mode="auto", layouts=True, rows_kernel=False):
+        return cl.Product("rows kernel") if rows_kernel else chosen(shape, dtype, mode, layouts, rows_kernel)
+    monkeypatch.setattr(cl, "chosen_product", prefer_rows)
+    model = build_model(PRESETS["tiny"], "cpu", seed=0, dtype=torch.bfloat16).eval()
+    ours = LLM(model)
+    assert set(ours.engine.linears) == {"rows kernel"}
+    libraries = LLM(build_model(PRESETS["tiny"], "cpu", seed=0, dtype=torch.bfloat16).eval(), cpu_kernel="false")
+    assert "rows kernel" not in libraries.engine.linears
+    vocab = PRESETS["tiny"].vocab_size
+    ps = [torch.randint(1, vocab, (5 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
+    a, b = ours.generate(ps, params), libraries.generate(ps, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    diff = max(abs(x["logprob"] - y["logprob"]) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
+    assert diff < 0.05
 
 
 def test_an_engine_where_the_kernel_cannot_run_keeps_the_libraries(monkeypatch, tmp_path):

@@ -12,6 +12,10 @@
 // Every output is its own dot product, summed in one order whatever the row's position, the batch's size
 // or the thread that runs it: a row's result does not depend on its batch companions. Where the CPU has no
 // AVX-512 (most laptops), tiles of 4 input rows x 3 weight rows in AVX2's 8 lanes do the same.
+//
+// Weights may be bfloat16 (a bfloat16 engine's): each is widened to float32 as it is loaded (its 16 bits are a
+// float32's upper half), and the input rows are float32, so every product is exact and only the float32 sum
+// rounds, as in the libraries' bfloat16 products; the weight's bytes, what a decode step streams, are halved.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +28,30 @@
 #include <immintrin.h>
 
 namespace {
+
+// A weight's element as float32, 16 (AVX-512) or 8 (AVX2) at a time; bfloat16 as its raw 16 bits.
+using bf16 = uint16_t;
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// The last n < L elements of a row, zeros beyond, copied where a full vector can be loaded.
+template <int L, class T>
+struct Tail {
+  alignas(64) T v[L];
+  Tail(const T* p, int64_t n) {
+    for (int i = 0; i < L; ++i) v[i] = i < n ? p[i] : T(0);
+  }
+};
 
 // Lines of the next tile, `per_step` of them at each step of the k loop.
 struct Prefetch {
@@ -41,15 +69,15 @@ struct Avx512 {
   static constexpr int kRows = 4, kCols = 4, kLanes = 16;
 
   // y[i][j] = x_i . w_j for i < MB input rows, j < NB weight rows (missing ones are zero lanes of the tree).
-  template <int MB, int NB>
-  static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw,
+  template <int MB, int NB, class W>
+  static inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw,
                           float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
     __m512 acc[kRows * kCols];
     for (int t = 0; t < kRows * kCols; ++t) acc[t] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       __m512 wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + k);
+      for (int j = 0; j < NB; ++j) wv[j] = load16(w + j * ldw + k);
       prefetch.step();
       for (int i = 0; i < MB; ++i) {
         const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
@@ -59,7 +87,7 @@ struct Avx512 {
     if (k < K) {  // the last K % 16 columns, zeros beyond
       const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
       __m512 wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
+      for (int j = 0; j < NB; ++j) wv[j] = load16(Tail<16, W>(w + j * ldw + k, K - k).v);
       for (int i = 0; i < MB; ++i) {
         const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
         for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kCols + j]);
@@ -85,8 +113,8 @@ struct Avx2 {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
 
-  template <int MB, int NB>
-  static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw,
+  template <int MB, int NB, class W>
+  static inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw,
                           float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
     __m256 acc[MB][NB];
     for (int i = 0; i < MB; ++i)
@@ -94,7 +122,7 @@ struct Avx2 {
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
       __m256 wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+      for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * ldw + k);
       prefetch.step();
       for (int i = 0; i < MB; ++i) {
         const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
@@ -105,7 +133,7 @@ struct Avx2 {
       const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - k)),
                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       __m256 wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm256_maskload_ps(w + j * ldw + k, mask);
+      for (int j = 0; j < NB; ++j) wv[j] = load8(Tail<8, W>(w + j * ldw + k, K - k).v);
       for (int i = 0; i < MB; ++i) {
         const __m256 xv = _mm256_maskload_ps(x + i * ldx + k, mask);
         for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -117,9 +145,9 @@ struct Avx2 {
 };
 
 // Every input row against one tile of NB weight rows, prefetching the next tile (up to `end`) meanwhile.
-template <class Arch, int NB>
-void column_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
-                 int64_t K, const float* end) {
+template <class Arch, int NB, class W>
+void column_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
+                 int64_t K, const W* end) {
   constexpr int R = Arch::kRows;
   const int64_t passes = (M + R - 1) / R, steps = passes * (K / Arch::kLanes);
   Prefetch prefetch{nullptr, nullptr, 0};
@@ -127,36 +155,49 @@ void column_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
   const char* stop = std::min(reinterpret_cast<const char*>(w + 2 * NB * ldw), reinterpret_cast<const char*>(end));
   if (next < stop && steps > 0) prefetch = Prefetch{next, stop, ((stop - next + 63) / 64 + steps - 1) / steps};
   int64_t m = 0;
-  for (; m + R <= M; m += R) Arch::template tile<R, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch);
+  for (; m + R <= M; m += R) Arch::template tile<R, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch);
   switch (M - m) {
-    case 1: Arch::template tile<1, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
-    case 2: Arch::template tile<2, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
-    case 3: Arch::template tile<3, NB>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 1: Arch::template tile<1, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 2: Arch::template tile<2, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 3: Arch::template tile<3, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
     default: break;
   }
 }
 
 // column_tile for a tile of `nb` <= NB weight rows (the last tile of a weight may be narrower).
-template <class Arch, int NB = Arch::kCols>
-void column_tile_of(int64_t nb, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
-                    int64_t M, int64_t K, const float* end) {
+template <class Arch, class W, int NB = Arch::kCols>
+void column_tile_of(int64_t nb, const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
+                    int64_t M, int64_t K, const W* end) {
   if (nb == NB) {
-    column_tile<Arch, NB>(x, ldx, w, ldw, y, ldy, M, K, end);
+    column_tile<Arch, NB, W>(x, ldx, w, ldw, y, ldy, M, K, end);
   } else if constexpr (NB > 1) {
-    column_tile_of<Arch, NB - 1>(nb, x, ldx, w, ldw, y, ldy, M, K, end);
+    column_tile_of<Arch, W, NB - 1>(nb, x, ldx, w, ldw, y, ldy, M, K, end);
   }
 }
 
-template <class Arch>
-void run(const float* xp, int64_t ldx, const float* wp, int64_t ldw, float* yp, int64_t M, int64_t N, int64_t K) {
+template <class Arch, class W>
+void run(const float* xp, int64_t ldx, const W* wp, int64_t ldw, float* yp, int64_t M, int64_t N, int64_t K) {
   constexpr int C = Arch::kCols;
   at::parallel_for(0, (N + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
-    const float* stop = wp + std::min(end * C, N) * ldw;  // this thread's last weight row
+    const W* stop = wp + std::min(end * C, N) * ldw;  // this thread's last weight row
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * C;
-      column_tile_of<Arch>(std::min<int64_t>(C, N - n), xp, ldx, wp + n * ldw, ldw, yp + n, N, M, K, stop);
+      column_tile_of<Arch, W>(std::min<int64_t>(C, N - n), xp, ldx, wp + n * ldw, ldw, yp + n, N, M, K, stop);
     }
   });
+}
+
+// The tiles of `width` (0: the widest built) over every weight row.
+template <class W>
+void dispatch(int64_t width, const float* xp, int64_t ldx, const W* wp, int64_t ldw, float* yp, int64_t M,
+              int64_t N, int64_t K) {
+#if defined(__AVX512F__)
+  if (width != 256) {
+    run<Avx512, W>(xp, ldx, wp, ldw, yp, M, N, K);
+    return;
+  }
+#endif
+  run<Avx2, W>(xp, ldx, wp, ldw, yp, M, N, K);
 }
 
 }  // namespace
@@ -174,12 +215,13 @@ int64_t linear_rows_width() {
 #endif
 }
 
-// x (M, K) float32 with unit stride along K; w (N, K) float32 with unit stride along K. -> (M, N). `width` 0:
-// the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
+// x (M, K) float32 with unit stride along K; w (N, K) float32 or bfloat16 with unit stride along K. -> (M, N)
+// float32. `width` 0: the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
   TORCH_CHECK(linear_rows_width() > 0, "the rows kernel needs AVX2 and FMA");
   TORCH_CHECK(width == 0 || width == 256 || width == linear_rows_width(), "no rows kernel of width ", width);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.dtype() == torch::kFloat32, "x: float32 only");
+  TORCH_CHECK(w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16, "w: float32 or bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K) and w (N, K)");
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "x and w need unit stride along K");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -187,15 +229,12 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-#if defined(__AVX512F__)
-  if (width != 256) {
-    run<Avx512>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
-    return y;
+  if (w.dtype() == torch::kBFloat16) {
+    dispatch(width, xp, x.stride(0), reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()), w.stride(0), yp, M, N, K);
+  } else {
+    dispatch(width, xp, x.stride(0), w.data_ptr<float>(), w.stride(0), yp, M, N, K);
   }
-#endif
-  run<Avx2>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
 #endif
   return y;
 }

@@ -10,8 +10,12 @@ hands over to F.linear; below MIN_ROWS rows (a batch-1 decode) the timing choose
 a library's one-row product, F.linear's or oneDNN's.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
-or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. float32 only, on a CPU
-with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA (4 x 3 in 8 lanes, as most laptops have; an
+or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. Its weights are float32
+or bfloat16 (a bfloat16 engine's): bfloat16 weights are read as they are, half the bytes, and widened to float32
+as loaded, the few input rows widened before, so every product is exact and summed in float32 and the output
+rounded to bfloat16 once, as the libraries' bfloat16 products do (at one to four rows it read smollm2-135m's and
+a 2048 x 8192 weight at 22-50 GB/s on the 2-vCPU AMD host, where F.linear's bfloat16 product read 11-17; at 16
+rows the two were on par). It runs on a CPU with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA (4 x 3 in 8 lanes, as most laptops have; an
 AVX-512 build has both, and the tests run both); elsewhere `rows_kernel_problem()` says why and the libraries'
 products run. Where it runs, the per-shape timing keeps it only where it is faster.
 """
@@ -62,17 +66,21 @@ def rows_kernel_problem() -> str | None:
     return None if module.linear_rows_width() else "this CPU has neither AVX-512 nor AVX2 with FMA"
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # the weights' and rows' dtypes it takes
+
+
 def offered(cpu_kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether serve.cpu_kernel=`cpu_kernel` puts the rows kernel among the products a `dtype` engine on
-    `device` chooses from (the engine and the serving calibration alike): float32 on a CPU where it runs."""
-    return cpu_kernel != "false" and device.type == "cpu" and dtype == torch.float32 and rows_kernel_problem() is None
+    `device` chooses from (the engine and the serving calibration alike): float32 or bfloat16 on a CPU where it
+    runs."""
+    return cpu_kernel != "false" and device.type == "cpu" and dtype in DTYPES and rows_kernel_problem() is None
 
 
 def product_at(rows: int, weight: torch.Tensor, few_rows: Callable | None) -> Callable | None:
-    """What `linear_rows` runs for `rows` rows of float32 over `weight`: None for the rows kernel itself, else the
-    product it hands them to (F.linear, or `few_rows` below MIN_ROWS). fivefold.serve.cpu_linear.cpp_product
+    """What `linear_rows` runs for `rows` rows of the weight's dtype over `weight`: None for the rows kernel itself,
+    else the product it hands them to (F.linear, or `few_rows` below MIN_ROWS). fivefold.serve.cpu_linear.cpp_product
     asks it too, so that C++ runs the product the loop would."""
-    if not 0 < rows <= max_rows() or weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
+    if not 0 < rows <= max_rows() or weight.dtype not in DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
         return F.linear
     if rows < MIN_ROWS and few_rows is not None:
         return few_rows
@@ -81,25 +89,27 @@ def product_at(rows: int, weight: torch.Tensor, few_rows: Callable | None) -> Ca
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 few_rows: Callable | None = F.linear) -> torch.Tensor:
-    """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..max_rows() rows of float32 with the
-    weight in its (out, in) layout, and below MIN_ROWS through `few_rows` (a library's product: which one
+    """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..max_rows() rows of float32 or bfloat16
+    (x and the weight alike) with the weight in its (out, in) layout, and below MIN_ROWS through `few_rows` (a library's product: which one
     streams one row fastest depends on the CPU), or the kernel too where it is None; else F.linear. No
     autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (x.dtype != torch.float32 or x.device.type != "cpu"
+    if (x.dtype not in DTYPES or x.dtype != weight.dtype or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     other = product_at(rows, weight, few_rows)
     if other is not None:
         return other(x, weight, bias)
     x2 = x.reshape(rows, k)
-    if x2.stride(1) != 1:
+    if x2.dtype != torch.float32:  # the kernel's rows are float32: bfloat16 widens exactly
+        x2 = x2.float()
+    elif x2.stride(1) != 1:
         x2 = x2.contiguous()
     if torch.compiler.is_compiling():  # an op a compiled graph keeps whole (serve.compile_decode)
         y = torch.ops.fivefold.cpu_linear_rows(x2, weight)
     else:  # the module's own call: the dispatcher's costs a few microseconds a product
         y = cpu_build.build()[0].linear_rows(x2, weight)
     if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], weight.shape[0])
+        y = y + bias  # in float32 before bfloat16's one rounding, as the libraries add it
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

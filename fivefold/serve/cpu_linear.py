@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.corpus import cache_dir
+from fivefold.kernels.cpu_linear_rows import DTYPES as ROWS_DTYPES
 from fivefold.kernels.cpu_linear_rows import linear_rows, product_at
 from fivefold.quant.linear import QuantLinear
 from fivefold.serve.fused import FusedAttention
@@ -274,12 +275,12 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
     """Route every plain linear of `model` (on a CPU, in float32 or bfloat16), its fused q/k/v and gate/up
     products and its quantized linears' dequantized products through the product `choose` picks for their
     shape (by default `chosen_product` for serve.linear=`mode`, with fivefold's rows kernel among the
-    candidates for float32 weights where `rows_kernel`), in place, laying each block product's
+    candidates for float32 and bfloat16 weights where `rows_kernel`), in place, laying each block product's
     weight out input-major where that product runs it faster so (and back in the plain layout where a model
     routed before now takes a plain product); how many products each library runs."""
     if choose is None:
         def choose(shape, dtype, layouts):
-            return chosen_product(shape, dtype, mode, layouts, rows_kernel and dtype == torch.float32)
+            return chosen_product(shape, dtype, mode, layouts, rows_kernel and dtype in ROWS_DTYPES)
     routed = Counter()
     # Kept in their layout: the embedding and LM head. Left alone: the fused products' parts (views into their
     # fused weight, laid out with it), which do not run; a model unfused later runs them on F.linear, and the
@@ -324,9 +325,9 @@ def route_linears(model: nn.Module, mode: str = "auto", choose: Chooser | None =
 def serving_product(device: torch.device, shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto",
                     rows_kernel: bool = False):
     """(the linear function, the weight layout) the engine runs a block product of `shape` with on `device`
-    for serve.linear=`mode`, with the rows kernel among the candidates where `rows_kernel` (float32 only):
+    for serve.linear=`mode`, with the rows kernel among the candidates where `rows_kernel` (float32, bfloat16):
     what calibration times."""
     if device.type == "cpu" and mode != "torch" and candidates(mode, False):
-        product = chosen_product(shape, dtype, mode, rows_kernel=rows_kernel and dtype == torch.float32)
+        product = chosen_product(shape, dtype, mode, rows_kernel=rows_kernel and dtype in ROWS_DTYPES)
         return product.fn, (input_major if product.input_major else lambda weight: weight)
     return F.linear, lambda weight: weight
