@@ -149,6 +149,8 @@ def test_the_wrapper_in_bfloat16_rounds_once():
             y = linear_rows(x, w, b)
             assert y.dtype == torch.bfloat16
             assert torch.equal(y, (kernel(x.float(), w) + b.float()).bfloat16())
+            assert torch.equal(linear_rows(x, w), kernel(x.float(), w).bfloat16())  # widened and rounded in C++
+            assert torch.equal(kernel(x, w), kernel(x.float(), w).bfloat16())
             exact = x.double() @ w.double().t() + b.double()
             for product in (y, F.linear(x, w, b)):
                 err = (product.double() - exact).abs()

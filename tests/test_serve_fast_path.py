@@ -205,6 +205,32 @@ def test_a_product_slow_only_between_one_and_sixteen_rows_is_not_chosen(monkeypa
     assert cl.chosen_product((1024, 256), torch.float32, layouts=False) == cl.Product("oneDNN")
 
 
+def test_a_product_that_cannot_run_the_dtype_is_left_out(monkeypatch, tmp_path, product_clock):
+    """oneDNN has no float16 inner product on a CPU without AVX-512 FP16 (this host's: "could not create a
+    primitive descriptor"): timing leaves out a product that raises, so a float16 engine starts, with
+    serve.linear=torch's tokens, where it used to stop with oneDNN's error."""
+    import fivefold.serve.cpu_linear as cl
+
+    def fast(x, weight, bias=None):
+        raise RuntimeError("could not create a primitive descriptor for the inner product")
+
+    def slow(x, weight, bias=None):
+        product_clock.sleep(1e-2)
+        return x @ weight.t()
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    monkeypatch.setattr(cl, "LIBRARIES", {"oneDNN": fast, "F.linear": slow})
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
+    monkeypatch.setattr(cl, "_chosen", {})
+    assert cl.chosen_product((1024, 256), torch.float16, layouts=False) == cl.Product("F.linear")
+    monkeypatch.undo()
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    half = LLM(tiny().to(torch.float16))
+    assert set(half.engine.linears) <= {"oneDNN", "F.linear"}
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert half.generate([[1, 2, 3]], greedy)[0].token_ids == \
+        LLM(tiny().to(torch.float16), linear="torch").generate([[1, 2, 3]], greedy)[0].token_ids
+
+
 def test_a_bad_serve_linear_is_refused():
     with pytest.raises(ConfigError, match=r"serve.linear.*auto, onednn, torch"):
         LLM(tiny(), linear="mkl")

@@ -215,13 +215,17 @@ int64_t linear_rows_width() {
 #endif
 }
 
-// x (M, K) float32 with unit stride along K; w (N, K) float32 or bfloat16 with unit stride along K. -> (M, N)
-// float32. `width` 0: the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
+// x (M, K) with unit stride along K; w (N, K) float32 or bfloat16 with unit stride along K; x float32, or bfloat16
+// over a bfloat16 w (widened here, exactly). -> (M, N) in x's dtype: a bfloat16 y is the float32 sums rounded once.
+// `width` 0: the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
   TORCH_CHECK(linear_rows_width() > 0, "the rows kernel needs AVX2 and FMA");
   TORCH_CHECK(width == 0 || width == 256 || width == linear_rows_width(), "no rows kernel of width ", width);
-  TORCH_CHECK(x.dtype() == torch::kFloat32, "x: float32 only");
   TORCH_CHECK(w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16, "w: float32 or bfloat16 only");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 || (x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16),
+              "x: float32, or bfloat16 over a bfloat16 w");
+  const bool rounded = x.dtype() == torch::kBFloat16;
+  if (rounded) x = x.to(torch::kFloat32);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K) and w (N, K)");
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "x and w need unit stride along K");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -236,5 +240,5 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
     dispatch(width, xp, x.stride(0), w.data_ptr<float>(), w.stride(0), yp, M, N, K);
   }
 #endif
-  return y;
+  return rounded ? y.to(torch::kBFloat16) : y;
 }

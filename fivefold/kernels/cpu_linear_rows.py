@@ -102,8 +102,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if other is not None:
         return other(x, weight, bias)
     x2 = x.reshape(rows, k)
-    if x2.dtype != torch.float32:  # the kernel's rows are float32: bfloat16 widens exactly
-        x2 = x2.float()
+    if bias is not None and x2.dtype != torch.float32:  # the bias joins the float32 sums before the one rounding
+        x2 = x2.float()  # (bfloat16 widens exactly; without a bias the kernel widens and rounds itself)
     elif x2.stride(1) != 1:
         x2 = x2.contiguous()
     if torch.compiler.is_compiling():  # an op a compiled graph keeps whole (serve.compile_decode)
@@ -111,5 +111,5 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     else:  # the module's own call: the dispatcher's costs a few microseconds a product
         y = cpu_build.build()[0].linear_rows(x2, weight)
     if bias is not None:
-        y = y + bias  # in float32 before bfloat16's one rounding, as the libraries add it
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        y = (y + bias).to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])

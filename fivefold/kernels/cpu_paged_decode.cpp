@@ -6,6 +6,9 @@
 // keys are scored against every query head reading them, an online softmax (Milakov & Gimelshein 2018)
 // folds the block in, and its values are accumulated, so the pool is read once and nothing is gathered.
 // Work items are independent, so a sequence's output does not depend on its batch companions.
+//
+// The pool is float32 or bfloat16 (a bfloat16 engine's): bfloat16 keys and values are widened to float32 as
+// they are read (a bfloat16 is a float32's upper 16 bits), half the bytes, the query and all arithmetic float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,15 +22,33 @@
 
 namespace {
 
+using bf16 = uint16_t;  // a bfloat16's bits
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 // A dot product of D floats in 16 lanes, reduced as a tree (a serial sum of the lanes was the kernel's
 // bottleneck).
-template <int D>
-inline float dot(const float* __restrict a, const float* __restrict b) {
+template <int D, class T>
+inline float dot(const float* __restrict a, const T* __restrict b) {
   static_assert(D % 16 == 0, "head size must be a multiple of 16");
   float lane[16] = {0};
   for (int d0 = 0; d0 < D; d0 += 16) {
 #pragma omp simd
-    for (int j = 0; j < 16; ++j) lane[j] += a[d0 + j] * b[d0 + j];
+    for (int j = 0; j < 16; ++j) lane[j] += a[d0 + j] * widen(b[d0 + j]);
   }
   for (int j = 0; j < 8; ++j) lane[j] += lane[j + 8];
   for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
@@ -36,8 +57,8 @@ inline float dot(const float* __restrict a, const float* __restrict b) {
 
 // scores[t] = q . k_t for the n <= 16 keys of k (row stride `stride`), into scores[0..n).
 // `wide`: the AVX-512 form where it is compiled; else (and on CPUs without AVX-512) one dot product a key.
-template <int D>
-inline void scores16(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
+template <int D, class T>
+inline void scores16(const float* __restrict q, const T* __restrict k, int64_t stride, int64_t n,
                      float* __restrict scores, bool wide) {
 #if defined(__AVX512F__)
   if (!wide) {
@@ -51,9 +72,9 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
   __m512 p[16];
   for (int t = 0; t < 16; ++t) {
     if (t < n) {
-      const float* kt = k + t * stride;
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-      for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), acc);
+      const T* kt = k + t * stride;
+      __m512 acc = _mm512_mul_ps(qv[0], load16(kt));
+      for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), acc);
       p[t] = acc;
     } else {
       p[t] = _mm512_setzero_ps();
@@ -67,10 +88,12 @@ inline void scores16(const float* __restrict q, const float* __restrict k, int64
 #endif
 }
 
-// Every 64-byte line of `n` rows of `stride` floats, from `offset` for `width` floats.
-inline void prefetch_rows(const float* base, int64_t n, int64_t stride, int64_t offset, int64_t width) {
+// Every 64-byte line of `n` rows of `stride` elements, from `offset` for `width` elements.
+template <class T>
+inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t offset, int64_t width) {
+  constexpr int64_t line = 64 / sizeof(T);
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(base + t * stride + offset + c);
+    for (int64_t c = 0; c < width; c += line) __builtin_prefetch(base + t * stride + offset + c);
 }
 
 struct Scratch {
@@ -80,8 +103,8 @@ struct Scratch {
 };
 
 // Query heads [h0 * G, h1 * G) of one sequence, against its key/value heads [h0, h1).
-template <int D>
-void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool, const float* v_pool,
+template <int D, class T>
+void attend_sequence(const float* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
                      const int32_t* table, int64_t length, int64_t block_size, int64_t kv_heads, int64_t groups,
                      int64_t h0, int64_t h1, float scale, float* out, Scratch& s, bool wide) {
   const int64_t rows = (h1 - h0) * groups, token_stride = kv_heads * D;
@@ -105,10 +128,10 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = h0 + r / groups;
       const float* qr = q + (h0 * groups + r) * q_head_stride;
-      const float* k = k_pool + base + head * D;
+      const T* k = k_pool + base + head * D;
       float* sr = scores + r * block_size;
       for (int64_t t0 = 0; t0 < n; t0 += 16)
-        scores16<D>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0, wide);
+        scores16<D, T>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0, wide);
       float block_max = s.max[r];
       for (int64_t t = 0; t < n; ++t) {
         sr[t] *= scale;
@@ -123,15 +146,15 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
       }
       s.sum[r] = s.sum[r] * rescale + total;
       s.max[r] = block_max;
-      const float* v = v_pool + base + head * D;
+      const T* v = v_pool + base + head * D;
       alignas(64) float a[D];
 #pragma omp simd
       for (int d = 0; d < D; ++d) a[d] = acc[r * D + d] * rescale;
       for (int64_t t = 0; t < n; ++t) {
         const float p = sr[t];
-        const float* vt = v + t * token_stride;
+        const T* vt = v + t * token_stride;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += p * vt[d];
+        for (int d = 0; d < D; ++d) a[d] += p * widen(vt[d]);
       }
 #pragma omp simd
       for (int d = 0; d < D; ++d) acc[r * D + d] = a[d];
@@ -144,7 +167,7 @@ void attend_sequence(const float* q, int64_t q_head_stride, const float* k_pool,
   }
 }
 
-template <int D>
+template <int D, class T>
 torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                                  int64_t splits, bool wide) {
@@ -153,8 +176,8 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
   const int64_t table_stride = block_tables.stride(0), q_stride = q.stride(0), q_head_stride = q.stride(1);
   auto out = torch::zeros({batch, heads, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
+  const T* kp = static_cast<const T*>(k_pool.data_ptr());
+  const T* vp = static_cast<const T*>(v_pool.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -164,7 +187,7 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, part = item % splits;
       if (lens[b] <= 0) continue;  // a padding row reads nothing and stays zero
-      attend_sequence<D>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
+      attend_sequence<D, T>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
                          kv_heads, groups, part * per_item, (part + 1) * per_item, static_cast<float>(scale),
                          op + b * heads * D, scratch, wide);
     }
@@ -172,16 +195,35 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
   return out;
 }
 
+// q (B, H, D) float32 with unit stride along D; k_pool, v_pool (blocks, block_size, Hkv, D) contiguous, float32
+// or bfloat16; block_tables int32 (B, max_blocks); seq_lens int32 (B,), each row's context including its own
+// token; `splits` divides Hkv: the work items per sequence. `portable`: score keys as a CPU without AVX-512 does
+// (for testing that form here). -> (B, H, D) float32; rows of length 0 are zeros.
+template <class T>
+torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                                 int64_t splits, bool wide) {
+  switch (q.size(2)) {
+    case 16: return decode_attention_d<16, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 32: return decode_attention_d<32, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 48: return decode_attention_d<48, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 64: return decode_attention_d<64, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 80: return decode_attention_d<80, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 96: return decode_attention_d<96, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 128: return decode_attention_d<128, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 256: return decode_attention_d<256, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
+  }
+}
+
 }  // namespace
 
-// q (B, H, D) float32 with unit stride along D; k_pool, v_pool (blocks, block_size, Hkv, D) contiguous;
-// block_tables int32 (B, max_blocks); seq_lens int32 (B,), each row's context including its own token;
-// `splits` divides Hkv: the work items per sequence. `portable`: score keys as a CPU without AVX-512 does
-// (for testing that form here). -> (B, H, D); rows of length 0 are zeros.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
-              "float32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "q: float32 only");
+  TORCH_CHECK(k_pool.dtype() == v_pool.dtype() &&
+                  (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kBFloat16),
+              "the pools: float32 or bfloat16, both alike");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, D) with unit stride along D");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
               "the pools must be contiguous and of one shape");
@@ -190,15 +232,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0 && k_pool.size(2) % splits == 0, "heads do not divide");
   TORCH_CHECK(q.size(2) == k_pool.size(3), "head sizes differ");
   const bool wide = !portable;
-  switch (q.size(2)) {
-    case 16: return decode_attention_d<16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 32: return decode_attention_d<32>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 48: return decode_attention_d<48>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 64: return decode_attention_d<64>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 80: return decode_attention_d<80>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 96: return decode_attention_d<96>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 128: return decode_attention_d<128>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 256: return decode_attention_d<256>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
-  }
+  if (k_pool.dtype() == torch::kBFloat16)
+    return decode_attention_t<bf16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+  return decode_attention_t<float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
 }

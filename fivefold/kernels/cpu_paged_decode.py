@@ -8,8 +8,9 @@ the block into an online softmax, so the pool is read once and nothing is copied
 
 It is C++ built at first use with the other CPU kernels (fivefold.kernels.cpu_build: once per machine, ~1
 min on 2 cores). Where it cannot be built, `kernel_problem()` says why and the engine keeps gather + SDPA,
-which stays the reference the kernel is tested against (tests/test_cpu_paged_decode.py). float32 only: the
-pool of a bf16 engine takes the SDPA path.
+which stays the reference the kernel is tested against (tests/test_cpu_paged_decode.py). The pool is float32 or
+bfloat16 (a bfloat16 engine's): bfloat16 keys and values are widened to float32 as they are read, the queries
+widened before and the output rounded to bfloat16 once after, all arithmetic float32.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def kernel_problem() -> str | None:
 
 def unsupported(head_size: int, dtype: torch.dtype) -> str | None:
     """Why a model of this head size and KV dtype cannot use the kernel, or None."""
-    if dtype != torch.float32:
-        return f"the KV pool is {str(dtype).removeprefix('torch.')} (the kernel reads float32)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the KV pool is {str(dtype).removeprefix('torch.')} (the kernel reads float32 and bfloat16)"
     if head_size not in HEAD_SIZES:
         return f"head size {head_size} is not one of {HEAD_SIZES}"
     return None
@@ -44,7 +45,8 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
                      seq_lens: torch.Tensor, portable: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for one query token per sequence over its paged context.
 
-    q (B, H, d) float32, any row and head strides; k_blocks, v_blocks (blocks, block_size, Hkv, d) contiguous;
+    q (B, H, d) float32 or bfloat16 (the pool's dtype), any row and head strides; k_blocks, v_blocks (blocks,
+    block_size, Hkv, d) contiguous;
     block_tables int32 (B, max_blocks); seq_lens int32 (B,), each sequence's keys including its own token's,
     which must already be stored. -> (B, H, d); a row of length 0 is zeros. Query head h reads key/value head
     h // (H // Hkv). `portable` scores the keys in the form built for CPUs without AVX-512 (one dot product a
@@ -52,10 +54,14 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     module, why = _build()
     if module is None:
         raise RuntimeError(f"the CPU paged-decode kernel is not available: {why}")
-    if q.stride(-1) != 1:
+    dtype = q.dtype
+    if dtype != torch.float32:  # the kernel's queries are float32: bfloat16 widens exactly
+        q = q.float()
+    elif q.stride(-1) != 1:
         q = q.contiguous()
-    return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
-                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable)
+    out = module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
+                                  decode_splits(q.shape[0], k_blocks.shape[2]), portable)
+    return out.to(dtype)
 
 
 def decode_splits(rows: int, kv_heads: int) -> int:

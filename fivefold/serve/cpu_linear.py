@@ -201,15 +201,21 @@ def _time_products(shape: tuple[int, int], dtype: torch.dtype, options: list[Pro
     """Each product's time over copies of random `shape` weights at each of LAYOUT_ROWS rows, against the
     fastest product's at that many rows, summed over the row counts (so that one row counts as much as
     sixteen, whose products take longer); the best of 3 rounds that take the products in turn (so that a
-    change in the host's speed falls on all of them)."""
+    change in the host's speed falls on all of them). A product that cannot run `dtype` here is left out."""
     out, inp = shape
     plain = [torch.randn(out, inp).to(dtype) for _ in range(min(64, -(-LAYOUT_BYTES // _nbytes(shape, dtype))))]
     laid = {False: plain, True: [input_major(w) for w in plain] if any(p.input_major for p in options) else []}
     xs = [torch.randn(m, inp).to(dtype) for m in LAYOUT_ROWS]
-    seconds = {(p, i): float("inf") for p in options for i in range(len(xs))}
+    runs = []
     for p in options:  # warm up each (a library's first call sets up its kernels)
-        for x in xs:
-            p.fn(x, laid[p.input_major][0])
+        try:
+            for x in xs:
+                p.fn(x, laid[p.input_major][0])
+        except RuntimeError:  # a library without this dtype on this CPU: oneDNN's float16 without AVX-512 FP16
+            continue
+        runs.append(p)
+    options = runs
+    seconds = {(p, i): float("inf") for p in options for i in range(len(xs))}
     for _ in range(3):
         for p in options:
             for i, x in enumerate(xs):
@@ -242,7 +248,7 @@ def chosen_product(shape: tuple[int, int], dtype: torch.dtype, mode: str = "auto
             _chosen[key] = saved
         else:
             slowdown = _time_products((out, inp), dtype, options)
-            _chosen[key] = min(options, key=slowdown.__getitem__)
+            _chosen[key] = min(slowdown, key=slowdown.__getitem__)
             try:
                 _save(key, _chosen[key])
             except OSError:  # a read-only cache: the choice holds for this process, and is timed again next start
