@@ -158,7 +158,7 @@ class Engine:
             raise ConfigError(f"serve.kv_memory={self.cfg.kv_memory} leaves no room for one KV block of "
                               f"{self.cfg.block_size} tokens ({self.plan.bytes_per_token * self.cfg.block_size:,} "
                               f"bytes); raise serve.kv_memory")
-        path = "triton" if self.kernel else ("lean-cpp" if self.cpu_kernel else "lean") if self.lean else "modules"
+        path = "triton" if self.kernel else ("lean-cpp" if self.block_ops else "lean") if self.lean else "modules"
         self.step_memory: StepMemory = step_memory(mc, self.cfg, path, self.dtype.itemsize, tp=shards,
                                                    quantized=quantized_shapes(self.model), device=self.device.type,
                                                    dtype=str(self.dtype).removeprefix("torch."))
@@ -334,6 +334,13 @@ class Engine:
         return graphs
 
     @property
+    def block_ops(self) -> bool:
+        """Whether the lean loop's norms, SwiGLU and a decode step's RoPE, store and attention run as C++ calls
+        (fivefold.kernels.cpu_block_ops): under serve.cpu_kernel, in float32 (a bfloat16 engine's decodes read
+        the pool through the C++ kernel, its other ops are torch's)."""
+        return self.cpu_kernel and self.dtype == torch.float32
+
+    @property
     def path(self) -> str:
         """Which path each kind of step takes, in words (bench/serve.py prints and stores it)."""
         attention = "block gather + SDPA"
@@ -346,7 +353,7 @@ class Engine:
                          f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
         elif self.lean:
             attention += ", blocks as one loop of tensor ops"
-            if self.cpu_kernel:  # fivefold.kernels.cpu_block_ops
+            if self.block_ops:  # fivefold.kernels.cpu_block_ops
                 attention += (" with its norms and a decode step's RoPE, KV store and attention as C++ calls, all"
                               " blocks as one where C++ can run their products (the rows kernel, F.linear's)")
         decode = ("CUDA graphs" if self.graphs else "one inductor graph on steps of one attention group, else eager"
