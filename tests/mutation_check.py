@@ -60,6 +60,7 @@ TESTS = {  # the tests that cover each module
     "search": "tests/test_speed_model.py tests/test_bench_planner_search.py tests/test_layout_rules.py",
     "cadam": "tests/test_compiled_adamw.py tests/test_train.py",
     "hf": "tests/test_model.py tests/test_hf_interop.py tests/test_golden.py",
+    "rowsk": "tests/test_cpu_linear_rows.py",
     "host": "tests/test_host_memory.py tests/test_memory_measured.py::test_startup_peak_measures_a_known_allocation",
 }
 
@@ -607,6 +608,13 @@ MUTANTS = [Mutant(*m) for m in [
     # the KV pool sized from the whole RAM instead of what a new allocation can have
     ('HM2', 'fivefold/memory/host.py', 'host', '    return psutil.virtual_memory().available',
      '    return psutil.virtual_memory().total'),
+    # a bfloat16 weight widened one bit short (every value halved)
+    ('BF1', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
+     '      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));',
+     '      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 15));'),
+    # a bfloat16 pool's values widened one bit short in the decode kernel's scalar reads
+    ('BF2', 'fivefold/kernels/cpu_paged_decode.cpp', 'blockops',
+     '  const uint32_t bits = static_cast<uint32_t>(x) << 16;', '  const uint32_t bits = static_cast<uint32_t>(x) << 15;'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
