@@ -609,11 +609,11 @@ MUTANTS = [Mutant(*m) for m in [
     ('HM2', 'fivefold/memory/host.py', 'host', '    return psutil.virtual_memory().available',
      '    return psutil.virtual_memory().total'),
     # a bfloat16 weight widened one bit short (every value halved)
-    ('BF1', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
+    ('BF1', 'fivefold/kernels/cpu_simd.h', 'rowsk',
      '      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));',
      '      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 15));'),
     # a bfloat16 pool's values widened one bit short in the decode kernel's scalar reads
-    ('BF2', 'fivefold/kernels/cpu_paged_decode.cpp', 'blockops',
+    ('BF2', 'fivefold/kernels/cpu_simd.h', 'blockops',
      '  const uint32_t bits = static_cast<uint32_t>(x) << 16;', '  const uint32_t bits = static_cast<uint32_t>(x) << 15;'),
 ]]
 

@@ -289,17 +289,20 @@ def test_a_model_laid_out_input_major_before_goes_back_to_the_plain_layout_for_i
         torch.testing.assert_close(model(ids), reference, rtol=1e-5, atol=1e-5)
 
 
-def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(monkeypatch, tmp_path):
-    """serve.cpu_kernel=auto offers the kernel to the per-shape choice (here made to pick it), said in the
-    engine's path; a batch of 8 greedy requests gives the tokens the libraries' products give (within
-    float32 rounding of their logprobs); serve.cpu_kernel=false leaves it out."""
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(monkeypatch, tmp_path, dtype,
+                                                                               tolerance):
+    """serve.cpu_kernel=auto offers the kernel to the per-shape choice (here made to pick it), in float32 and for
+    a bfloat16 engine's weights too, said in the engine's path; a batch of 8 greedy requests gives the tokens the
+    libraries' products give (their logprobs within float32's, or bfloat16's, rounding); serve.cpu_kernel=false
+    leaves it out."""
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
     chosen = cl.chosen_product
 
     def prefer_rows(shape, dtype, mode="auto", layouts=True, rows_kernel=False):
         return cl.Product("rows kernel") if rows_kernel else chosen(shape, dtype, mode, layouts, rows_kernel)
     monkeypatch.setattr(cl, "chosen_product", prefer_rows)
-    ours, libraries = LLM(tiny()), LLM(tiny(), cpu_kernel="false")
+    ours, libraries = LLM(tiny().to(dtype)), LLM(tiny().to(dtype), cpu_kernel="false")
     assert set(ours.engine.linears) == {"rows kernel"} and "rows kernel" in ours.engine.path
     assert "rows kernel" not in libraries.engine.linears
     vocab = PRESETS["tiny"].vocab_size
@@ -308,30 +311,7 @@ def test_the_engine_takes_it_where_timed_faster_and_gives_the_libraries_tokens(m
     a, b = ours.generate(ps, params), libraries.generate(ps, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     diff = max(abs(x["logprob"] - y["logprob"]) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
-    assert diff < 1e-5
-
-
-def test_a_bfloat16_engine_takes_it_and_gives_the_libraries_tokens(monkeypatch, tmp_path):
-    """serve.dtype=bfloat16: the kernel is offered for bfloat16 weights too (here made the choice); 8 greedy
-    requests give the libraries' tokens, their logprobs within bfloat16's rounding of the libraries'."""
-    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
-    chosen = cl.chosen_product
-
-    def prefer_rows(shape, dtype, mode="auto", layouts=True, rows_kernel=False):
-        return cl.Product("rows kernel") if rows_kernel else chosen(shape, dtype, mode, layouts, rows_kernel)
-    monkeypatch.setattr(cl, "chosen_product", prefer_rows)
-    model = build_model(PRESETS["tiny"], "cpu", seed=0, dtype=torch.bfloat16).eval()
-    ours = LLM(model)
-    assert set(ours.engine.linears) == {"rows kernel"}
-    libraries = LLM(build_model(PRESETS["tiny"], "cpu", seed=0, dtype=torch.bfloat16).eval(), cpu_kernel="false")
-    assert "rows kernel" not in libraries.engine.linears
-    vocab = PRESETS["tiny"].vocab_size
-    ps = [torch.randint(1, vocab, (5 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
-    params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
-    a, b = ours.generate(ps, params), libraries.generate(ps, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    diff = max(abs(x["logprob"] - y["logprob"]) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
-    assert diff < 0.05
+    assert diff < tolerance
 
 
 def test_an_engine_where_the_kernel_cannot_run_keeps_the_libraries(monkeypatch, tmp_path):

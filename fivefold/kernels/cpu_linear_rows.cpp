@@ -29,20 +29,11 @@
 
 namespace {
 
-// A weight's element as float32, 16 (AVX-512) or 8 (AVX2) at a time; bfloat16 as its raw 16 bits.
-using bf16 = uint16_t;
+using fivefold::bf16;
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using fivefold::load16;
 #endif
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+using fivefold::load8;
 
 // The last n < L elements of a row, zeros beyond, copied where a full vector can be loaded.
 template <int L, class T>

@@ -22,22 +22,10 @@
 
 namespace {
 
-using bf16 = uint16_t;  // a bfloat16's bits
-
-inline float widen(float x) { return x; }
-inline float widen(bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
+using fivefold::bf16;
+using fivefold::widen;
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using fivefold::load16;
 #endif
 
 // A dot product of D floats in 16 lanes, reduced as a tree (a serial sum of the lanes was the kernel's

@@ -27,12 +27,45 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A bfloat16's bits: a float32's upper 16 bits, so widening one to float32 is a shift, exact.
+using bf16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 }  // namespace fivefold
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+namespace fivefold {
+
+// 8 elements as float32 (AVX2), bfloat16 widened.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+}  // namespace fivefold
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace fivefold {
+
+// 16 elements as float32 (AVX-512), bfloat16 widened.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 
 // The 16 vectors p[0..16) each summed over its lanes, as one vector: lane t holds the sum of p[t]. A
 // transpose tree of ~3 instructions a vector, where reducing each on its own takes ~8. The network is the
