@@ -140,8 +140,8 @@ def test_bfloat16_weights_widened_as_loaded(k, width):
 
 def test_the_wrapper_in_bfloat16_rounds_once():
     """bfloat16 rows over a bfloat16 weight: the rows widened, the kernel's float32 sums, a bias added in float32,
-    then one rounding to bfloat16; so within half a bfloat16 step, 2^-8 of the value (plus the sums' float32 error) of the exact
-    product, as F.linear's bfloat16 product is (checked beside it)."""
+    then one rounding to bfloat16; so within half a bfloat16 step, 2^-8 of the value (plus the sums' float32
+    error), of the exact product, as F.linear's bfloat16 product is (checked beside it)."""
     w, b = randn(64, 48, seed=9).bfloat16(), randn(64, seed=10).bfloat16()
     with torch.no_grad():
         for m in (MIN_ROWS, 9, max_rows()):

@@ -22,8 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged one-token attention, float32", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("splits"),
         py::arg("portable") = false);
-  m.def("linear_rows", &linear_rows, "x w^T at a few rows: x float32, w float32 or bfloat16", py::arg("x"), py::arg("w"),
-        py::arg("width") = 0);
+  m.def("linear_rows", &linear_rows, "x w^T at a few rows: x float32, w float32 or bfloat16", py::arg("x"),
+        py::arg("w"), py::arg("width") = 0);
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row, float32", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("add_rms_norm_rows", &add_rms_norm_rows, "(x + delta, RMSNorm(x + delta)), float32", py::arg("x"),

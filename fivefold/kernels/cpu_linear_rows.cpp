@@ -226,7 +226,8 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (w.dtype() == torch::kBFloat16) {
-    dispatch(width, xp, x.stride(0), reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()), w.stride(0), yp, M, N, K);
+    const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
+    dispatch(width, xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
   } else {
     dispatch(width, xp, x.stride(0), w.data_ptr<float>(), w.stride(0), yp, M, N, K);
   }

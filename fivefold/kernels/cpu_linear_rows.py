@@ -15,9 +15,9 @@ or bfloat16 (a bfloat16 engine's): bfloat16 weights are read as they are, half t
 as loaded, the few input rows widened before, so every product is exact and summed in float32 and the output
 rounded to bfloat16 once, as the libraries' bfloat16 products do (at one to four rows it read smollm2-135m's and
 a 2048 x 8192 weight at 22-50 GB/s on the 2-vCPU AMD host, where F.linear's bfloat16 product read 11-17; at 16
-rows the two were on par). It runs on a CPU with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA (4 x 3 in 8 lanes, as most laptops have; an
-AVX-512 build has both, and the tests run both); elsewhere `rows_kernel_problem()` says why and the libraries'
-products run. Where it runs, the per-shape timing keeps it only where it is faster.
+rows the two were on par). It runs on a CPU with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA
+(4 x 3 in 8 lanes, as most laptops have; an AVX-512 build has both, and the tests run both); elsewhere
+`rows_kernel_problem()` says why and the libraries' products run. Where it runs, the per-shape timing keeps it only where it is faster.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def product_at(rows: int, weight: torch.Tensor, few_rows: Callable | None) -> Ca
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 few_rows: Callable | None = F.linear) -> torch.Tensor:
     """F.linear(x, weight, bias): through the rows kernel for MIN_ROWS..max_rows() rows of float32 or bfloat16
-    (x and the weight alike) with the weight in its (out, in) layout, and below MIN_ROWS through `few_rows` (a library's product: which one
-    streams one row fastest depends on the CPU), or the kernel too where it is None; else F.linear. No
-    autograd: gradients take F.linear."""
+    (x and the weight alike) with the weight in its (out, in) layout, and below MIN_ROWS through `few_rows` (a
+    library's product: which one streams one row fastest depends on the CPU), or the kernel too where it is
+    None; else F.linear. No autograd: gradients take F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (x.dtype not in DTYPES or x.dtype != weight.dtype or x.device.type != "cpu"
