@@ -55,6 +55,36 @@ def test_swiglu_equals_torch_to_a_few_ulp(rows):
     torch.testing.assert_close(silu_mul_rows(gate_up), F.silu(gate) * up, rtol=4e-7, atol=1e-30)
 
 
+def within_one_bfloat16_step(ours, theirs, at_most_off=0.05):
+    """bfloat16 results that round the same float32 values, summed or exponentiated in another order: each within
+    one bfloat16 step (2^-7 of its value) of torch's, and all but a few of them equal."""
+    diff = (ours.float() - theirs.float()).abs()
+    assert bool((diff <= 2.0**-7 * theirs.float().abs() + 1e-30).all()), float(diff.max())
+    assert float((diff > 0).float().mean()) <= at_most_off
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("width", [576, 100])
+def test_bfloat16_norms_and_swiglu_round_where_torch_rounds(rows, width):
+    """A bfloat16 engine's rows: the residual sum rounded to bfloat16 exactly as torch's add, the norm as
+    RMSNorm.forward (normalised in float32, rounded, times the weight, rounded), silu(gate) * up as torch's two
+    bfloat16 ops: within a bfloat16 step, mostly equal; a row alone bit for bit that row among others."""
+    g = torch.Generator().manual_seed(rows * width)
+    x, delta = (torch.randn(rows, width, generator=g).bfloat16() for _ in range(2))
+    norm = build_model(PRESETS["tiny"], seed=0).norm  # the model's own RMSNorm
+    norm.weight.data = (1 + 0.3 * torch.randn(width, generator=g)).bfloat16()
+    norm.eps = 1e-5
+    with torch.no_grad():
+        within_one_bfloat16_step(rms_norm_rows(x, norm.weight, norm.eps), norm(x))
+        total, normed = add_rms_norm_rows(x, delta, norm.weight, norm.eps)
+        assert total.dtype == normed.dtype == torch.bfloat16 and torch.equal(total, x + delta)
+        within_one_bfloat16_step(normed, norm(x + delta))
+    assert torch.equal(rms_norm_rows(x[-1:], norm.weight, norm.eps), rms_norm_rows(x, norm.weight, norm.eps)[-1:])
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    within_one_bfloat16_step(silu_mul_rows(gate_up), F.silu(gate) * up)
+
+
 def rotated(x, cos, signed_sin):
     """The lean loop's RoPE in torch's ops: x (T, H, d), cos and signed_sin (T, d)."""
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * signed_sin[:, None]
@@ -111,7 +141,7 @@ def test_rotary_store_and_attention_equal_torch_then_the_kernel_bit_for_bit(head
 
 def test_what_the_calls_refuse_is_named():
     x, w = torch.randn(2, 8), torch.randn(8)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         rms_norm_rows(x.double(), w.double(), 1e-5)
     with pytest.raises(RuntimeError, match="the weight must be contiguous"):
         rms_norm_rows(x, torch.randn(9), 1e-5)

@@ -76,13 +76,13 @@ def test_forward_at_the_token_budget(path, overrides):
 
 
 def test_a_bfloat16_forward_at_the_token_budget():
-    """serve.dtype=bfloat16 on a CPU: the lean loop of torch ops (the C++ block ops are float32's; its decodes
-    still read the pool through the C++ kernel), its products' activations at 2 bytes, as planned."""
+    """serve.dtype=bfloat16 on a CPU: the lean loop with its C++ norms and SwiGLU (the rotation stays torch's), its
+    activations at 2 bytes, as planned."""
     cfg = load_config(preset="tiny", overrides=SHAPE + ["serve.dtype=bfloat16"])
     eng = LLM(build_model(cfg.model, seed=0, dtype=torch.bfloat16), **vars(cfg.serve)).engine
     assert eng.cpu_kernel and eng.dtype == torch.bfloat16
     planned = step_memory(cfg, "cpu", eng)
-    assert planned.path == "lean"
+    assert planned.path == "lean-cpp"
     eng.add_request(prompt(1000), SamplingParams(max_tokens=1, temperature=0))
     measured = peak_of_step(eng, "forward")
     assert planned.mlp >= measured and planned.mlp == pytest.approx(measured, rel=0.01)

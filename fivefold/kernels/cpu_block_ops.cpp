@@ -12,6 +12,10 @@
 // as torch's three elementwise ops round them, so the rotated keys stored in the pool equal the torch path's
 // bit for bit (contraction into fused multiply-adds is switched off for this file). A norm's sum of squares
 // is summed in another order than torch's reduction: it equals F.rms_norm to float32 rounding, not bit for bit.
+//
+// The norms and SwiGLU also take bfloat16 rows (a bfloat16 engine's), rounded where RMSNorm.forward and torch's
+// bfloat16 ops round: the residual sum, the normalised row before its weight, the product by the weight, silu's
+// result and its product by up; all arithmetic between in float32. The rotation and decode_blocks are float32's.
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
@@ -19,6 +23,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_simd.h"
 
@@ -28,19 +33,42 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width);
 
 namespace {
 
+using fivefold::bf16;
+using fivefold::narrow;
+using fivefold::widen;
+
+// An element of T from a float32 value: itself, or rounded to bfloat16.
+template <class T>
+inline T to(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return narrow(v);
+  }
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * w for one row of n, the product by x's factor rounded before the weight's
-// (RMSNorm.forward's order).
-inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+// (RMSNorm.forward's order; in bfloat16 it rounds to bfloat16 there, as its cast back does).
+template <class T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  for (int64_t i = 0; i < n; ++i) sum += widen(x[i]) * widen(x[i]);
   const float factor = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * factor) * w[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = to<T>(widen(to<T>(widen(x[i]) * factor)) * widen(w[i]));
+}
+
+// A pointer to a float32 or bfloat16 tensor's elements as T.
+template <class T>
+inline T* elements(const torch::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, name, ": float32 only");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  weight.scalar_type() == x.scalar_type(),
+              name, ": float32 or bfloat16 only, x and the weight alike");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be contiguous (rows, width)");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), name,
               ": the weight must be contiguous (width,)");
@@ -52,66 +80,95 @@ constexpr int64_t kGrain = 16;
 }  // namespace
 
 // x (T, h) float32 contiguous, weight (h,) -> RMSNorm of each row.
-torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, weight, "rms_norm_rows");
-  auto out = torch::empty_like(x);
+template <class T>
+void norm_rows(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, double eps) {
   const int64_t n = x.size(1);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = elements<T>(x);
+  const T* wp = elements<T>(weight);
+  T* op = elements<T>(out);
   at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
   });
+}
+
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, weight, "rms_norm_rows");
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kBFloat16) {
+    norm_rows<bf16>(x, weight, out, eps);
+  } else {
+    norm_rows<float>(x, weight, out, eps);
+  }
   return out;
 }
 
 // The residual add and the norm after it: (x + delta, RMSNorm(x + delta)), x and delta (T, h) contiguous.
-std::vector<torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
-  check_rows(x, weight, "add_rms_norm_rows");
-  TORCH_CHECK(delta.scalar_type() == torch::kFloat32 && delta.is_contiguous() && delta.sizes() == x.sizes(),
-              "add_rms_norm_rows: delta must be contiguous float32 of x's shape");
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
+template <class T>
+void add_norm_rows(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight,
+                   const torch::Tensor& sum, const torch::Tensor& out, double eps) {
   const int64_t n = x.size(1);
-  const float* xp = x.data_ptr<float>();
-  const float* dp = delta.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = elements<T>(x);
+  const T* dp = elements<T>(delta);
+  const T* wp = elements<T>(weight);
+  T* sp = elements<T>(sum);
+  T* op = elements<T>(out);
   at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) sp[r * n + i] = xp[r * n + i] + dp[r * n + i];
+      for (int64_t i = 0; i < n; ++i) sp[r * n + i] = to<T>(widen(xp[r * n + i]) + widen(dp[r * n + i]));
       norm_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
     }
   });
+}
+
+std::vector<torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  check_rows(x, weight, "add_rms_norm_rows");
+  TORCH_CHECK(delta.scalar_type() == x.scalar_type() && delta.is_contiguous() && delta.sizes() == x.sizes(),
+              "add_rms_norm_rows: delta must be contiguous, of x's dtype and shape");
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kBFloat16) {
+    add_norm_rows<bf16>(x, delta, weight, sum, out, eps);
+  } else {
+    add_norm_rows<float>(x, delta, weight, sum, out, eps);
+  }
   return {sum, out};
 }
 
 // SwiGLU's product from the fused gate/up product: gate_up (T, 2F) contiguous, gate the first F columns, up the
 // last -> silu(gate) * up (T, F). silu(g) = g / (1 + exp(-g)), taken through exp of -|g| (exact to a few ulp,
 // and never overflowing): g / (1 + e) for g >= 0, g e / (1 + e) below, e = exp(-|g|).
-torch::Tensor silu_mul_rows(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
-                  gate_up.size(1) % 2 == 0,
-              "silu_mul_rows: gate_up must be contiguous float32 (rows, 2 x width)");
-  const int64_t width = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// In bfloat16 silu's result is rounded before its product by up, as torch's two bfloat16 ops round.
+template <class T>
+void silu_mul(const torch::Tensor& gate_up, const torch::Tensor& out, int64_t width) {
+  const T* gp = elements<T>(gate_up);
+  T* op = elements<T>(out);
   at::parallel_for(0, gate_up.size(0), kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * 2 * width;
-      const float* u = g + width;
-      float* o = op + r * width;
+      const T* g = gp + r * 2 * width;
+      const T* u = g + width;
+      T* o = op + r * width;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const float x = g[i];
+        const float x = widen(g[i]);
         const float e = fivefold::exp_nonpositive(x < 0.f ? x : -x);
-        o[i] = (x < 0.f ? x * e : x) / (1.f + e) * u[i];
+        o[i] = to<T>(widen(to<T>((x < 0.f ? x * e : x) / (1.f + e))) * widen(u[i]));
       }
     }
   });
+}
+
+torch::Tensor silu_mul_rows(torch::Tensor gate_up) {
+  TORCH_CHECK((gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16) &&
+                  gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul_rows: gate_up must be contiguous float32 or bfloat16 (rows, 2 x width)");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kBFloat16) {
+    silu_mul<bf16>(gate_up, out, width);
+  } else {
+    silu_mul<float>(gate_up, out, width);
+  }
   return out;
 }
 

@@ -16,7 +16,10 @@ per-call overhead, not their bytes: ~4 ms of a 24 ms smollm2-135m token on the 2
   so equal to the loop calling them one by one bit for bit, without its Python and dispatch between them
   (+11% at batch 1 on smollm2-135m, bench/serve_cpu_ab.py --compare one-call).
 
-float32 only; built with the other CPU kernels (fivefold.kernels.cpu_build). The lean loop
+The norms and SwiGLU take float32 or bfloat16 rows (a bfloat16 engine's: rounded where RMSNorm.forward's cast
+and torch's bfloat16 ops round, the arithmetic between in float32, so within a bfloat16 step of the torch path's
+and mostly equal); the rotation and `decode_blocks` float32 only. Built with the other CPU kernels
+(fivefold.kernels.cpu_build). The lean loop
 (fivefold.serve.lean_forward) calls them on the engine's CPU path where serve.cpu_kernel is on.
 """
 
@@ -36,19 +39,19 @@ def _module():
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (T, h) float32 -> each row's RMSNorm with `weight` (h,)."""
+    """x (T, h) float32 or bfloat16 -> each row's RMSNorm with `weight` (h,, x's dtype)."""
     return _module().rms_norm_rows(x.contiguous(), weight, eps)
 
 
 def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, RMSNorm(x + delta)) for x and delta (T, h) float32."""
+    """(x + delta, RMSNorm(x + delta)) for x and delta (T, h) float32 or bfloat16."""
     total, normed = _module().add_rms_norm_rows(x.contiguous(), delta.contiguous(), weight, eps)
     return total, normed
 
 
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (T, 2F) float32, gate then up -> silu(gate) * up (T, F)."""
+    """gate_up (T, 2F) float32 or bfloat16, gate then up -> silu(gate) * up (T, F)."""
     return _module().silu_mul_rows(gate_up.contiguous())
 
 

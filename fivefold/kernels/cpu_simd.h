@@ -38,6 +38,15 @@ inline float widen(bf16 x) {
   return f;
 }
 
+// A float32 rounded to the nearest bfloat16, ties to even, as torch rounds (a NaN to its canonical quiet NaN).
+inline bf16 narrow(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (f != f) return 0x7FC0;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<bf16>(bits >> 16);
+}
+
 }  // namespace fivefold
 
 #if defined(__AVX2__)

@@ -335,10 +335,9 @@ class Engine:
 
     @property
     def block_ops(self) -> bool:
-        """Whether the lean loop's norms, SwiGLU and a decode step's RoPE, store and attention run as C++ calls
-        (fivefold.kernels.cpu_block_ops): under serve.cpu_kernel, in float32 (a bfloat16 engine's decodes read
-        the pool through the C++ kernel, its other ops are torch's)."""
-        return self.cpu_kernel and self.dtype == torch.float32
+        """Whether the lean loop's norms and SwiGLU run as C++ calls (fivefold.kernels.cpu_block_ops): under
+        serve.cpu_kernel, in float32 or bfloat16 (the dtypes its kernels take)."""
+        return self.cpu_kernel and self.lean
 
     @property
     def path(self) -> str:
@@ -353,9 +352,11 @@ class Engine:
                          f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
         elif self.lean:
             attention += ", blocks as one loop of tensor ops"
-            if self.block_ops:  # fivefold.kernels.cpu_block_ops
+            if self.block_ops and self.dtype == torch.float32:  # fivefold.kernels.cpu_block_ops
                 attention += (" with its norms and a decode step's RoPE, KV store and attention as C++ calls, all"
                               " blocks as one where C++ can run their products (the rows kernel, F.linear's)")
+            elif self.block_ops:
+                attention += " with its norms and SwiGLU as C++ calls"
         decode = ("CUDA graphs" if self.graphs else "one inductor graph on steps of one attention group, else eager"
                   if self.compiled_decode else "eager")
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"

@@ -69,9 +69,10 @@ class LeanTransformer(Transformer):
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
         """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps. Under
-        serve.cpu_kernel (float32) the norms and SwiGLU are C++ calls, and a decode-only step's RoPE, KV store
-        and attention one more (fivefold.kernels.cpu_block_ops); a decode-only step whose products C++ can run
-        (the rows kernel, torch's linear) is one C++ call for every block (decode_blocks)."""
+        serve.cpu_kernel the norms and SwiGLU are C++ calls (float32 and bfloat16), and in float32 a decode-only
+        step's RoPE, KV store and attention one more (fivefold.kernels.cpu_block_ops); a float32 decode-only step
+        whose products C++ can run (the rows kernel, torch's linear) is one C++ call for every block
+        (decode_blocks)."""
         def attend(attn, q, k, v):
             return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
         if not block_kernels(cache, x):
@@ -84,13 +85,13 @@ class LeanTransformer(Transformer):
         def rotary_attend(attn, heads, q_heads):
             return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
         return blocks_loop(blocks, x, cos, signed_sin, half, attend, KERNEL_OPS,
-                           rotary_attend if cache.kernel_whole else None)
+                           rotary_attend if cache.kernel_whole and x.dtype == torch.float32 else None)
 
     @staticmethod
     def one_call(blocks, x, cos, signed_sin, cache) -> torch.Tensor | None:
         """A decode-only step's blocks as one C++ call (decode_blocks) where `one_call_blocks` allows it, under
         the block kernels; else None."""
-        if not (block_kernels(cache, x) and cache.kernel_whole):
+        if not (block_kernels(cache, x) and cache.kernel_whole and x.dtype == torch.float32):
             return None
         one_call = one_call_blocks(blocks, x.shape[0])
         if one_call is None:
@@ -103,9 +104,9 @@ class LeanTransformer(Transformer):
 
 
 def block_kernels(cache, x: torch.Tensor) -> bool:
-    """Whether this step's loop runs the C++ block ops: the batch asks for them (serve.cpu_kernel) and x is
-    float32."""
-    return getattr(cache, "block_kernels", False) and x.dtype == torch.float32
+    """Whether this step's loop runs the C++ norms and SwiGLU: the batch asks for them (serve.cpu_kernel) and x is
+    float32 or bfloat16 (a decode step's C++ rotation and its blocks as one call: float32 alone)."""
+    return getattr(cache, "block_kernels", False) and x.dtype in (torch.float32, torch.bfloat16)
 
 
 LINEARS = (nn.Linear, RoutedLinear)  # the o and down projections decode_blocks can run in C++
@@ -181,7 +182,8 @@ def torch_add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -
 
 
 def kernel_add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_add_norm as one C++ call (float32; equal to float32 rounding, fivefold.kernels.cpu_block_ops)."""
+    """torch_add_norm as one C++ call (float32 or bfloat16; equal to float32 rounding, or within a bfloat16 step,
+    fivefold.kernels.cpu_block_ops)."""
     if delta is None:
         return x, kernel_norm(norm, x)
     return add_rms_norm_rows(x, delta, norm.weight, norm.eps)

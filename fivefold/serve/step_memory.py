@@ -80,15 +80,14 @@ def forward_path(m: ModelConfig, s: ServeConfig, device: str, tp: int = 1) -> st
         return "triton"
     lean = (s.fuse_launches and m.position == "rope" and m.norm == "rmsnorm" and m.activation == "swiglu"
             and not m.num_experts and tp == 1)
-    if lean and device == "cpu" and cpu_kernels(m, s) and s.dtype == "float32":
-        return "lean-cpp"  # with fivefold.kernels.cpu_block_ops, float32 only
+    if lean and device == "cpu" and cpu_kernels(m, s):
+        return "lean-cpp"  # with fivefold.kernels.cpu_block_ops
     return "lean" if lean else "modules"
 
 
 def cpu_kernels(m: ModelConfig, s: ServeConfig) -> bool:
-    """Whether a CPU engine's decodes attend through the C++ kernel reading the pool in place (serve.cpu_kernel)
-    for this model, where it builds (as auto assumes): float32 or bfloat16, and a head size it is compiled for
-    (its block ops, "lean-cpp", are float32's alone: forward_path)."""
+    """Whether a CPU engine runs the C++ kernels (serve.cpu_kernel) for this model, where they build (as auto
+    assumes): float32 or bfloat16, and a head size they are compiled for."""
     return s.cpu_kernel != "false" and cpu_kernel_unsupported(m.head_size, getattr(torch, s.dtype)) is None
 
 
