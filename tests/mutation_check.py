@@ -615,6 +615,9 @@ MUTANTS = [Mutant(*m) for m in [
     # a bfloat16 pool's values widened one bit short in the decode kernel's scalar reads
     ('BF2', 'fivefold/kernels/cpu_simd.h', 'blockops',
      '  const uint32_t bits = static_cast<uint32_t>(x) << 16;', '  const uint32_t bits = static_cast<uint32_t>(x) << 15;'),
+    # bfloat16 rounding with ties away from zero instead of to even (torch's)
+    ('BF3', 'fivefold/kernels/cpu_simd.h', 'blockops', '  bits += 0x7FFFu + ((bits >> 16) & 1u);',
+     '  bits += 0x8000u;'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
