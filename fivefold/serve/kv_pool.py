@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from fivefold.config import ModelConfig
-from fivefold.memory import host
 from fivefold.kernels.cpu_block_ops import rotary_decode_attention
 from fivefold.kernels.cpu_paged_decode import decode_attention
 from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
+from fivefold.memory import host
 from fivefold.serve.huge_pages import huge_page_bytes
 
 
