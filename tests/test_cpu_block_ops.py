@@ -94,14 +94,16 @@ def rotated(x, cos, signed_sin):
 CASES = [(32, 8, 64, 16), (9, 3, 64, 32), (4, 2, 128, 16), (6, 2, 48, 16)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", CASES,
                          ids=[f"{h}/{kv}h-d{d}-bs{bs}" for h, kv, d, bs in CASES])
 def test_rotary_store_and_attention_equal_torch_then_the_kernel_bit_for_bit(heads, kv_heads, head_dim, block_size,
-                                                                            portable):
+                                                                            portable, dtype):
     """Rows at contexts of 1 to 300 tokens, and a padding row (slot -1, length 0), in scattered blocks: the
     pool after the call equals torch's RoPE and index_copy_ into a copy of it, and the output equals the
-    decode kernel's over that copy, exactly; the padding row stores nothing and attends to nothing."""
+    decode kernel's over that copy, exactly, in float32 and in bfloat16 (each product and the sum rounded as
+    torch's bfloat16 ops round them); the padding row stores nothing and attends to nothing."""
     g = torch.Generator().manual_seed(heads + head_dim)
     lengths = [1, 17, 300, 0, block_size]
     counts = [max(1, -(-n // block_size)) for n in lengths]
@@ -112,15 +114,15 @@ def test_rotary_store_and_attention_equal_torch_then_the_kernel_bit_for_bit(head
         table, order = order[:count], order[count:]
         tables.append(table + [0] * (max(counts) - count))
         slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size if n else -1)
-    k_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     t = len(lengths)
     # The fused product's output viewed as heads: a row stride of the whole product, as in the loop.
-    heads_view = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).view(t, -1, head_dim)
+    heads_view = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).view(t, -1, head_dim)
     angles = torch.rand(t, head_dim // 2, generator=g) * 100
-    cos = torch.cat([angles.cos()] * 2, dim=-1)
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
     sin = angles.sin()
-    signed_sin = torch.cat([-sin, sin], dim=-1)
+    signed_sin = torch.cat([-sin, sin], dim=-1).to(dtype)
     tables, lens = torch.tensor(tables, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     slot_mapping = torch.tensor(slots, dtype=torch.int32)
 
@@ -156,11 +158,11 @@ def test_what_the_calls_refuse_is_named():
                                 torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
 
 
-def served_tiny(qkv_bias=False, library=None):
+def served_tiny(qkv_bias=False, library=None, dtype=torch.float32):
     """The tiny model as the engine prepares it for the CPU path (fused, the lean loop), with norm weights other
-    than ones; every product on `library` (fivefold.serve.cpu_linear.LIBRARIES) where given."""
+    than ones; every product on `library` (fivefold.serve.cpu_linear.LIBRARIES) where given; in `dtype`."""
     cfg = dataclasses.replace(PRESETS["tiny"], max_seq_len=256, qkv_bias=qkv_bias)
-    model = build_model(cfg, seed=3).eval()
+    model = build_model(cfg, seed=3, dtype=dtype).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -186,8 +188,9 @@ def run_steps(model, sides: dict) -> dict:
     cfg = model.cfg
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (24, 14, 10)]
-    plan = kv_plan(cfg, 1, 4, torch.float32, num_blocks=24)
-    pools = {name: KVPool(cfg, plan, "cpu", torch.float32) for name in sides}
+    dtype = next(model.parameters()).dtype
+    plan = kv_plan(cfg, 1, 4, dtype, num_blocks=24)
+    pools = {name: KVPool(cfg, plan, "cpu", dtype) for name in sides}
     tables = [[3, 9, 1, 14, 6, 12, 20], [0, 7, 2, 11], [5, 8, 21]]
     batch, buffers, rows = admitted(seqs, tables, block_size=4, max_model_len=28, rows=4)
     logits = {name: [] for name in sides}
@@ -230,9 +233,11 @@ def test_the_loop_with_the_calls_follows_the_modules(monkeypatch):
 
 
 @pytest.mark.skipif(max_rows() == 0, reason="this CPU has no rows kernel")
-@pytest.mark.parametrize("library, qkv_bias", [("rows kernel", False), ("rows kernel", True), ("F.linear", True),
-                                               ("rows kernel+F.linear", True), (None, False)])
-def test_one_call_for_all_blocks_equals_the_calls_one_by_one(library, qkv_bias, monkeypatch):
+@pytest.mark.parametrize("library, qkv_bias, dtype", [
+    ("rows kernel", False, torch.float32), ("rows kernel", True, torch.float32), ("F.linear", True, torch.float32),
+    ("rows kernel+F.linear", True, torch.float32), (None, False, torch.float32),
+    ("rows kernel", True, torch.bfloat16), ("F.linear", False, torch.bfloat16)])
+def test_one_call_for_all_blocks_equals_the_calls_one_by_one(library, qkv_bias, dtype, monkeypatch):
     """Every product on the rows kernel, on F.linear, on F.linear below 4 rows and the kernel from 4 (a q/k/v
     bias added after the kernel's product, inside F.linear's), or left as the model's (serve.linear=torch: plain
     linears): decode-only steps of 1 to 3 rows (and one
@@ -247,7 +252,7 @@ def test_one_call_for_all_blocks_equals_the_calls_one_by_one(library, qkv_bias, 
             m.setattr(lean_forward, "one_call_blocks", lambda blocks, rows: None)
             yield
     options = dict(fused_launches=True, cpu_kernel=True)
-    runs = run_steps(served_tiny(qkv_bias, library=library),
+    runs = run_steps(served_tiny(qkv_bias, library=library, dtype=dtype),
                      {"one call": (options, contextlib.nullcontext), "one by one": (options, one_by_one)})
     (one, one_pool), (each, each_pool) = runs["one call"], runs["one by one"]
     assert all(torch.equal(a, b) for a, b in zip(one, each, strict=True))

@@ -13,9 +13,10 @@
 // bit for bit (contraction into fused multiply-adds is switched off for this file). A norm's sum of squares
 // is summed in another order than torch's reduction: it equals F.rms_norm to float32 rounding, not bit for bit.
 //
-// The norms and SwiGLU also take bfloat16 rows (a bfloat16 engine's), rounded where RMSNorm.forward and torch's
-// bfloat16 ops round: the residual sum, the normalised row before its weight, the product by the weight, silu's
-// result and its product by up; all arithmetic between in float32. The rotation and decode_blocks are float32's.
+// Every call also takes bfloat16 (a bfloat16 engine's), rounded where RMSNorm.forward and torch's bfloat16 ops
+// round: the residual sum, the normalised row before its weight, the product by the weight, silu's result and its
+// product by up, each of the rotation's products and their sum; all arithmetic between in float32. The rotated
+// keys stored are then the torch path's bit for bit in bfloat16 too.
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
@@ -172,6 +173,44 @@ torch::Tensor silu_mul_rows(torch::Tensor gate_up) {
   return out;
 }
 
+// RoPE on each row's queries (into q) and keys, and the store of its keys and values at its slot (< 0: none).
+template <class T>
+void rotate_and_store(const torch::Tensor& heads, int64_t q_heads, const torch::Tensor& cos,
+                      const torch::Tensor& signed_sin, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                      const torch::Tensor& slots, const torch::Tensor& q) {
+  const int64_t tokens = heads.size(0), dim = heads.size(2), kv_heads = k_pool.size(2);
+  const int64_t slot_count = k_pool.size(0) * k_pool.size(1), half = dim / 2;
+  const T* hp = elements<T>(heads);
+  const T* cp = elements<T>(cos);
+  const T* sp = elements<T>(signed_sin);
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  T* qp = elements<T>(q);
+  T* kp = elements<T>(k_pool);
+  T* vp = elements<T>(v_pool);
+  const int64_t row_stride = heads.stride(0), head_stride = heads.stride(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] < slot_count, "rotary_decode_attention: slot ", slot[t], " is past the pool's ", slot_count);
+    const T* c = cp + t * dim;
+    const T* s = sp + t * dim;
+    auto rotate = [&](const T* x, T* out) {
+      for (int64_t i = 0; i < dim; ++i) {
+        const T a = to<T>(widen(x[i]) * widen(c[i]));
+        const T b = to<T>(widen(x[i < half ? i + half : i - half]) * widen(s[i]));
+        out[i] = to<T>(widen(a) + widen(b));
+      }
+    };
+    const T* row = hp + t * row_stride;
+    for (int64_t h = 0; h < q_heads; ++h) rotate(row + h * head_stride, qp + (t * q_heads + h) * dim);
+    if (slot[t] < 0) continue;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (static_cast<int64_t>(slot[t]) * kv_heads + h) * dim;
+      rotate(row + (q_heads + h) * head_stride, kp + at);
+      const T* v = row + (q_heads + kv_heads + h) * head_stride;
+      for (int64_t i = 0; i < dim; ++i) vp[at + i] = v[i];
+    }
+  }
+}
+
 // A decode-only step's attention from the fused q/k/v product: heads (T, Hq + 2 Hkv, D), unit stride along D,
 // the first Hq heads queries, then keys, then values, not yet rotated. Rotates queries and keys by RoPE (cos,
 // signed_sin (T, D) contiguous: x * cos + roll(x, D / 2) * signed_sin), stores each row's key and value at its
@@ -181,10 +220,11 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
                                       torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t splits,
                                       bool portable) {
-  TORCH_CHECK(heads.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
-                  signed_sin.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32 &&
-                  v_pool.scalar_type() == torch::kFloat32,
-              "rotary_decode_attention: float32 only");
+  const auto dtype = heads.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && cos.scalar_type() == dtype &&
+                  signed_sin.scalar_type() == dtype && k_pool.scalar_type() == dtype &&
+                  v_pool.scalar_type() == dtype,
+              "rotary_decode_attention: float32 or bfloat16 only, every tensor alike");
   TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1, "heads must be (T, heads, D) with unit stride along D");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
                   k_pool.dim() == 4,
@@ -197,37 +237,14 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
               "cos and signed_sin must be contiguous (T, D)");
   TORCH_CHECK(slots.scalar_type() == torch::kInt32 && slots.is_contiguous() && slots.numel() == tokens,
               "slots: contiguous int32, one a row");
-  const int64_t slot_count = k_pool.size(0) * k_pool.size(1), half = dim / 2;
   auto q = torch::empty({tokens, q_heads, dim}, heads.options());
-  const float* hp = heads.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = signed_sin.data_ptr<float>();
-  const int32_t* slot = slots.data_ptr<int32_t>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k_pool.data_ptr<float>();
-  float* vp = v_pool.data_ptr<float>();
-  const int64_t row_stride = heads.stride(0), head_stride = heads.stride(1);
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot[t] < slot_count, "rotary_decode_attention: slot ", slot[t], " is past the pool's ", slot_count);
-    const float* c = cp + t * dim;
-    const float* s = sp + t * dim;
-    auto rotate = [&](const float* x, float* out) {
-      for (int64_t i = 0; i < dim; ++i) {
-        const float a = x[i] * c[i];
-        const float b = x[i < half ? i + half : i - half] * s[i];
-        out[i] = a + b;
-      }
-    };
-    const float* row = hp + t * row_stride;
-    for (int64_t h = 0; h < q_heads; ++h) rotate(row + h * head_stride, qp + (t * q_heads + h) * dim);
-    if (slot[t] < 0) continue;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = (static_cast<int64_t>(slot[t]) * kv_heads + h) * dim;
-      rotate(row + (q_heads + h) * head_stride, kp + at);
-      const float* v = row + (q_heads + kv_heads + h) * head_stride;
-      for (int64_t i = 0; i < dim; ++i) vp[at + i] = v[i];
-    }
+  if (dtype == torch::kBFloat16) {
+    rotate_and_store<bf16>(heads, q_heads, cos, signed_sin, k_pool, v_pool, slots, q);
+    // the decode kernel's queries are float32 (bfloat16 widens exactly); its output rounds once
+    return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable)
+        .to(torch::kBFloat16);
   }
+  rotate_and_store<float>(heads, q_heads, cos, signed_sin, k_pool, v_pool, slots, q);
   return decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, portable);
 }
 
@@ -249,10 +266,13 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, 
               "decode_blocks: 7 params, 2 eps and 4 products a layer, and a key and a value pool each");
   // A product as the loop runs it: 0 the rows kernel (a bias added after, as its Python wrapper does), 1
   // torch's linear (F.linear's op, the bias inside).
+  // In bfloat16 the rows kernel's bias joins its float32 sums before the one rounding, as the wrapper adds it.
   auto product = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& bias, int64_t kind) {
     if (kind == 1) return bias.numel() ? at::linear(in, w, bias) : at::linear(in, w);
-    auto y = linear_rows(in, w, width);
-    return bias.numel() ? y + bias : y;
+    if (!bias.numel()) return linear_rows(in, w, width);
+    if (in.scalar_type() == torch::kBFloat16)
+      return (linear_rows(in.to(torch::kFloat32), w, width) + bias.to(torch::kFloat32)).to(torch::kBFloat16);
+    return linear_rows(in, w, width) + bias;
   };
   const torch::Tensor none;
   torch::Tensor delta, normed;

@@ -16,10 +16,9 @@ per-call overhead, not their bytes: ~4 ms of a 24 ms smollm2-135m token on the 2
   so equal to the loop calling them one by one bit for bit, without its Python and dispatch between them
   (+11% at batch 1 on smollm2-135m, bench/serve_cpu_ab.py --compare one-call).
 
-The norms and SwiGLU take float32 or bfloat16 rows (a bfloat16 engine's: rounded where RMSNorm.forward's cast
-and torch's bfloat16 ops round, the arithmetic between in float32, so within a bfloat16 step of the torch path's
-and mostly equal); the rotation and `decode_blocks` float32 only. Built with the other CPU kernels
-(fivefold.kernels.cpu_build). The lean loop
+Each takes float32 or bfloat16 (a bfloat16 engine's: rounded where RMSNorm.forward's cast and torch's bfloat16 ops
+round, the arithmetic between in float32: the norms and SwiGLU within a bfloat16 step of the torch path's and
+mostly equal, the rotated keys stored bit for bit). Built with the other CPU kernels (fivefold.kernels.cpu_build). The lean loop
 (fivefold.serve.lean_forward) calls them on the engine's CPU path where serve.cpu_kernel is on.
 """
 

@@ -352,11 +352,9 @@ class Engine:
                          f"in the next RMSNorm's: {'yes' if self.residuals_fused else 'no'}")
         elif self.lean:
             attention += ", blocks as one loop of tensor ops"
-            if self.block_ops and self.dtype == torch.float32:  # fivefold.kernels.cpu_block_ops
+            if self.block_ops:  # fivefold.kernels.cpu_block_ops
                 attention += (" with its norms and a decode step's RoPE, KV store and attention as C++ calls, all"
                               " blocks as one where C++ can run their products (the rows kernel, F.linear's)")
-            elif self.block_ops:
-                attention += " with its norms and SwiGLU as C++ calls"
         decode = ("CUDA graphs" if self.graphs else "one inductor graph on steps of one attention group, else eager"
                   if self.compiled_decode else "eager")
         scheduling = "asynchronous" if self.async_scheduling else "synchronous"

@@ -69,10 +69,9 @@ class LeanTransformer(Transformer):
 
     def run_blocks(self, blocks, x, cos, signed_sin, half: int, cache) -> torch.Tensor:
         """The blocks over x (T, h); fivefold.serve.compiled_decode compiles this on some steps. Under
-        serve.cpu_kernel the norms and SwiGLU are C++ calls (float32 and bfloat16), and in float32 a decode-only
-        step's RoPE, KV store and attention one more (fivefold.kernels.cpu_block_ops); a float32 decode-only step
-        whose products C++ can run (the rows kernel, torch's linear) is one C++ call for every block
-        (decode_blocks)."""
+        serve.cpu_kernel (float32, bfloat16) the norms and SwiGLU are C++ calls, and a decode-only step's RoPE, KV
+        store and attention one more (fivefold.kernels.cpu_block_ops); a decode-only step whose products C++ can
+        run (the rows kernel, torch's linear) is one C++ call for every block (decode_blocks)."""
         def attend(attn, q, k, v):
             return cache.attend_heads(attn.layer_idx, q, k, v, attn.core.forward)
         if not block_kernels(cache, x):
@@ -85,13 +84,13 @@ class LeanTransformer(Transformer):
         def rotary_attend(attn, heads, q_heads):
             return cache.attend_rotary_rows(attn.layer_idx, heads, q_heads, cos_rows, sin_rows)
         return blocks_loop(blocks, x, cos, signed_sin, half, attend, KERNEL_OPS,
-                           rotary_attend if cache.kernel_whole and x.dtype == torch.float32 else None)
+                           rotary_attend if cache.kernel_whole else None)
 
     @staticmethod
     def one_call(blocks, x, cos, signed_sin, cache) -> torch.Tensor | None:
         """A decode-only step's blocks as one C++ call (decode_blocks) where `one_call_blocks` allows it, under
         the block kernels; else None."""
-        if not (block_kernels(cache, x) and cache.kernel_whole and x.dtype == torch.float32):
+        if not (block_kernels(cache, x) and cache.kernel_whole):
             return None
         one_call = one_call_blocks(blocks, x.shape[0])
         if one_call is None:
@@ -104,8 +103,8 @@ class LeanTransformer(Transformer):
 
 
 def block_kernels(cache, x: torch.Tensor) -> bool:
-    """Whether this step's loop runs the C++ norms and SwiGLU: the batch asks for them (serve.cpu_kernel) and x is
-    float32 or bfloat16 (a decode step's C++ rotation and its blocks as one call: float32 alone)."""
+    """Whether this step's loop runs the C++ block ops: the batch asks for them (serve.cpu_kernel) and x is float32
+    or bfloat16."""
     return getattr(cache, "block_kernels", False) and x.dtype in (torch.float32, torch.bfloat16)
 
 
@@ -127,7 +126,8 @@ def one_call_blocks(blocks, rows: int) -> tuple[list[torch.Tensor], list[float],
         weights = (attn.qkv_weight, o_proj.weight, mlp.gate_up_weight, down_proj.weight)
         kinds = [cpp_product(getattr(m, "linear_fn", F.linear), rows, w)  # a plain nn.Linear runs F.linear
                  for m, w in zip((attn, o_proj, mlp, down_proj), weights)]
-        if None in kinds or any(w.dtype != torch.float32 for w in weights):
+        if None in kinds or any(w.dtype not in (torch.float32, torch.bfloat16) or w.dtype != weights[0].dtype
+                                for w in weights):
             return None
         bias = attn.qkv_bias if attn.qkv_bias is not None else empty
         params += [attn_norm.weight, weights[0], bias, weights[1], mlp_norm.weight, weights[2], weights[3]]
