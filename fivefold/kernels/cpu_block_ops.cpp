@@ -240,11 +240,9 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
   auto q = torch::empty({tokens, q_heads, dim}, heads.options());
   if (dtype == torch::kBFloat16) {
     rotate_and_store<bf16>(heads, q_heads, cos, signed_sin, k_pool, v_pool, slots, q);
-    // the decode kernel's queries are float32 (bfloat16 widens exactly); its output rounds once
-    return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable)
-        .to(torch::kBFloat16);
+  } else {
+    rotate_and_store<float>(heads, q_heads, cos, signed_sin, k_pool, v_pool, slots, q);
   }
-  rotate_and_store<float>(heads, q_heads, cos, signed_sin, k_pool, v_pool, slots, q);
   return decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, portable);
 }
 

@@ -36,6 +36,7 @@ SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_paged_decode.cpp", HERE / "cpu_
            HERE / "cpu_block_ops.cpp"]
 HEADERS = [HERE / "cpu_simd.h"]
 FAILED = "failed.txt"  # in the build directory: the compiler of a build that failed, and why
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in (bfloat16 widened to float32 as read)
 
 
 def _signature() -> str:

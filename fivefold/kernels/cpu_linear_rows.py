@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.kernels import cpu_build
+from fivefold.kernels.cpu_build import DTYPES
 
 # The rows the kernel takes. Below MIN_ROWS a library's one-row product may be as fast or faster: on the
 # Intel host MKL's sgemv (at 1-3 rows the kernel's was 0.76-1.15x it on smollm2-135m's shapes, at 4 rows
@@ -64,9 +65,6 @@ def rows_kernel_problem() -> str | None:
         return why
     max_rows()
     return None if module.linear_rows_width() else "this CPU has neither AVX-512 nor AVX2 with FMA"
-
-
-DTYPES = (torch.float32, torch.bfloat16)  # the weights' and rows' dtypes it takes
 
 
 def offered(cpu_kernel: str, device: torch.device, dtype: torch.dtype) -> bool:

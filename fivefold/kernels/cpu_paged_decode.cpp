@@ -186,7 +186,8 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
 // q (B, H, D) float32 with unit stride along D; k_pool, v_pool (blocks, block_size, Hkv, D) contiguous, float32
 // or bfloat16; block_tables int32 (B, max_blocks); seq_lens int32 (B,), each row's context including its own
 // token; `splits` divides Hkv: the work items per sequence. `portable`: score keys as a CPU without AVX-512 does
-// (for testing that form here). -> (B, H, D) float32; rows of length 0 are zeros.
+// (for testing that form here). -> (B, H, D) float32; rows of length 0 are zeros. The entry below also takes a
+// bfloat16 q over a bfloat16 pool, and answers in bfloat16.
 template <class T>
 torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
@@ -208,10 +209,13 @@ torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k_
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32, "q: float32 only");
   TORCH_CHECK(k_pool.dtype() == v_pool.dtype() &&
                   (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kBFloat16),
               "the pools: float32 or bfloat16, both alike");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_pool.dtype(), "q: float32, or the pools' dtype");
+  if (q.dtype() == torch::kBFloat16)  // widened exactly; the float32 output rounded once
+    return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable)
+        .to(torch::kBFloat16);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, D) with unit stride along D");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
               "the pools must be contiguous and of one shape");

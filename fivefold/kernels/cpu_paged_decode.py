@@ -34,7 +34,7 @@ def kernel_problem() -> str | None:
 
 def unsupported(head_size: int, dtype: torch.dtype) -> str | None:
     """Why a model of this head size and KV dtype cannot use the kernel, or None."""
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in cpu_build.DTYPES:
         return f"the KV pool is {str(dtype).removeprefix('torch.')} (the kernel reads float32 and bfloat16)"
     if head_size not in HEAD_SIZES:
         return f"head size {head_size} is not one of {HEAD_SIZES}"
@@ -54,14 +54,10 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     module, why = _build()
     if module is None:
         raise RuntimeError(f"the CPU paged-decode kernel is not available: {why}")
-    dtype = q.dtype
-    if dtype != torch.float32:  # the kernel's queries are float32: bfloat16 widens exactly
-        q = q.float()
-    elif q.stride(-1) != 1:
+    if q.stride(-1) != 1:
         q = q.contiguous()
-    out = module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
-                                  decode_splits(q.shape[0], k_blocks.shape[2]), portable)
-    return out.to(dtype)
+    return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
+                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable)
 
 
 def decode_splits(rows: int, kv_heads: int) -> int:

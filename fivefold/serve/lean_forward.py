@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from fivefold.kernels.cpu_block_ops import add_rms_norm_rows, decode_blocks, rms_norm_rows, silu_mul_rows
+from fivefold.kernels.cpu_build import DTYPES
 from fivefold.model import ForwardContext
 from fivefold.model.layers import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
@@ -105,7 +106,7 @@ class LeanTransformer(Transformer):
 def block_kernels(cache, x: torch.Tensor) -> bool:
     """Whether this step's loop runs the C++ block ops: the batch asks for them (serve.cpu_kernel) and x is float32
     or bfloat16."""
-    return getattr(cache, "block_kernels", False) and x.dtype in (torch.float32, torch.bfloat16)
+    return getattr(cache, "block_kernels", False) and x.dtype in DTYPES
 
 
 LINEARS = (nn.Linear, RoutedLinear)  # the o and down projections decode_blocks can run in C++
@@ -126,8 +127,7 @@ def one_call_blocks(blocks, rows: int) -> tuple[list[torch.Tensor], list[float],
         weights = (attn.qkv_weight, o_proj.weight, mlp.gate_up_weight, down_proj.weight)
         kinds = [cpp_product(getattr(m, "linear_fn", F.linear), rows, w)  # a plain nn.Linear runs F.linear
                  for m, w in zip((attn, o_proj, mlp, down_proj), weights)]
-        if None in kinds or any(w.dtype not in (torch.float32, torch.bfloat16) or w.dtype != weights[0].dtype
-                                for w in weights):
+        if None in kinds or weights[0].dtype not in DTYPES or any(w.dtype != weights[0].dtype for w in weights):
             return None
         bias = attn.qkv_bias if attn.qkv_bias is not None else empty
         params += [attn_norm.weight, weights[0], bias, weights[1], mlp_norm.weight, weights[2], weights[3]]
