@@ -1,11 +1,12 @@
-"""fivefold's rows kernel (fivefold/kernels/cpu_linear_rows.py) against the libraries' float32 products on this
-CPU, over a model's linear shapes at a decode's row counts: MKL's (F.linear) and oneDNN's, each over the
+"""fivefold's rows kernel (fivefold/kernels/cpu_linear_rows.py) against the libraries' float32 (or, with --dtype
+bfloat16, bfloat16) products on this CPU, over a model's linear shapes at a decode's row counts: MKL's (F.linear) and oneDNN's, each over the
 weight's plain (out, in) layout and its input-major one, the kernel over the plain one (the only one it
 reads). Each product runs over --bytes of copies of the weight (more than the caches hold, as a served
 model's weights are), best of --reps rounds; the table gives the weights' read rate (GB/s) and the kernel's
 speed-up over the fastest library product at each row count.
 
     python bench/cpu_linear_rows.py [--model smollm2-135m] [--width 256] [--json bench/results/cpu_linear_rows.json]
+    python bench/cpu_linear_rows.py --dtype bfloat16 --json bench/results/cpu_linear_rows_bf16_amd.json
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--width", type=int, default=0, choices=[0, 256],
                    help="the kernel's tiles: 0 the widest built (AVX-512 where the CPU has it), 256 the AVX2 ones")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights' and rows' dtype (a bfloat16 engine's: the kernel widens them as it reads)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     why = rows_kernel_problem()
     if why:
         raise SystemExit(f"the rows kernel cannot run here: {why}")
@@ -67,17 +71,18 @@ def main(argv=None) -> dict:
     if onednn_available():
         products |= {"oneDNN plain": (onednn_linear, False), "oneDNN input-major": (onednn_linear, True)}
     width = args.width or cpu_build.build()[0].linear_rows_width()
-    result = {**base_info(), "model": args.model, "rows": rows, "kernel_width": width, "shapes": {}}
-    print(f"{args.model}, float32, {torch.get_num_threads()} threads, the kernel's {width}-bit tiles: GB/s of "
+    result = {**base_info(), "model": args.model, "dtype": args.dtype, "rows": rows, "kernel_width": width,
+              "shapes": {}}
+    print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, the kernel's {width}-bit tiles: GB/s of "
           f"weights read; kernel / best library")
     for name, (out, inp) in shapes(args.model).items():
-        copies = max(2, min(64, int(args.bytes // (out * inp * 4))))
-        plain = [torch.randn(out, inp) for _ in range(copies)]
+        nbytes = out * inp * dtype.itemsize
+        copies = max(2, min(64, int(args.bytes // nbytes)))
+        plain = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
         laid = [input_major(w) for w in plain]
-        nbytes = out * inp * 4
         table = {}
         for m in rows:
-            x = torch.randn(m, inp)
+            x = torch.randn(m, inp).to(dtype)
             times = {label: seconds(fn, x, laid if major else plain, args.reps)
                      for label, (fn, major) in products.items()}
             times["rows kernel"] = seconds(kernel, x, plain, args.reps) if args.width else \
