@@ -12,8 +12,8 @@ against the modules in one process (bench/serve_cpu_ab.py --compare lean): +3% a
 in a real step each small op costs about twice what it costs alone (it follows a product that evicted the
 caches), so the loop saves ~1.3 ms of a ~21 ms token, not the whole overhead.
 
-Under serve.cpu_kernel (float32 or bfloat16, where the CPU kernels build) the loop's norms (each with the residual add before
-it) and SwiGLU are C++ calls, and on a decode-only step so are RoPE, the KV store and the attention together
+Under serve.cpu_kernel (float32 or bfloat16, where the CPU kernels build) the loop's norms (each with the
+residual add before it) and SwiGLU are C++ calls, and on a decode-only step so are RoPE, the KV store and the attention together
 (fivefold.kernels.cpu_block_ops): +15% at batch 1 (bench/serve_cpu_ab.py --compare block-ops). Where C++ can run
 all four products of every block (the rows kernel, torch's linear; not oneDNN's), a decode-only step's blocks
 are one C++ call doing the same (decode_blocks, equal bit for bit; +11% at batch 1, --compare one-call). The
