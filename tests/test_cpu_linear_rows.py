@@ -31,6 +31,7 @@ def kernel(x, w, width=0):
 
 # The tile widths this build has: an AVX-512 build runs the AVX2 tiles too, so both are tested on such a host.
 WIDTHS = sorted({cpu_build.build()[0].linear_rows_width(), 256})
+DOT = cpu_build.build()[0].linear_rows_dot()  # bfloat16 rows multiplied as bfloat16 pairs (AVX512_BF16)
 
 
 def randn(*shape, seed=0):
@@ -138,6 +139,31 @@ def test_bfloat16_weights_widened_as_loaded(k, width):
         torch.testing.assert_close(kernel(batch[:m], w, width), alone[:m], rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not DOT, reason="this CPU has no AVX512_BF16: bfloat16 rows are widened to float32 first")
+@pytest.mark.parametrize("k", [1, 2, 31, 32, 33, 63, 64, 65, 576])
+def test_bfloat16_rows_multiplied_as_bfloat16_pairs(k):
+    """bfloat16 rows over bfloat16 weights, 32 elements an instruction in pairs (AVX512_BF16), every tail of rows,
+    weight rows and K (odd K splits a pair, masked loads): small integers, whose products and float32 sums are
+    exact, give exactly the float64 product rounded once to bfloat16; random values give it within half a
+    bfloat16 step (plus the float32 sums' error); and a row alone is bit for bit the row in any batch."""
+    for n in (1, 3, 4, 5, 37):
+        gen = torch.Generator().manual_seed(30 + n + k)
+        w = torch.randint(-3, 4, (n, k), generator=gen).bfloat16()
+        for m in (1, 3, 4, 5, 7, 33):
+            x = torch.randint(-3, 4, (m, k), generator=gen).bfloat16()
+            y = kernel(x, w)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert torch.equal(y, (x.double() @ w.double().t()).bfloat16())
+    w, batch = randn(203, k, seed=31).bfloat16(), randn(32, k, seed=32).bfloat16()
+    exact = batch.double() @ w.double().t()
+    scale = batch.double().abs() @ w.double().abs().t()
+    alone = torch.cat([kernel(batch[i:i + 1], w) for i in range(32)])
+    err = (alone.double() - exact).abs()
+    assert bool((err <= 2.0**-8 * exact.abs() + 2.0**-24 * k * scale + 1e-30).all()), float((err / exact.abs()).max())
+    for m in (2, 5, 32):
+        torch.testing.assert_close(kernel(batch[:m], w), alone[:m], rtol=0, atol=0)
+
+
 def test_the_wrapper_in_bfloat16_rounds_once():
     """bfloat16 rows over a bfloat16 weight: the rows widened, the kernel's float32 sums, a bias added in float32,
     then one rounding to bfloat16; so within half a bfloat16 step, 2^-8 of the value (plus the sums' float32
@@ -149,8 +175,10 @@ def test_the_wrapper_in_bfloat16_rounds_once():
             y = linear_rows(x, w, b)
             assert y.dtype == torch.bfloat16
             assert torch.equal(y, (kernel(x.float(), w) + b.float()).bfloat16())
-            assert torch.equal(linear_rows(x, w), kernel(x.float(), w).bfloat16())  # widened and rounded in C++
-            assert torch.equal(kernel(x, w), kernel(x.float(), w).bfloat16())
+            assert torch.equal(linear_rows(x, w), kernel(x, w))  # multiplied (or widened) and rounded in C++
+            assert torch.equal(kernel(x, w, 256), kernel(x.float(), w, 256).bfloat16())
+            if not DOT:
+                assert torch.equal(kernel(x, w), kernel(x.float(), w).bfloat16())
             exact = x.double() @ w.double().t() + b.double()
             for product in (y, F.linear(x, w, b)):
                 err = (product.double() - exact).abs()

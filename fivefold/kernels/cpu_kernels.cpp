@@ -5,6 +5,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width);
 int64_t linear_rows_width();
+bool linear_rows_dot();
 torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps,
                             std::vector<int64_t> products, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
                             std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools, torch::Tensor slots,
@@ -22,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged one-token attention, float32", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("splits"),
         py::arg("portable") = false);
-  m.def("linear_rows", &linear_rows, "x w^T at a few rows: x float32, w float32 or bfloat16", py::arg("x"),
+  m.def("linear_rows", &linear_rows, "x w^T at a few rows: x float32 or bfloat16, w float32 or bfloat16", py::arg("x"),
         py::arg("w"), py::arg("width") = 0);
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row, float32", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
@@ -39,4 +40,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("signed_sin"), py::arg("k_pools"), py::arg("v_pools"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("splits"), py::arg("width") = 0);
   m.def("linear_rows_width", &linear_rows_width, "the rows kernel's widest instruction set here: 512, 256 or 0");
+  m.def("linear_rows_dot", &linear_rows_dot, "whether bfloat16 rows multiply as bfloat16 pairs here (AVX512_BF16)");
 }

@@ -11,11 +11,13 @@ a library's one-row product, F.linear's or oneDNN's.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
 or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. Its weights are float32
-or bfloat16 (a bfloat16 engine's): bfloat16 weights are read as they are, half the bytes, and widened to float32
-as loaded, the few input rows widened before, so every product is exact and summed in float32 and the output
-rounded to bfloat16 once, as the libraries' bfloat16 products do (`python bench/cpu_linear_rows.py --dtype
-bfloat16`, smollm2-135m's shapes on the 2-vCPU AMD host: 1.41-1.76x the best library at 1-4 rows, 1.0-1.2x at 8,
-0.57-0.90x at 16-32, where the per-shape timing keeps the library). It runs on a CPU with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA
+or bfloat16 (a bfloat16 engine's): bfloat16 weights are read as they are, half the bytes, and multiplied exactly
+and summed in float32, the output rounded to bfloat16 once, as the libraries' bfloat16 products do. Where the CPU
+has AVX512_BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids) one instruction multiplies bfloat16 rows and
+weights in pairs; elsewhere the weights are widened to float32 as loaded and the rows before (and so are the
+rows of a product with a bias, which joins the float32 sums). `python bench/cpu_linear_rows.py --dtype bfloat16`,
+smollm2-135m's shapes on the 2-vCPU AMD host (Zen 4): the pairs 1.04-2.2x the best library at every row count
+1-32, and 1.5-2x the widening form at 16-32 rows, where that form had fallen to 0.57-0.90x the libraries. It runs on a CPU with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA
 (4 x 3 in 8 lanes, as most laptops have; an AVX-512 build has both, and the tests run both); elsewhere
 `rows_kernel_problem()` says why and the libraries' products run. Where it runs, the per-shape timing keeps it only where it is faster.
 """
