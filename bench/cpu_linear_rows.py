@@ -6,7 +6,10 @@ model's weights are), best of --reps rounds; the table gives the weights' read r
 speed-up over the fastest library product at each row count.
 
     python bench/cpu_linear_rows.py [--model smollm2-135m] [--width 256] [--json bench/results/cpu_linear_rows.json]
-    python bench/cpu_linear_rows.py --dtype bfloat16 --json bench/results/cpu_linear_rows_bf16_amd.json
+    python bench/cpu_linear_rows.py --dtype bfloat16 --json bench/results/cpu_linear_rows_bf16_dot_amd.json
+
+In bfloat16 on a CPU with AVX512_BF16 the table also gives the kernel's widening form ("rows kernel, rows widened":
+the rows widened to float32, then the tiles that widen each weight as loaded), the form other CPUs run.
 """
 
 from __future__ import annotations

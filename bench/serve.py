@@ -548,6 +548,26 @@ def check_same_greedy(llm: LLM, hf, vocab: int, dtype: str, seed: int, tokens: i
             "max_logprob_diff": worst, "near_tie_split": split}
 
 
+def splits(hf, requests: list[Request], ours: list[list[int]], theirs: list[list[int]], most: int = 8) -> list[dict]:
+    """Where greedy outputs part (up to `most` requests): the first differing step and how far apart the two
+    tokens are in transformers' own logprobs there, one forward of the prompt and the shared prefix each.
+    A near tie (a gap within the dtype's rounding) is either side's fair pick; a wide one is a bug."""
+    out = []
+    device = next(hf.parameters()).device
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b or len(out) == most:
+            continue
+        step = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if step == min(len(a), len(b)):  # one stopped early: not a choice between two tokens
+            out.append({"request": i, "step": step, "logprob_gap": None})
+            continue
+        with torch.inference_mode():
+            logits = hf(input_ids=torch.tensor([requests[i].prompt + a[:step]], device=device)).logits[0, -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out.append({"request": i, "step": step, "logprob_gap": abs(logprobs[a[step]] - logprobs[b[step]]).item()})
+    return out
+
+
 def decode_batch1(llm: LLM, hf, prompt: list[int], output: int, reps: int, pad: int, adapter: str | None = None) -> dict:
     """Decode tokens/s of one request (on LoRA adapter `adapter`) after its first token: (output - 1) / (time
     after the first)."""
@@ -1057,6 +1077,7 @@ def main(argv=None) -> dict:
     # Greedy on both sides: tokens should agree, up to near-ties flipped by padding / op-order rounding.
     for r in hf_runs + ([server] if server and server["token_ids"] else []):
         r["requests_matching_fivefold"] = sum(a == b for a, b in zip(ours["token_ids"], r["token_ids"]))
+        r["splits"] = splits(hf, requests, ours["token_ids"], r["token_ids"]) if hf is not None else []
 
     if decode is None:
         decode = run_decode_batch1(llm, hf, decode_prompt, args, pad)
@@ -1099,7 +1120,10 @@ def main(argv=None) -> dict:
             print(f"  transformers bs={r['batch_size']}: {100 * r['wasted_fraction']:.0f}% of generated tokens wasted "
                   f"on finished requests; latency p50 {r['latency_p50_s']:.1f} s, p99 {r['latency_p99_s']:.1f} s; "
                   f"batch wall {', '.join(f'{t:.1f}' for t in r['batch_wall_s'])} s; "
-                  f"{r['requests_matching_fivefold']}/{len(requests)} requests token-identical to fivefold")
+                  f"{r['requests_matching_fivefold']}/{len(requests)} requests token-identical to fivefold"
+                  + "".join(f"; request {x['request']} parts at output token {x['step']}, "
+                            + ("one side stopped" if x["logprob_gap"] is None else
+                               f"{x['logprob_gap']:.1e} apart in transformers' logprobs") for x in r["splits"]))
     print(f"fivefold: {ours['steps']} engine steps, {ours['preemptions']} preemptions; latency p50 "
           f"{ours['latency_p50_s']:.1f} s, p99 {ours['latency_p99_s']:.1f} s")
     if server:

@@ -618,6 +618,10 @@ MUTANTS = [Mutant(*m) for m in [
     # bfloat16 rounding with ties away from zero instead of to even (torch's)
     ('BF3', 'fivefold/kernels/cpu_simd.h', 'blockops', '  bits += 0x7FFFu + ((bits >> 16) & 1u);',
      '  bits += 0x8000u;'),
+    # the bfloat16 pairs' last partial step one element short (AVX512_BF16 only)
+    ('BF4', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
+     '      const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1ull);',
+     '      const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k - 1)) - 1ull);'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
