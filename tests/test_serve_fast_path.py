@@ -247,6 +247,26 @@ def test_without_onednn_auto_falls_back_and_onednn_is_refused(monkeypatch):
         LLM(tiny(), linear="onednn")
 
 
+def test_onednn_without_the_engines_dtype_is_refused_at_start(monkeypatch):
+    """serve.linear=onednn where oneDNN cannot multiply the engine's dtype (float16 on a CPU without AVX-512 FP16,
+    as on this project's hosts; elsewhere such a CPU stood in for) stops at start with what to set, not at the
+    first product with oneDNN's own error."""
+    import fivefold.serve.cpu_linear as cpu_linear
+    from fivefold.serve.cpu_linear import onednn_problem
+    if onednn_problem(torch.float16) is None:
+        real = cpu_linear.onednn_linear
+
+        def no_half(x, weight, bias=None):
+            if x.dtype == torch.float16:
+                raise RuntimeError("could not create a primitive descriptor")
+            return real(x, weight, bias)
+        monkeypatch.setattr(cpu_linear, "onednn_linear", no_half)
+    assert onednn_problem(torch.float32) is None
+    with pytest.raises(ConfigError, match="serve.linear=onednn cannot be used here: oneDNN has no float16 product on "
+                                          "this CPU; set serve.linear=auto or torch"):
+        LLM(tiny().to(torch.float16), linear="onednn")
+
+
 def test_slots_are_reused_and_all_returned():
     model = tiny()
     llm = LLM(model, max_num_seqs=4, num_blocks=40)

@@ -48,6 +48,18 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_problem(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot multiply `dtype` here (no oneDNN in this torch; float16 on a CPU without AVX-512 FP16
+    or AMX, where it cannot create the primitive), or None."""
+    if not onednn_available():
+        return "this torch has no oneDNN"
+    try:
+        onednn_linear(torch.ones(1, 16, dtype=dtype), torch.ones(16, 16, dtype=dtype))
+    except RuntimeError:
+        return f"oneDNN has no {str(dtype).removeprefix('torch.')} product on this CPU"
+    return None
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) on oneDNN: x (..., in), weight (out, in)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -35,7 +35,7 @@ from fivefold.serve.batch import InputBatch, StepInputs
 from fivefold.serve.blocks import BlockManager, blocks_for
 from fivefold.serve.buffers import StepBuffers
 from fivefold.serve.compiled_decode import use_compiled_decode
-from fivefold.serve.cpu_linear import candidates, is_input_major, route_linears
+from fivefold.serve.cpu_linear import candidates, is_input_major, onednn_problem, route_linears
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
@@ -256,6 +256,8 @@ class Engine:
             return Counter()
         why = "the device is not a CPU" if self.device.type != "cpu" else \
             None if candidates(mode, False) else "this torch has no oneDNN"
+        if mode == "onednn" and not why:
+            why = onednn_problem(self.dtype)
         if mode == "onednn" and why:
             raise ConfigError(f"serve.linear=onednn cannot be used here: {why}; set serve.linear=auto or torch")
         # serve.cpu_kernel: fivefold's rows kernel (fivefold.kernels.cpu_linear_rows) among the candidates
