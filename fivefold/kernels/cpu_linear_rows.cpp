@@ -47,6 +47,10 @@ struct Tail {
   }
 };
 
+// An output: a float32 sum as it is, or rounded once to bfloat16 (as torch rounds), written in place.
+inline void put(float* p, float v) { *p = v; }
+inline void put(bf16* p, float v) { *p = fivefold::narrow(v); }
+
 // Lines of the next tile, `per_step` of them at each step of the k loop.
 struct Prefetch {
   const char* next;
@@ -64,9 +68,9 @@ struct Avx512 {
   static constexpr int kRows = 4, kCols = 4, kLanes = 16;
 
   // y[i][j] = x_i . w_j for i < MB input rows, j < NB weight rows (missing ones are zero lanes of the tree).
-  template <int MB, int NB, class W>
+  template <int MB, int NB, class W, class Y>
   static inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw,
-                          float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
+                          Y* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
     __m512 acc[kRows * kCols];
     for (int t = 0; t < kRows * kCols; ++t) acc[t] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -92,7 +96,7 @@ struct Avx512 {
     alignas(64) float out[kRows * kCols];
     _mm512_store_ps(out, sums);
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) y[i * ldy + j] = out[i * kCols + j];
+      for (int j = 0; j < NB; ++j) put(y + i * ldy + j, out[i * kCols + j]);
   }
 };
 #endif
@@ -111,9 +115,9 @@ struct Avx512Dot {
   static inline __m512bh load32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static inline __m512bh load32(const bf16* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
 
-  template <int MB, int NB, class W>
+  template <int MB, int NB, class W, class Y>
   static inline void tile(const bf16* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw,
-                          float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
+                          Y* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
     static_assert(sizeof(W) == 2, "bfloat16 weights only");
     __m512 acc[kRows * kCols];
     for (int t = 0; t < kRows * kCols; ++t) acc[t] = _mm512_setzero_ps();
@@ -140,7 +144,7 @@ struct Avx512Dot {
     alignas(64) float out[kRows * kCols];
     _mm512_store_ps(out, sums);
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) y[i * ldy + j] = out[i * kCols + j];
+      for (int j = 0; j < NB; ++j) put(y + i * ldy + j, out[i * kCols + j]);
   }
 };
 #endif
@@ -157,9 +161,9 @@ struct Avx2 {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
 
-  template <int MB, int NB, class W>
+  template <int MB, int NB, class W, class Y>
   static inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw,
-                          float* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
+                          Y* __restrict y, int64_t ldy, int64_t K, Prefetch& prefetch) {
     __m256 acc[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -184,13 +188,13 @@ struct Avx2 {
       }
     }
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) y[i * ldy + j] = sum8(acc[i][j]);
+      for (int j = 0; j < NB; ++j) put(y + i * ldy + j, sum8(acc[i][j]));
   }
 };
 
 // Every input row against one tile of NB weight rows, prefetching the next tile (up to `end`) meanwhile.
-template <class Arch, int NB, class W>
-void column_tile(const typename Arch::X* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
+template <class Arch, int NB, class W, class Y>
+void column_tile(const typename Arch::X* x, int64_t ldx, const W* w, int64_t ldw, Y* y, int64_t ldy, int64_t M,
                  int64_t K, const W* end) {
   constexpr int R = Arch::kRows;
   const int64_t passes = (M + R - 1) / R, steps = passes * (K / Arch::kLanes);
@@ -199,49 +203,61 @@ void column_tile(const typename Arch::X* x, int64_t ldx, const W* w, int64_t ldw
   const char* stop = std::min(reinterpret_cast<const char*>(w + 2 * NB * ldw), reinterpret_cast<const char*>(end));
   if (next < stop && steps > 0) prefetch = Prefetch{next, stop, ((stop - next + 63) / 64 + steps - 1) / steps};
   int64_t m = 0;
-  for (; m + R <= M; m += R) Arch::template tile<R, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch);
+  for (; m + R <= M; m += R) Arch::template tile<R, NB, W, Y>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch);
   switch (M - m) {
-    case 1: Arch::template tile<1, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
-    case 2: Arch::template tile<2, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
-    case 3: Arch::template tile<3, NB, W>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 1: Arch::template tile<1, NB, W, Y>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 2: Arch::template tile<2, NB, W, Y>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
+    case 3: Arch::template tile<3, NB, W, Y>(x + m * ldx, ldx, w, ldw, y + m * ldy, ldy, K, prefetch); break;
     default: break;
   }
 }
 
 // column_tile for a tile of `nb` <= NB weight rows (the last tile of a weight may be narrower).
-template <class Arch, class W, int NB = Arch::kCols>
-void column_tile_of(int64_t nb, const typename Arch::X* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
+template <class Arch, class W, int NB = Arch::kCols, class Y>
+void column_tile_of(int64_t nb, const typename Arch::X* x, int64_t ldx, const W* w, int64_t ldw, Y* y, int64_t ldy,
                     int64_t M, int64_t K, const W* end) {
   if (nb == NB) {
-    column_tile<Arch, NB, W>(x, ldx, w, ldw, y, ldy, M, K, end);
+    column_tile<Arch, NB, W, Y>(x, ldx, w, ldw, y, ldy, M, K, end);
   } else if constexpr (NB > 1) {
-    column_tile_of<Arch, W, NB - 1>(nb, x, ldx, w, ldw, y, ldy, M, K, end);
+    column_tile_of<Arch, W, NB - 1, Y>(nb, x, ldx, w, ldw, y, ldy, M, K, end);
   }
 }
 
-template <class Arch, class W>
-void run(const typename Arch::X* xp, int64_t ldx, const W* wp, int64_t ldw, float* yp, int64_t M, int64_t N, int64_t K) {
+template <class Arch, class W, class Y>
+void run(const typename Arch::X* xp, int64_t ldx, const W* wp, int64_t ldw, Y* yp, int64_t M, int64_t N, int64_t K) {
   constexpr int C = Arch::kCols;
+  if (M == 1) {
+    // One row (a batch-1 decode): nothing to share between weight rows, so each is streamed whole, in memory
+    // order, with no prefetching: the hardware's prefetcher follows one stream a thread better than the 4-row
+    // tiles' interleaved ones (+11% bfloat16 read on smollm2-135m's shapes). The tile's sum is the same network
+    // as at any position of a full tile, so the row's result is the one it gets in a batch.
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      Prefetch none{nullptr, nullptr, 0};
+      for (int64_t n = begin; n < end; ++n)
+        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K, none);
+    });
+    return;
+  }
   at::parallel_for(0, (N + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
     const W* stop = wp + std::min(end * C, N) * ldw;  // this thread's last weight row
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * C;
-      column_tile_of<Arch, W>(std::min<int64_t>(C, N - n), xp, ldx, wp + n * ldw, ldw, yp + n, N, M, K, stop);
+      column_tile_of<Arch, W, Arch::kCols, Y>(std::min<int64_t>(C, N - n), xp, ldx, wp + n * ldw, ldw, yp + n, N, M, K, stop);
     }
   });
 }
 
 // The tiles of `width` (0: the widest built) over every weight row.
-template <class W>
-void dispatch(int64_t width, const float* xp, int64_t ldx, const W* wp, int64_t ldw, float* yp, int64_t M,
+template <class W, class Y>
+void dispatch(int64_t width, const float* xp, int64_t ldx, const W* wp, int64_t ldw, Y* yp, int64_t M,
               int64_t N, int64_t K) {
 #if defined(__AVX512F__)
   if (width != 256) {
-    run<Avx512, W>(xp, ldx, wp, ldw, yp, M, N, K);
+    run<Avx512, W, Y>(xp, ldx, wp, ldw, yp, M, N, K);
     return;
   }
 #endif
-  run<Avx2, W>(xp, ldx, wp, ldw, yp, M, N, K);
+  run<Avx2, W, Y>(xp, ldx, wp, ldw, yp, M, N, K);
 }
 
 }  // namespace
@@ -284,23 +300,29 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
   const bool dot = rounded && width != 256 && linear_rows_dot();
   if (rounded && !dot) x = x.to(torch::kFloat32);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({M, N}, x.options().dtype(rounded ? torch::kBFloat16 : torch::kFloat32));
 #if defined(__AVX2__) && defined(__FMA__)
-  if (M == 0 || N == 0) return rounded ? y.to(torch::kBFloat16) : y;
-  float* yp = y.data_ptr<float>();
-  if (w.dtype() == torch::kBFloat16) {
-    const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
+  if (M == 0 || N == 0) return y;
+  auto go = [&](auto* yp) {
+    if (w.dtype() == torch::kBFloat16) {
+      const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
 #if defined(FIVEFOLD_ROWS_DOT)
-    if (dot) {
-      const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
-      run<Avx512Dot, bf16>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
-      return y.to(torch::kBFloat16);
-    }
+      if (dot) {
+        const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+        run<Avx512Dot, bf16>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);
+        return;
+      }
 #endif
-    dispatch(width, x.data_ptr<float>(), x.stride(0), wp, w.stride(0), yp, M, N, K);
+      dispatch(width, x.data_ptr<float>(), x.stride(0), wp, w.stride(0), yp, M, N, K);
+    } else {
+      dispatch(width, x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), yp, M, N, K);
+    }
+  };
+  if (rounded) {
+    go(reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()));
   } else {
-    dispatch(width, x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), yp, M, N, K);
+    go(y.data_ptr<float>());
   }
 #endif
-  return rounded ? y.to(torch::kBFloat16) : y;
+  return y;
 }
