@@ -622,6 +622,10 @@ MUTANTS = [Mutant(*m) for m in [
     ('BF4', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
      '      const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1ull);',
      '      const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k - 1)) - 1ull);'),
+    # one row's weight rows streamed one column short (the batch-1 path only)
+    ('RK1', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
+     '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K, none);',
+     '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K - 1, none);'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
