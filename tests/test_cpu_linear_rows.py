@@ -162,6 +162,8 @@ def test_bfloat16_rows_multiplied_as_bfloat16_pairs(k):
     assert bool((err <= 2.0**-8 * exact.abs() + 2.0**-24 * k * scale + 1e-30).all()), float((err / exact.abs()).max())
     for m in (2, 5, 32):
         torch.testing.assert_close(kernel(batch[:m], w), alone[:m], rtol=0, atol=0)
+    wide = randn(32, k + 40, seed=33).bfloat16()  # rows that are a view with a longer stride
+    torch.testing.assert_close(kernel(wide[:, 3:3 + k], w), kernel(wide[:, 3:3 + k].contiguous(), w), rtol=0, atol=0)
 
 
 def test_the_wrapper_in_bfloat16_rounds_once():
