@@ -154,6 +154,9 @@ def test_bfloat16_rows_multiplied_as_bfloat16_pairs(k):
             y = kernel(x, w)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
             assert torch.equal(y, (x.double() @ w.double().t()).bfloat16())
+            b = torch.randint(-3, 4, (n,), generator=gen).bfloat16()  # a bias joins the float32 sums
+            biased = cpu_build.build()[0].linear_rows(x, w, 0, b)
+            assert torch.equal(biased, (x.double() @ w.double().t() + b.double()).bfloat16())
     w, batch = randn(203, k, seed=31).bfloat16(), randn(32, k, seed=32).bfloat16()
     exact = batch.double() @ w.double().t()
     scale = batch.double().abs() @ w.double().abs().t()
@@ -167,16 +170,21 @@ def test_bfloat16_rows_multiplied_as_bfloat16_pairs(k):
 
 
 def test_the_wrapper_in_bfloat16_rounds_once():
-    """bfloat16 rows over a bfloat16 weight: the rows widened, the kernel's float32 sums, a bias added in float32,
-    then one rounding to bfloat16; so within half a bfloat16 step, 2^-8 of the value (plus the sums' float32
-    error), of the exact product, as F.linear's bfloat16 product is (checked beside it)."""
+    """bfloat16 rows over a bfloat16 weight: the kernel's float32 sums, a bias added in float32, then one rounding
+    to bfloat16; so within half a bfloat16 step, 2^-8 of the value (plus the sums' float32 error), of the exact
+    product, as F.linear's bfloat16 product is (checked beside it)."""
     w, b = randn(64, 48, seed=9).bfloat16(), randn(64, seed=10).bfloat16()
+    module = cpu_build.build()[0]
     with torch.no_grad():
         for m in (MIN_ROWS, 9, max_rows()):
             x = randn(m, 48, seed=m).bfloat16()
             y = linear_rows(x, w, b)
             assert y.dtype == torch.bfloat16
-            assert torch.equal(y, (kernel(x.float(), w) + b.float()).bfloat16())
+            assert torch.equal(y, module.linear_rows(x, w, 0, b))
+            for width in WIDTHS:  # the float32 sums: the kernel's product over rows it rounds or widens itself
+                sums = module.linear_rows(x.float(), w, width) if width == 256 or not DOT else None
+                if sums is not None:
+                    assert torch.equal(module.linear_rows(x, w, width, b), (sums + b.float()).bfloat16())
             assert torch.equal(linear_rows(x, w), kernel(x, w))  # multiplied (or widened) and rounded in C++
             assert torch.equal(kernel(x, w, 256), kernel(x.float(), w, 256).bfloat16())
             if not DOT:
@@ -194,8 +202,11 @@ def test_under_torch_compile_it_is_one_op_in_the_graph():
         w = randn(96, 64, seed=13).to(dtype)
         x = randn(8, 64, seed=14).to(dtype)
         compiled = torch.compile(lambda a: linear_rows(torch.relu(a), w) * 2, backend="aot_eager", fullgraph=True)
+        b = randn(96, seed=15).to(dtype)
+        with_bias = torch.compile(lambda a: linear_rows(a, w, b), backend="aot_eager", fullgraph=True)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), kernel(torch.relu(x), w) * 2, rtol=0, atol=0)
+            torch.testing.assert_close(with_bias(x), cpu_build.build()[0].linear_rows(x, w, 0, b), rtol=0, atol=0)
 
 
 def test_it_is_a_candidate_only_where_asked_and_only_in_the_plain_layout(monkeypatch):

@@ -30,7 +30,7 @@
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable);
-torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width);
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias);
 
 namespace {
 
@@ -262,15 +262,11 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, 
   TORCH_CHECK(layers > 0 && v_pools.size() == k_pools.size() && params.size() == 7 * k_pools.size() &&
                   eps.size() == 2 * k_pools.size() && products.size() == 4 * k_pools.size(),
               "decode_blocks: 7 params, 2 eps and 4 products a layer, and a key and a value pool each");
-  // A product as the loop runs it: 0 the rows kernel (a bias added after, as its Python wrapper does), 1
-  // torch's linear (F.linear's op, the bias inside).
-  // In bfloat16 the rows kernel's bias joins its float32 sums before the one rounding, as the wrapper adds it.
+  // A product as the loop runs it: 0 the rows kernel (its bias added to its float32 sums), 1 torch's linear
+  // (F.linear's op, the bias inside).
   auto product = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& bias, int64_t kind) {
     if (kind == 1) return bias.numel() ? at::linear(in, w, bias) : at::linear(in, w);
-    if (!bias.numel()) return linear_rows(in, w, width);
-    if (in.scalar_type() == torch::kBFloat16)
-      return (linear_rows(in.to(torch::kFloat32), w, width) + bias.to(torch::kFloat32)).to(torch::kBFloat16);
-    return linear_rows(in, w, width) + bias;
+    return linear_rows(in, w, width, bias);
   };
   const torch::Tensor none;
   torch::Tensor delta, normed;

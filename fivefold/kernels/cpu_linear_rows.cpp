@@ -285,10 +285,11 @@ bool linear_rows_dot() {
 }
 
 // x (M, K) with unit stride along K; w (N, K) float32 or bfloat16 with unit stride along K; x float32, or bfloat16
-// over a bfloat16 w. -> (M, N) in x's dtype: a bfloat16 y is the float32 sums rounded once. bfloat16 rows are
-// multiplied as bfloat16 pairs where linear_rows_dot() (not at width 256), else widened first, exactly.
+// over a bfloat16 w; `bias` (N) or none (also an empty tensor). -> x w^T + bias, (M, N) in x's dtype: a bfloat16 y
+// is the float32 sums, with the bias added in float32, rounded once. bfloat16 rows are multiplied as bfloat16 pairs
+// where linear_rows_dot() (not at width 256), else widened first, exactly.
 // `width` 0: the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
-torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(linear_rows_width() > 0, "the rows kernel needs AVX2 and FMA");
   TORCH_CHECK(width == 0 || width == 256 || width == linear_rows_width(), "no rows kernel of width ", width);
   TORCH_CHECK(w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16, "w: float32 or bfloat16 only");
@@ -298,11 +299,14 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "x and w need unit stride along K");
   const bool rounded = x.dtype() == torch::kBFloat16;
   const bool dot = rounded && width != 256 && linear_rows_dot();
+  const bool biased = bias.has_value() && bias->numel();
+  TORCH_CHECK(!biased || (bias->dim() == 1 && bias->size(0) == w.size(0)), "bias: (N)");
   if (rounded && !dot) x = x.to(torch::kFloat32);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(rounded ? torch::kBFloat16 : torch::kFloat32));
+  // Rounded in the tiles, unless a bias is to join the float32 sums first.
+  auto y = torch::empty({M, N}, x.options().dtype(rounded && !biased ? torch::kBFloat16 : torch::kFloat32));
 #if defined(__AVX2__) && defined(__FMA__)
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return rounded ? y.to(torch::kBFloat16) : y;
   auto go = [&](auto* yp) {
     if (w.dtype() == torch::kBFloat16) {
       const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
@@ -318,11 +322,12 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width) {
       dispatch(width, x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), yp, M, N, K);
     }
   };
-  if (rounded) {
+  if (y.scalar_type() == torch::kBFloat16) {
     go(reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()));
   } else {
     go(y.data_ptr<float>());
   }
 #endif
+  if (biased) return rounded ? (y + bias->to(torch::kFloat32)).to(torch::kBFloat16) : y + *bias;
   return y;
 }

@@ -11,15 +11,16 @@ a library's one-row product, F.linear's or oneDNN's.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on the other rows
 or the thread count (tested); it equals F.linear to float32 rounding, not bit for bit. Its weights are float32
-or bfloat16 (a bfloat16 engine's): bfloat16 weights are read as they are, half the bytes, and multiplied exactly
-and summed in float32, the output rounded to bfloat16 once, as the libraries' bfloat16 products do. Where the CPU
-has AVX512_BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids) one instruction multiplies bfloat16 rows and
-weights in pairs; elsewhere the weights are widened to float32 as loaded and the rows before (and so are the
-rows of a product with a bias, which joins the float32 sums). `python bench/cpu_linear_rows.py --dtype bfloat16`,
-smollm2-135m's shapes on the 2-vCPU AMD host (Zen 4): the pairs 1.04-2.2x the best library at every row count
-1-32, and 1.5-2x the widening form at 16-32 rows, where that form had fallen to 0.57-0.90x the libraries. It runs on a CPU with AVX-512 (tiles of 4 x 4 in 16 lanes) or AVX2 with FMA
-(4 x 3 in 8 lanes, as most laptops have; an AVX-512 build has both, and the tests run both); elsewhere
-`rows_kernel_problem()` says why and the libraries' products run. Where it runs, the per-shape timing keeps it only where it is faster.
+or bfloat16 (a bfloat16 engine's): bfloat16 weights are read as they are, half the bytes, multiplied exactly and
+summed in float32, and the output is rounded to bfloat16 once (after a bias joins the sums), as the libraries'
+bfloat16 products do. Where the CPU has AVX512_BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids) one
+instruction multiplies bfloat16 rows and weights in pairs; elsewhere the weights are widened to float32 as loaded
+and the rows before. `python bench/cpu_linear_rows.py --dtype bfloat16`, smollm2-135m's shapes on the 2-vCPU AMD
+host (Zen 4): the pairs 1.04-2.2x the best library at every row count 1-32, and 1.5-2x the widening form at 16-32
+rows, where that form had fallen to 0.57-0.90x the libraries. It runs on a CPU with AVX-512 (tiles of 4 x 4 in
+16 lanes) or AVX2 with FMA (4 x 3 in 8 lanes, as most laptops have; an AVX-512 build has both, and the tests run
+both); elsewhere `rows_kernel_problem()` says why and the libraries' products run. Where it runs, the per-shape
+timing keeps it only where it is faster.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def max_rows() -> int:
 
 
 _LIB = torch.library.Library("fivefold", "FRAGMENT")
-_LIB.define("cpu_linear_rows(Tensor x, Tensor w) -> Tensor")
-_LIB.impl("cpu_linear_rows", lambda x, w: cpu_build.build()[0].linear_rows(x, w), "CPU")
-torch.library.register_fake("fivefold::cpu_linear_rows", lambda x, w: x.new_empty(x.shape[0], w.shape[0]), lib=_LIB)
+_LIB.define("cpu_linear_rows(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
+_LIB.impl("cpu_linear_rows", lambda x, w, bias=None: cpu_build.build()[0].linear_rows(x, w, 0, bias), "CPU")
+torch.library.register_fake("fivefold::cpu_linear_rows", lambda x, w, bias=None: x.new_empty(x.shape[0], w.shape[0]),
+                            lib=_LIB)
 
 
 def rows_kernel_problem() -> str | None:
@@ -102,14 +104,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if other is not None:
         return other(x, weight, bias)
     x2 = x.reshape(rows, k)
-    if bias is not None and x2.dtype != torch.float32:  # the bias joins the float32 sums before the one rounding
-        x2 = x2.float()  # (bfloat16 widens exactly; without a bias the kernel widens and rounds itself)
-    elif x2.stride(1) != 1:
+    if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    # A bias joins the float32 sums, before a bfloat16 product's one rounding.
     if torch.compiler.is_compiling():  # an op a compiled graph keeps whole (serve.compile_decode)
-        y = torch.ops.fivefold.cpu_linear_rows(x2, weight)
+        y = torch.ops.fivefold.cpu_linear_rows(x2, weight, bias)
     else:  # the module's own call: the dispatcher's costs a few microseconds a product
-        y = cpu_build.build()[0].linear_rows(x2, weight)
-    if bias is not None:
-        y = (y + bias).to(x.dtype)
+        y = cpu_build.build()[0].linear_rows(x2, weight, 0, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
