@@ -61,6 +61,7 @@ TESTS = {  # the tests that cover each module
     "cadam": "tests/test_compiled_adamw.py tests/test_train.py",
     "hf": "tests/test_model.py tests/test_hf_interop.py tests/test_golden.py",
     "rowsk": "tests/test_cpu_linear_rows.py",
+    "decode": "tests/test_cpu_paged_decode.py",
     "host": "tests/test_host_memory.py tests/test_memory_measured.py::test_startup_peak_measures_a_known_allocation",
 }
 
@@ -622,6 +623,9 @@ MUTANTS = [Mutant(*m) for m in [
     ('BF4', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
      '      const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1ull);',
      '      const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k - 1)) - 1ull);'),
+    # a group's value weights all taken from its first query head (the AVX-512 form's shared values)
+    ('PD1', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
+     '      const __m512 w = _mm512_set1_ps(p[g * p_stride + t]);', '      const __m512 w = _mm512_set1_ps(p[t]);'),
     # one row's weight rows streamed one column short (the batch-1 path only)
     ('RK1', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
      '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K, none);',

@@ -63,8 +63,11 @@ def make_decodes(lengths, heads, kv_heads, head_dim, block_size, seed=0, dtype=t
 # Contexts of one token, one short of a block, exactly a block, one past it, a long one, and padding rows.
 LENGTHS = [1, 15, 16, 17, 101, 0, 2000, 33, 0]
 # heads, kv heads, head size, block size
+# (Groups of 1-8 query heads a key/value head; the AVX-512 form adds a group's values together up to 8: 12, past
+# it, row by row.)
 CASES = [(32, 8, 64, 16), (9, 3, 64, 32), (9, 3, 16, 16), (4, 4, 128, 16), (8, 1, 32, 16), (16, 2, 80, 32),
-         (4, 2, 256, 16), (6, 2, 48, 16), (4, 2, 96, 16), (4, 2, 32, 8)]
+         (4, 2, 256, 16), (6, 2, 48, 16), (4, 2, 96, 16), (4, 2, 32, 8), (10, 2, 64, 16), (14, 2, 64, 16),
+         (12, 2, 64, 16), (12, 1, 32, 16)]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])

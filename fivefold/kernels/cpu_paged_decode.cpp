@@ -85,10 +85,70 @@ inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t offs
 }
 
 struct Scratch {
-  std::vector<float> acc, scores, max, sum;
+  std::vector<float> acc, scores, max, sum, rescale;
   Scratch(int64_t rows, int64_t block_size, int64_t d)
-      : acc(rows * d), scores(rows * block_size), max(rows), sum(rows) {}
+      : acc(rows * d), scores(rows * block_size), max(rows), sum(rows), rescale(rows) {}
 };
+
+// One row's running output acc (D) rescaled, then each of the block's n values added with its weight p[t]:
+// acc = acc * rescale + sum_t p[t] v_t, the terms added in t's order.
+template <int D, class T>
+inline void add_values(const T* __restrict v, int64_t stride, int64_t n, const float* __restrict p, float rescale,
+                       float* __restrict acc) {
+  alignas(64) float a[D];
+#pragma omp simd
+  for (int d = 0; d < D; ++d) a[d] = acc[d] * rescale;
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    const T* vt = v + t * stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) a[d] += w * widen(vt[d]);
+  }
+#pragma omp simd
+  for (int d = 0; d < D; ++d) acc[d] = a[d];
+}
+
+#if defined(__AVX512F__)
+// add_values for the G query heads that share a key/value head at once: each value vector loaded (and widened) once
+// for all of them, and G x D / 16 independent accumulators in registers where one row had D / 16 in a chain; each
+// row's terms still added in t's order, as fused multiply-adds. 1.1-1.2x the kernel at 32 rows of 300 tokens on
+// smollm2-135m's heads (3 a group; float32 501 -> 440-458 us, bfloat16 446-452 -> 371-420, best of 10 each).
+template <int D, int G, class T>
+inline void add_values_shared(const T* __restrict v, int64_t stride, int64_t n, const float* __restrict p,
+                              int64_t p_stride, const float* __restrict rescale, float* __restrict acc) {
+  __m512 a[G][D / 16];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c)
+      a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), _mm512_set1_ps(rescale[g]));
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * stride;
+    __m512 vv[D / 16];
+    for (int c = 0; c < D / 16; ++c) vv[c] = load16(vt + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * p_stride + t]);
+      for (int c = 0; c < D / 16; ++c) a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// add_values_shared for a runtime group size of 2-8; false for others (each row then on its own).
+template <int D, class T>
+inline bool add_values_group(int64_t groups, const T* v, int64_t stride, int64_t n, const float* p, int64_t p_stride,
+                             const float* rescale, float* acc) {
+  switch (groups) {
+    case 2: add_values_shared<D, 2, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    case 3: add_values_shared<D, 3, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    case 4: add_values_shared<D, 4, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    case 5: add_values_shared<D, 5, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    case 6: add_values_shared<D, 6, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    case 7: add_values_shared<D, 7, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    case 8: add_values_shared<D, 8, T>(v, stride, n, p, p_stride, rescale, acc); return true;
+    default: return false;
+  }
+}
+#endif
 
 // Query heads [h0 * G, h1 * G) of one sequence, against its key/value heads [h0, h1).
 template <int D, class T>
@@ -134,18 +194,19 @@ void attend_sequence(const float* q, int64_t q_head_stride, const T* k_pool, con
       }
       s.sum[r] = s.sum[r] * rescale + total;
       s.max[r] = block_max;
+      s.rescale[r] = rescale;
+    }
+    // The values: a key/value head's query heads together where the AVX-512 form runs, else row by row.
+    for (int64_t head = h0; head < h1; ++head) {
+      const int64_t r0 = (head - h0) * groups;
       const T* v = v_pool + base + head * D;
-      alignas(64) float a[D];
-#pragma omp simd
-      for (int d = 0; d < D; ++d) a[d] = acc[r * D + d] * rescale;
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = sr[t];
-        const T* vt = v + t * token_stride;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += p * widen(vt[d]);
-      }
-#pragma omp simd
-      for (int d = 0; d < D; ++d) acc[r * D + d] = a[d];
+#if defined(__AVX512F__)
+      if (wide && add_values_group<D, T>(groups, v, token_stride, n, scores + r0 * block_size, block_size,
+                                         s.rescale.data() + r0, acc + r0 * D))
+        continue;
+#endif
+      for (int64_t r = r0; r < r0 + groups; ++r)
+        add_values<D, T>(v, token_stride, n, scores + r * block_size, s.rescale[r], acc + r * D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
