@@ -628,8 +628,8 @@ MUTANTS = [Mutant(*m) for m in [
      '      const __m512 w = _mm512_set1_ps(p[g * p_stride + t]);', '      const __m512 w = _mm512_set1_ps(p[t]);'),
     # one row's weight rows streamed one column short (the batch-1 path only)
     ('RK1', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
-     '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K, none);',
-     '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K - 1, none);'),
+     '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K, ahead);',
+     '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K - 1, ahead);'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:

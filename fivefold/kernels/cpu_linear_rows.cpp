@@ -62,6 +62,16 @@ struct Prefetch {
 };
 
 #if defined(__AVX512F__)
+// A 4 x 4 tile's 16 accumulators (input row i, weight row j at 4 i + j) summed by one transpose tree, whose
+// 128-bit lane i holds input row i's outputs, and its MB x NB outputs put in y.
+template <int MB, int NB, class Y>
+inline void put_tile(const __m512* acc, Y* __restrict y, int64_t ldy) {
+  alignas(64) float out[16];
+  _mm512_store_ps(out, fivefold::sum16(acc));
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) put(y + i * ldy + j, out[i * 4 + j]);
+}
+
 // 16 lanes; a tile of 4 input rows x 4 weight rows, its 16 accumulators summed by one transpose tree.
 struct Avx512 {
   using X = float;
@@ -92,11 +102,7 @@ struct Avx512 {
         for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kCols + j]);
       }
     }
-    const __m512 sums = fivefold::sum16(acc);  // 128-bit lane i holds input row i's NB outputs
-    alignas(64) float out[kRows * kCols];
-    _mm512_store_ps(out, sums);
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) put(y + i * ldy + j, out[i * kCols + j]);
+    put_tile<MB, NB>(acc, y, ldy);
   }
 };
 #endif
@@ -140,11 +146,7 @@ struct Avx512Dot {
         for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], xv, wv[j]);
       }
     }
-    const __m512 sums = fivefold::sum16(acc);
-    alignas(64) float out[kRows * kCols];
-    _mm512_store_ps(out, sums);
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) put(y + i * ldy + j, out[i * kCols + j]);
+    put_tile<MB, NB>(acc, y, ldy);
   }
 };
 #endif
