@@ -58,6 +58,14 @@ def test_train_then_generate(data_cache, tmp_path):
     assert float(summary.split("log-likelihood ")[1].split()[0]) == pytest.approx(total, abs=1e-3)
     assert float(summary.split("perplexity ")[1]) == pytest.approx(math.exp(-total / (len(ids) - 1)), rel=1e-4)
     assert len(scored.splitlines()) == len(ids) + 1  # a header, a line per scored token, the summary
+
+    # --dtype bfloat16: the engine in bfloat16, so the same text scores to bfloat16's rounding, not float32's bits.
+    half = fivefold("score", str(out), "--text", text, "--dtype", "bfloat16", cache=data_cache).stdout
+    total_bf16 = float(half.splitlines()[-1].split("log-likelihood ")[1].split()[0])
+    assert total_bf16 != pytest.approx(total, abs=1e-3) and total_bf16 == pytest.approx(total, rel=0.03)
+    gen_bf16 = fivefold("generate", str(out), "--prompt", "Return the", "--temperature", "0", "--max-new-tokens", "8",
+                        "--dtype", "bfloat16", cache=data_cache).stdout
+    assert gen_bf16.startswith("Return the")
     # In windows of 8 tokens, 3 apart: each token once, with the context its window gives it.
     windowed = fivefold("score", str(out), "--text", text, "--window", "8", "--stride", "3", cache=data_cache).stdout
     expected, starts = 0.0, range(0, len(ids) - 1, 3)

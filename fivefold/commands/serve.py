@@ -58,6 +58,7 @@ def register(sub) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
     gen.add_argument("--device", default="auto")
+    add_dtype(gen)
     gen.add_argument("--tp", type=positive_int, default=1, metavar="N",
                      help="tensor parallel over N processes (launched through torchrun; gloo on CPU, NCCL on GPU)")
     gen.set_defaults(func=run_generate)
@@ -78,7 +79,14 @@ def register(sub) -> None:
                        help="also print each token, its logprob and the likeliest token in its place")
     score.add_argument("--tokenizer", help="tokenizer.json (default: the one saved in the checkpoint)")
     score.add_argument("--device", default="auto")
+    add_dtype(score)
     score.set_defaults(func=run_score)
+
+
+def add_dtype(parser) -> None:
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the weights' and KV cache's dtype (serve.dtype; default float32). bfloat16 halves the "
+                             "bytes a token reads: on a CPU with AVX512_BF16 it decodes faster than float32")
 
 
 SERVE_EXTRA = ("fastapi", "starlette", "uvicorn", "prometheus_client", "jinja2", "pydantic")
@@ -182,7 +190,7 @@ def run_generate(args) -> int:
     if args.tp > 1 and "LOCAL_RANK" not in os.environ:
         return launch(src, args.tp, sys.argv[1:], "generate")
     # One prompt: a pool for one sequence, not for a server's worth.
-    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp, max_num_seqs=1)
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, tp=args.tp, max_num_seqs=1, dtype=args.dtype)
     text = llm.generate(args.prompt, params)[0].text
     if os.environ.get("RANK", "0") == "0":
         print(args.prompt + text)
@@ -206,7 +214,7 @@ def run_score(args) -> int:
     resolve_device(args.device, "--device")
     if args.window and args.stride and args.stride >= args.window:  # before any weights load
         raise _stride_error(args.stride, args.window)
-    llm = LLM(src, tokenizer=args.tokenizer, device=args.device)
+    llm = LLM(src, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     context = llm.engine.max_model_len
     window = args.window or context
     if not 2 <= window <= context:
