@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from cpu_linear_rows import shapes
 from cpu_paged_decode import case_args
 from machine import base_info, write_results
 
 from fivefold.kernels import cpu_build
-from fivefold.serve.huge_pages import ALIGN, huge_page_bytes, huge_pages_available
+from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = [(1, 200), (1, 600), (8, 300), (32, 300)]  # rows, context tokens
@@ -36,26 +37,22 @@ ROWS = [1, 4, 16, 32]
 
 
 def build_at(revision: str):
-    """The CPU kernels as they were at `revision`, built into a directory named by their sources' hash."""
-    from torch.utils.cpp_extension import load
-
+    """The CPU kernels as they were at `revision`, built into a directory named by their sources' hash (this
+    checkout's build where they are the same)."""
     files = {f.name: subprocess.run(["git", "show", f"{revision}:fivefold/kernels/{f.name}"], cwd=ROOT, check=True,
                                     capture_output=True).stdout for f in cpu_build.SOURCES + cpu_build.HEADERS}
     if all(files[f.name] == f.read_bytes() for f in cpu_build.SOURCES + cpu_build.HEADERS):
         print(f"the kernels at {revision} are this checkout's", flush=True)
         return cpu_build.build()[0]
     digest = hashlib.sha256(b"".join(files[name] for name in sorted(files))).hexdigest()[:10]
-    name = f"fivefold_cpu_kernels_ab_{digest}"
-    build_dir = cpu_build.build_directory().parent / name
+    build_dir = cpu_build.build_directory().parent / f"fivefold_cpu_kernels_ab_{digest}"
     src = build_dir / "src"
     src.mkdir(parents=True, exist_ok=True)
     for file, data in files.items():
         if not (src / file).is_file() or (src / file).read_bytes() != data:
             (src / file).write_bytes(data)
     print(f"the kernels at {revision}: {build_dir}", flush=True)
-    return load(name=name, sources=[str(src / s.name) for s in cpu_build.SOURCES], extra_include_paths=[str(src)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir), verbose=False)
+    return cpu_build.compile_sources(src, build_dir)
 
 
 def copies(nbytes: int, total: float) -> int:
@@ -63,16 +60,15 @@ def copies(nbytes: int, total: float) -> int:
 
 
 def resident(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors copied into one mapping advised for huge pages (each on a page of its own), where the
-    kernel offers them; else as they are."""
+    """The tensors moved into one mapping advised for huge pages, as the engine moves its weights
+    (fivefold.serve.huge_pages.move_to_huge_pages), where the kernel offers them; else as they are."""
     if not huge_pages_available():
         return tensors
-    spans = [-(-t.nbytes // ALIGN) * ALIGN for t in tensors]
-    arena, out, offset = huge_page_bytes(sum(spans)), [], 0
-    for t, span in zip(tensors, spans):
-        out.append(arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
-        offset += span
-    return out
+    holder = nn.Module()
+    for i, t in enumerate(tensors):
+        holder.register_buffer(f"t{i}", t)
+    move_to_huge_pages(holder)
+    return [getattr(holder, f"t{i}") for i in range(len(tensors))]
 
 
 def best_in_turn(calls: dict, rounds: int, reps: int) -> dict:
@@ -106,7 +102,7 @@ def main(argv=None) -> dict:
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for rows, tokens in ATTENTION if args.only != "rows" else []:
             q, k, v, tables, lens = (t.to(dtype) if t.is_floating_point() else t for t in case_args(rows, tokens))
-            flat = resident([t for _ in range(copies(2 * k.nbytes, args.bytes)) for t in (k, v)])
+            flat = resident([t.clone() for _ in range(copies(2 * k.nbytes, args.bytes)) for t in (k, v)])
             pools = list(zip(flat[::2], flat[1::2]))
             splits = 3 if rows < 2 * torch.get_num_threads() else 1  # as the engine chooses (decode_splits)
 

@@ -24,7 +24,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "cpu_simd.h"
 
@@ -35,18 +34,8 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::
 namespace {
 
 using fivefold::bf16;
-using fivefold::narrow;
+using fivefold::to;
 using fivefold::widen;
-
-// An element of T from a float32 value: itself, or rounded to bfloat16.
-template <class T>
-inline T to(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return narrow(v);
-  }
-}
 
 // out = x * rsqrt(mean(x^2) + eps) * w for one row of n, the product by x's factor rounded before the weight's
 // (RMSNorm.forward's order; in bfloat16 it rounds to bfloat16 there, as its cast back does).

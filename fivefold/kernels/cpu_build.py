@@ -133,12 +133,22 @@ def _remembered_failure(build_dir: Path) -> str | None:
     return why if compiler == _compiler() else None
 
 
+def compile_sources(src: Path, build_dir: Path):
+    """The extension built from the kernels' files in `src` (SOURCES' names, with HEADERS) into `build_dir`,
+    named after it, and loaded (torch's builder: nothing is compiled again where the objects are current)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=build_dir.name, sources=[str(src / s.name) for s in SOURCES], extra_include_paths=[str(src)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir), verbose=False)
+
+
 @functools.cache
 def build():
     """(module, None) once built and loaded, or (None, why not). A build that fails is remembered in its
     directory with the compiler that failed it, so that each later process of this machine (every
     `fivefold generate` on a Mac whose clang has no OpenMP) does not try again and announce a minute's build."""
-    from torch.utils.cpp_extension import load, verify_ninja_availability
+    from torch.utils.cpp_extension import verify_ninja_availability
 
     _ninja_on_path()
     try:
@@ -155,10 +165,7 @@ def build():
               file=sys.stderr, flush=True)
     try:
         with _only_builder(build_dir):
-            src = _staged(build_dir)
-            module = load(name=build_dir.name, sources=[str(src / s.name) for s in SOURCES],
-                          extra_include_paths=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            module = compile_sources(_staged(build_dir), build_dir)
     except Exception as e:  # noqa: BLE001 - whatever failed (no compiler, a linker error), the answer is the same
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         why = f"building it failed: {type(e).__name__}: {first}"[:300]

@@ -47,10 +47,6 @@ struct Tail {
   }
 };
 
-// An output: a float32 sum as it is, or rounded once to bfloat16 (as torch rounds), written in place.
-inline void put(float* p, float v) { *p = v; }
-inline void put(bf16* p, float v) { *p = fivefold::narrow(v); }
-
 // Lines of the next tile, `per_step` of them at each step of the k loop.
 struct Prefetch {
   const char* next;
@@ -69,7 +65,7 @@ inline void put_tile(const __m512* acc, Y* __restrict y, int64_t ldy) {
   alignas(64) float out[16];
   _mm512_store_ps(out, fivefold::sum16(acc));
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) put(y + i * ldy + j, out[i * 4 + j]);
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = fivefold::to<Y>(out[i * 4 + j]);  // rounded once, if bfloat16
 }
 
 // 16 lanes; a tile of 4 input rows x 4 weight rows, its 16 accumulators summed by one transpose tree.
@@ -190,7 +186,7 @@ struct Avx2 {
       }
     }
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) put(y + i * ldy + j, sum8(acc[i][j]));
+      for (int j = 0; j < NB; ++j) y[i * ldy + j] = fivefold::to<Y>(sum8(acc[i][j]));
   }
 };
 

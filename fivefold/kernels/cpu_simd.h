@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace fivefold {
 
@@ -45,6 +46,16 @@ inline bf16 narrow(float f) {
   if (f != f) return 0x7FC0;
   bits += 0x7FFFu + ((bits >> 16) & 1u);
   return static_cast<bf16>(bits >> 16);
+}
+
+// An element of T from a float32 value: itself, or rounded to bfloat16.
+template <class T>
+inline T to(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return narrow(v);
+  }
 }
 
 }  // namespace fivefold
