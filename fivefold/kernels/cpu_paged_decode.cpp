@@ -113,7 +113,7 @@ inline void add_values(const T* __restrict v, int64_t stride, int64_t n, const f
 // for all of them, and G x D / 16 independent accumulators in registers where one row had D / 16 in a chain; each
 // row's terms still added in t's order, as fused multiply-adds. On smollm2-135m's heads (3 a group), the two builds
 // of the kernel loaded in one process and timed in turn (bench/cpu_kernels_ab.py): 1.06-1.14x over 256 MB of pools
-// at 1 row of 200-600 tokens and 8-32 rows of 300, 1.10-1.20x on pools that fit the cache; both dtypes alike.
+// at 1 row of 200-600 tokens and 8-32 rows of 300, both dtypes alike.
 template <int D, int G, class T>
 inline void add_values_shared(const T* __restrict v, int64_t stride, int64_t n, const float* __restrict p,
                               int64_t p_stride, const float* __restrict rescale, float* __restrict acc) {
