@@ -86,15 +86,22 @@ def test_decode_rows_match_sdpa_over_the_whole_context(heads, kv_heads, head_dim
             torch.testing.assert_close(out[row].double(), want, **TOLERANCE)
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", CASES[:4],
-                         ids=[f"{h}/{kv}h-d{d}-bs{bs}" for h, kv, d, bs in CASES[:4]])
-def test_a_bfloat16_pool_is_read_in_place(heads, kv_heads, head_dim, block_size, portable):
-    """A bfloat16 engine's pool and queries: the keys and values widened as read, all arithmetic float32, the
-    output rounded to bfloat16 once: within half a bfloat16 step (2^-8 of the value) of float64 SDPA over the
-    same bfloat16 values; a row alone bit for bit that row in the batch."""
+# The bfloat16 forms: this CPU's (the keys scored as bfloat16 pairs where it has AVX512_BF16), widened (as an
+# AVX-512 CPU without it does) and portable; every head size the pairs' masked tail meets (16, 48, 80: 16 past a
+# multiple of 32).
+BF16_FORMS = {"native": {}, "widened": {"widened": True}, "portable": {"portable": True}}
+BF16_CASES = CASES[:4] + [(16, 2, 80, 32), (6, 2, 48, 16)]
+
+
+@pytest.mark.parametrize("form", BF16_FORMS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", BF16_CASES,
+                         ids=[f"{h}/{kv}h-d{d}-bs{bs}" for h, kv, d, bs in BF16_CASES])
+def test_a_bfloat16_pool_is_read_in_place(heads, kv_heads, head_dim, block_size, form):
+    """A bfloat16 engine's pool and queries: the keys and values read as they are, all sums float32, the output
+    rounded to bfloat16 once: within half a bfloat16 step (2^-8 of the value) of float64 SDPA over the same
+    bfloat16 values; a row alone bit for bit that row in the batch."""
     args, expected = make_decodes(LENGTHS, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
-    out = decode_attention(*args, portable=portable)
+    out = decode_attention(*args, **BF16_FORMS[form])
     assert out.shape == (len(LENGTHS), heads, head_dim) and out.dtype == torch.bfloat16
     for row, want in enumerate(expected):
         if want is None:
@@ -105,8 +112,18 @@ def test_a_bfloat16_pool_is_read_in_place(heads, kv_heads, head_dim, block_size,
     q, k_pool, v_pool, tables, lens = args
     for row in (0, 4, 6):
         alone = decode_attention(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1],
-                                 portable=portable)
+                                 **BF16_FORMS[form])
         assert torch.equal(alone[0], out[row])
+
+
+@pytest.mark.skipif(not cpu_paged_decode.pairs(), reason="this CPU does not multiply bfloat16 pairs (AVX512_BF16)")
+def test_bfloat16_pairs_are_what_this_cpu_runs():
+    """Where the CPU has AVX512_BF16, a bfloat16 decode's scores come from the pairs (another order of float32
+    sums than widening: some outputs differ in their last bits), and a float32 one's are as before."""
+    args, _ = make_decodes(LENGTHS, 32, 8, 64, 16, dtype=torch.bfloat16)
+    assert not torch.equal(decode_attention(*args), decode_attention(*args, widened=True))
+    fp32, _ = make_decodes(LENGTHS, 32, 8, 64, 16)
+    assert torch.equal(decode_attention(*fp32), decode_attention(*fp32, widened=True))
 
 
 def test_a_row_alone_equals_that_row_in_a_batch_bit_for_bit():

@@ -2,10 +2,11 @@
 #include <torch/extension.h>
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable);
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias);
 int64_t linear_rows_width();
 bool linear_rows_dot();
+bool decode_attention_pairs();
 torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps,
                             std::vector<int64_t> products, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
                             std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools, torch::Tensor slots,
@@ -20,9 +21,9 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
                                       bool portable);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged one-token attention, float32", py::arg("q"), py::arg("k_pool"),
+  m.def("decode_attention", &decode_attention, "paged one-token attention, float32 or bfloat16", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("splits"),
-        py::arg("portable") = false);
+        py::arg("portable") = false, py::arg("widened") = false);
   m.def("linear_rows", &linear_rows, "x w^T + bias at a few rows: x float32 or bfloat16, w float32 or bfloat16",
         py::arg("x"), py::arg("w"), py::arg("width") = 0, py::arg("bias") = py::none());
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row, float32", py::arg("x"), py::arg("weight"),
@@ -41,4 +42,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("splits"), py::arg("width") = 0);
   m.def("linear_rows_width", &linear_rows_width, "the rows kernel's widest instruction set here: 512, 256 or 0");
   m.def("linear_rows_dot", &linear_rows_dot, "whether bfloat16 rows multiply as bfloat16 pairs here (AVX512_BF16)");
+  m.def("decode_attention_pairs", &decode_attention_pairs,
+        "whether a bfloat16 query scores bfloat16 keys as bfloat16 pairs here (AVX512_BF16)");
 }

@@ -103,8 +103,7 @@ struct Avx512 {
 };
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define FIVEFOLD_ROWS_DOT 1
+#if defined(FIVEFOLD_BF16_PAIRS)
 // bfloat16 rows over bfloat16 weights where the CPU multiplies bfloat16 pairs (AVX512_BF16: Zen 4, Cooper Lake,
 // Sapphire Rapids): one instruction takes 32 weights of a row, multiplies each pair of elements exactly and adds
 // both products to a float32 lane, where Avx512 widens 16 weights in two instructions and fuses 16 products.
@@ -113,9 +112,6 @@ struct Avx512 {
 struct Avx512Dot {
   using X = bf16;
   static constexpr int kRows = 4, kCols = 4, kLanes = 32;
-
-  static inline __m512bh load32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static inline __m512bh load32(const bf16* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
 
   template <int MB, int NB, class W, class Y>
   static inline void tile(const bf16* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw,
@@ -126,19 +122,19 @@ struct Avx512Dot {
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
       __m512bh wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = load32(w + j * ldw + k);
+      for (int j = 0; j < NB; ++j) wv[j] = fivefold::load_pairs(w + j * ldw + k);
       prefetch.step();
       for (int i = 0; i < MB; ++i) {
-        const __m512bh xv = load32(x + i * ldx + k);
+        const __m512bh xv = fivefold::load_pairs(x + i * ldx + k);
         for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], xv, wv[j]);
       }
     }
     if (k < K) {  // the last K % 32 columns: masked loads, zeros beyond
       const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
       __m512bh wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = load32(w + j * ldw + k, mask);
+      for (int j = 0; j < NB; ++j) wv[j] = fivefold::load_pairs(w + j * ldw + k, mask);
       for (int i = 0; i < MB; ++i) {
-        const __m512bh xv = load32(x + i * ldx + k, mask);
+        const __m512bh xv = fivefold::load_pairs(x + i * ldx + k, mask);
         for (int j = 0; j < NB; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], xv, wv[j]);
       }
     }
@@ -280,7 +276,7 @@ int64_t linear_rows_width() {
 
 // Whether bfloat16 rows over bfloat16 weights multiply as bfloat16 pairs here (Avx512Dot) at width 0 or 512.
 bool linear_rows_dot() {
-#if defined(FIVEFOLD_ROWS_DOT)
+#if defined(FIVEFOLD_BF16_PAIRS)
   return true;
 #else
   return false;
@@ -313,7 +309,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::
   auto go = [&](auto* yp) {
     if (w.dtype() == torch::kBFloat16) {
       const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
-#if defined(FIVEFOLD_ROWS_DOT)
+#if defined(FIVEFOLD_BF16_PAIRS)
       if (dot) {
         const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
         run<Avx512Dot, bf16>(xp, x.stride(0), wp, w.stride(0), yp, M, N, K);

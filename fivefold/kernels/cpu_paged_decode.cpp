@@ -8,7 +8,9 @@
 // Work items are independent, so a sequence's output does not depend on its batch companions.
 //
 // The pool is float32 or bfloat16 (a bfloat16 engine's): bfloat16 keys and values are widened to float32 as
-// they are read (a bfloat16 is a float32's upper 16 bits), half the bytes, the query and all arithmetic float32.
+// they are read (a bfloat16 is a float32's upper 16 bits), half the bytes, the query and all arithmetic float32;
+// where the CPU multiplies bfloat16 pairs (AVX512_BF16), a bfloat16 query scores bfloat16 keys as pairs instead,
+// each product still exact and summed in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,6 +29,9 @@ using fivefold::bf16;
 using fivefold::widen;
 #if defined(__AVX512F__)
 using fivefold::load16;
+#endif
+#if defined(FIVEFOLD_BF16_PAIRS)
+using fivefold::load_pairs;
 #endif
 
 // A dot product of D floats in 16 lanes, reduced as a tree (a serial sum of the lanes was the kernel's
@@ -74,6 +80,51 @@ inline void scores16(const float* __restrict q, const T* __restrict k, int64_t s
   (void)wide;
   for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
 #endif
+}
+
+#if defined(FIVEFOLD_BF16_PAIRS)
+// scores16 for a bfloat16 query over bfloat16 keys, multiplied as bfloat16 pairs: one instruction takes 32 of a
+// key's elements, where widening takes 16 in three (a head size of 16 more than a multiple of 32 ends in a masked
+// load, zeros beyond). The same transpose tree; each score one float32 sum in a fixed order.
+template <int D>
+inline void scores16_pairs(const bf16* __restrict q, const bf16* __restrict k, int64_t stride, int64_t n,
+                           float* __restrict scores) {
+  constexpr int C = (D + 31) / 32;
+  constexpr __mmask32 tail = static_cast<__mmask32>(D % 32 ? (1u << (D % 32)) - 1u : 0xFFFFFFFFu);
+  const auto chunk = [](const bf16* row, int c) {
+    return c + 1 < C ? load_pairs(row + 32 * c) : load_pairs(row + 32 * c, tail);
+  };
+  __m512bh qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = chunk(q, c);
+  __m512 p[16];
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const bf16* kt = k + t * stride;
+      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], chunk(kt, 0));
+      for (int c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], chunk(kt, c));
+      p[t] = acc;
+    } else {
+      p[t] = _mm512_setzero_ps();
+    }
+  }
+  const __m512 all = fivefold::sum16(p);
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), all);
+}
+#endif
+
+// The scores of n <= 16 keys against one query row: a float32 query as scores16 does, a bfloat16 one (only over
+// bfloat16 keys, where FIVEFOLD_BF16_PAIRS) as pairs.
+template <int D, class T, class Q>
+__attribute__((always_inline)) inline void score_keys(const Q* __restrict q, const T* __restrict k, int64_t stride, int64_t n,
+                       float* __restrict scores, bool wide) {
+  if constexpr (std::is_same_v<Q, float>) {
+    scores16<D, T>(q, k, stride, n, scores, wide);
+  } else {
+#if defined(FIVEFOLD_BF16_PAIRS)
+    static_assert(std::is_same_v<T, bf16>, "a bfloat16 query reads bfloat16 keys");
+    scores16_pairs<D>(q, k, stride, n, scores);
+#endif
+  }
 }
 
 // Every 64-byte line of `n` rows of `stride` elements, from `offset` for `width` elements.
@@ -152,8 +203,8 @@ inline bool add_values_group(int64_t groups, const T* v, int64_t stride, int64_t
 #endif
 
 // Query heads [h0 * G, h1 * G) of one sequence, against its key/value heads [h0, h1).
-template <int D, class T>
-void attend_sequence(const float* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
+template <int D, class T, class Q>
+void attend_sequence(const Q* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
                      const int32_t* table, int64_t length, int64_t block_size, int64_t kv_heads, int64_t groups,
                      int64_t h0, int64_t h1, float scale, float* out, Scratch& s, bool wide) {
   const int64_t rows = (h1 - h0) * groups, token_stride = kv_heads * D;
@@ -176,11 +227,11 @@ void attend_sequence(const float* q, int64_t q_head_stride, const T* k_pool, con
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = h0 + r / groups;
-      const float* qr = q + (h0 * groups + r) * q_head_stride;
+      const Q* qr = q + (h0 * groups + r) * q_head_stride;
       const T* k = k_pool + base + head * D;
       float* sr = scores + r * block_size;
       for (int64_t t0 = 0; t0 < n; t0 += 16)
-        scores16<D, T>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0, wide);
+        score_keys<D, T, Q>(qr, k + t0 * token_stride, token_stride, std::min<int64_t>(16, n - t0), sr + t0, wide);
       float block_max = s.max[r];
       for (int64_t t = 0; t < n; ++t) {
         sr[t] *= scale;
@@ -217,15 +268,15 @@ void attend_sequence(const float* q, int64_t q_head_stride, const T* k_pool, con
   }
 }
 
-template <int D, class T>
+template <int D, class T, class Q>
 torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                                  int64_t splits, bool wide) {
   const int64_t batch = q.size(0), heads = q.size(1);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), groups = heads / kv_heads;
   const int64_t table_stride = block_tables.stride(0), q_stride = q.stride(0), q_head_stride = q.stride(1);
-  auto out = torch::zeros({batch, heads, D}, q.options());
-  const float* qp = q.data_ptr<float>();
+  auto out = torch::zeros({batch, heads, D}, q.options().dtype(torch::kFloat32));
+  const Q* qp = static_cast<const Q*>(q.data_ptr());
   const T* kp = static_cast<const T*>(k_pool.data_ptr());
   const T* vp = static_cast<const T*>(v_pool.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -237,7 +288,7 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, part = item % splits;
       if (lens[b] <= 0) continue;  // a padding row reads nothing and stays zero
-      attend_sequence<D, T>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
+      attend_sequence<D, T, Q>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
                          kv_heads, groups, part * per_item, (part + 1) * per_item, static_cast<float>(scale),
                          op + b * heads * D, scratch, wide);
     }
@@ -247,36 +298,50 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
 
 // q (B, H, D) float32 with unit stride along D; k_pool, v_pool (blocks, block_size, Hkv, D) contiguous, float32
 // or bfloat16; block_tables int32 (B, max_blocks); seq_lens int32 (B,), each row's context including its own
-// token; `splits` divides Hkv: the work items per sequence. `portable`: score keys as a CPU without AVX-512 does
-// (for testing that form here). -> (B, H, D) float32; rows of length 0 are zeros. The entry below also takes a
-// bfloat16 q over a bfloat16 pool, and answers in bfloat16.
-template <class T>
+// token; `splits` divides Hkv: the work items per sequence. `wide` false: score keys as a CPU without AVX-512
+// does (for testing that form here). q is float32, or bfloat16 over a bfloat16 pool where FIVEFOLD_BF16_PAIRS.
+// -> (B, H, D) float32; rows of length 0 are zeros.
+template <class T, class Q>
 torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                                  int64_t splits, bool wide) {
   switch (q.size(2)) {
-    case 16: return decode_attention_d<16, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 32: return decode_attention_d<32, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 48: return decode_attention_d<48, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 64: return decode_attention_d<64, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 80: return decode_attention_d<80, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 96: return decode_attention_d<96, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 128: return decode_attention_d<128, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 256: return decode_attention_d<256, T>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 16: return decode_attention_d<16, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 32: return decode_attention_d<32, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 48: return decode_attention_d<48, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 64: return decode_attention_d<64, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 80: return decode_attention_d<80, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 96: return decode_attention_d<96, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 128: return decode_attention_d<128, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 256: return decode_attention_d<256, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
     default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
   }
 }
 
 }  // namespace
 
+// Whether a bfloat16 query over a bfloat16 pool scores the keys as bfloat16 pairs here (AVX512_BF16).
+bool decode_attention_pairs() {
+#if defined(FIVEFOLD_BF16_PAIRS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The entry: decode_attention_t's arguments, and a bfloat16 q over a bfloat16 pool, answered in bfloat16 (the float32
+// output rounded once). Such a q scores the keys as bfloat16 pairs where the CPU has them, unless `widened` or
+// `portable`; else it is widened to float32, exactly. `portable`: scoring as a CPU without AVX-512 does.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable) {
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened) {
   TORCH_CHECK(k_pool.dtype() == v_pool.dtype() &&
                   (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kBFloat16),
               "the pools: float32 or bfloat16, both alike");
   TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_pool.dtype(), "q: float32, or the pools' dtype");
-  if (q.dtype() == torch::kBFloat16)  // widened exactly; the float32 output rounded once
-    return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable)
+  const bool pairs = q.dtype() == torch::kBFloat16 && !portable && !widened && decode_attention_pairs();
+  if (q.dtype() == torch::kBFloat16 && !pairs)
+    return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable,
+                            widened)
         .to(torch::kBFloat16);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, D) with unit stride along D");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
@@ -286,7 +351,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0 && k_pool.size(2) % splits == 0, "heads do not divide");
   TORCH_CHECK(q.size(2) == k_pool.size(3), "head sizes differ");
   const bool wide = !portable;
+#if defined(FIVEFOLD_BF16_PAIRS)
+  if (pairs)
+    return decode_attention_t<bf16, bf16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide)
+        .to(torch::kBFloat16);
+#endif
   if (k_pool.dtype() == torch::kBFloat16)
-    return decode_attention_t<bf16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-  return decode_attention_t<float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    return decode_attention_t<bf16, float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+  return decode_attention_t<float, float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
 }

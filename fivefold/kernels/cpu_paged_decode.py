@@ -10,7 +10,9 @@ It is C++ built at first use with the other CPU kernels (fivefold.kernels.cpu_bu
 min on 2 cores). Where it cannot be built, `kernel_problem()` says why and the engine keeps gather + SDPA,
 which stays the reference the kernel is tested against (tests/test_cpu_paged_decode.py). The pool is float32 or
 bfloat16 (a bfloat16 engine's): bfloat16 keys and values are widened to float32 as they are read, the queries
-widened before and the output rounded to bfloat16 once after, all arithmetic float32.
+widened before and the output rounded to bfloat16 once after, all arithmetic float32. Where the CPU multiplies
+bfloat16 pairs (AVX512_BF16: `pairs()`), the bfloat16 queries score the bfloat16 keys as pairs instead: each product
+still exact, the sums float32 in another order, and subnormal values read as zero.
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ def unsupported(head_size: int, dtype: torch.dtype) -> str | None:
     return None
 
 
+def pairs() -> bool:
+    """Whether bfloat16 queries score bfloat16 keys as bfloat16 pairs here (AVX512_BF16)."""
+    module = _build()[0]
+    return module is not None and module.decode_attention_pairs()
+
+
 def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, portable: bool = False) -> torch.Tensor:
+                     seq_lens: torch.Tensor, portable: bool = False, widened: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for one query token per sequence over its paged context.
 
     q (B, H, d) float32 or bfloat16 (the pool's dtype), any row and head strides; k_blocks, v_blocks (blocks,
@@ -50,14 +58,15 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     block_tables int32 (B, max_blocks); seq_lens int32 (B,), each sequence's keys including its own token's,
     which must already be stored. -> (B, H, d); a row of length 0 is zeros. Query head h reads key/value head
     h // (H // Hkv). `portable` scores the keys in the form built for CPUs without AVX-512 (one dot product a
-    key; elsewhere it is the only form), so that a test on an AVX-512 machine covers it too."""
+    key; elsewhere it is the only form), and `widened` bfloat16 queries and keys as a CPU without AVX512_BF16 does,
+so that a test on an AVX-512 machine covers those forms too."""
     module, why = _build()
     if module is None:
         raise RuntimeError(f"the CPU paged-decode kernel is not available: {why}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
-                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable)
+                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable, widened)
 
 
 def decode_splits(rows: int, kv_heads: int) -> int:

@@ -110,4 +110,18 @@ inline __m512 sum16(const __m512* p) {
 }
 
 }  // namespace fivefold
+
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define FIVEFOLD_BF16_PAIRS 1
+
+namespace fivefold {
+
+// 32 bfloat16 elements as the 16 pairs _mm512_dpbf16_ps multiplies (AVX512_BF16: Zen 4, Cooper Lake, Sapphire
+// Rapids): each pair's two products exact, both added to a float32 lane; subnormal inputs and results read as zero.
+// Masked: zeros beyond the mask's elements.
+inline __m512bh load_pairs(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_pairs(const bf16* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
+
+}  // namespace fivefold
+#endif
 #endif
