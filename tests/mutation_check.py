@@ -630,6 +630,15 @@ MUTANTS = [Mutant(*m) for m in [
     ('RK1', 'fivefold/kernels/cpu_linear_rows.cpp', 'rowsk',
      '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K, ahead);',
      '        Arch::template tile<1, 1, W, Y>(xp, ldx, wp + n * ldw, ldw, yp + n, N, K - 1, ahead);'),
+    # a bfloat16 key's last 16 elements scored as 32 (the pairs' masked tail: the next head's 16 read too)
+    ('PD2', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
+     '(D % 32 ? (1u << (D % 32)) - 1u : 0xFFFFFFFFu)', '(0xFFFFFFFFu)'),
+    # the widened form asked for and the pairs run anyway
+    ('PD3', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
+     '&& !portable && !widened && decode_attention_pairs()', '&& !portable && decode_attention_pairs()'),
+    # a block's maximum taken over its first 16 scores only (blocks of 32: a later larger score overflows exp)
+    ('PD4', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
+     '  for (; t < n; t += 16) {\n    const __mmask16 mask', '  for (; t < 16 && t < n; t += 16) {\n    const __mmask16 mask'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
