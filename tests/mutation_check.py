@@ -636,9 +636,9 @@ MUTANTS = [Mutant(*m) for m in [
     # the widened form asked for and the pairs run anyway
     ('PD3', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
      '&& !portable && !widened && decode_attention_pairs()', '&& !portable && decode_attention_pairs()'),
-    # a block's maximum taken over its first 16 scores only (blocks of 32: a later larger score overflows exp)
+    # a block's last scores' maximum taken over 16 lanes whatever its length (stale scores past it)
     ('PD4', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
-     '  for (; t < n; t += 16) {\n    const __mmask16 mask', '  for (; t < 16 && t < n; t += 16) {\n    const __mmask16 mask'),
+     'n - t >= 16 ? 0xFFFFu : (1u << (n - t)) - 1u', '0xFFFFu'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
