@@ -92,6 +92,10 @@ step "kernels" 60 "$PY" bench/kernels.py --device "$DEVICE" --json "bench/result
 # (h) each linear's three products at the rows' token counts, against the planner's price for each, and the
 #     matmul knee that prices them best (the 1B and 3B rows read 10-14% slow, published runs optimistic)
 step "matmuls" 60 "$PY" bench/matmul_shapes.py --device "$DEVICE" --json "bench/results/matmul_shapes_$gpu.json"
+# (h2) one 8192^3 product back to back for two minutes: does the rate the profiles take from (h)'s brief timing
+#      hold once the GPU is hot? (the published runs, under load for days, read the planner 14 of 16 optimistic)
+step "sustained" 150 "$PY" bench/matmul_sustained.py --device "$DEVICE" --seconds 120 \
+    --json "bench/results/matmul_sustained_$gpu.json"
 # (i) the optimizer step's host work against its device time over smollm2-135m's 272 parameters: what the
 #     device idled through while the step waited for the loss before queueing the update (it no longer does)
 step "optimizer-host" 30 "$PY" bench/optimizer_host.py --device "$DEVICE" --json "bench/results/optimizer_host_$gpu.json"
