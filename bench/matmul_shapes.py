@@ -129,12 +129,18 @@ def fit_knee(shapes: list[tuple[int, int, int]], seconds: list[float], peak: flo
     return best
 
 
+def device_profile(device: torch.device, cluster: str, dtype: str):
+    """(the GPU's name or "", the profile's name or "", the profile for `dtype` or None): `cluster` where given,
+    else the shipped profile matching the GPU's name."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    name = cluster or (profile_for_device_name(gpu) if gpu else "")
+    return gpu, name or "", load_profile(name).for_dtype(dtype) if name else None
+
+
 def main(argv=None):
     args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    name = args.cluster or (profile_for_device_name(gpu) if gpu else "")
-    profile = load_profile(name).for_dtype(args.dtype) if name else None
+    gpu, name, profile = device_profile(device, args.cluster, args.dtype)
     if profile is None:
         print("no hardware profile (--cluster): products timed, not priced", flush=True)
     peak = profile.peak_flops(args.dtype) if profile else 0.0

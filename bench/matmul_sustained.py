@@ -17,22 +17,15 @@ a profile's matmul efficiency would need to take for sustained load.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from machine import write_results
+from matmul_shapes import DTYPES, device_profile, time_product
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from fivefold.planner.speed import matmul_seconds
 
-from fivefold.planner.hardware import load_profile, profile_for_device_name  # noqa: E402
-from fivefold.planner.speed import matmul_seconds  # noqa: E402
-from fivefold.train.metrics import cuda_matmul_seconds  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CHUNK_S = 0.2  # each timed chunk's length: short enough to follow the clock, long enough that a sync costs nothing
 
 
@@ -67,22 +60,6 @@ def sensors(device: torch.device) -> dict:
         except Exception:  # no pynvml, or a GPU that does not report it: leave it out
             pass
     return out
-
-
-def product_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, reps: int) -> float:
-    """Seconds of one product over `reps` back to back: CUDA events on a GPU, wall time on a CPU."""
-    if a.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            torch.matmul(a, b, out=out)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.matmul(a, b, out=out)
-    return (time.perf_counter() - t0) / reps
 
 
 def windows(chunks: list[dict], window: float, flops: float) -> list[dict]:
@@ -120,17 +97,14 @@ def rate(chunks: list[dict], flops: float) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    name = args.cluster or (profile_for_device_name(gpu) if gpu else "")
-    profile = load_profile(name).for_dtype(args.dtype) if name else None
+    gpu, name, profile = device_profile(device, args.cluster, args.dtype)
     n = args.size
     flops = 2.0 * n ** 3
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    # The profiles' timing, on the GPU as it was idle: the best of three runs of ten (bench/matmul_shapes.py).
-    brief = cuda_matmul_seconds(a, b) if device.type == "cuda" else min(product_seconds(a, b, out, 3) for _ in range(3))
+    # The profiles' timing, on the GPU as it was idle: bench/matmul_shapes.py's best of three runs of ten.
+    brief = time_product(a, b, 10 if device.type == "cuda" else 3)
     reps = max(1, round(min(CHUNK_S, args.window / 4) / brief))  # several chunks a window
     print(f"{gpu or 'cpu'}, {args.dtype}, {n}^3: brief best {flops / brief / 1e12:.1f} TFLOP/s; running "
           f"{args.seconds:g} s in chunks of {reps} products", flush=True)
@@ -138,7 +112,7 @@ def main(argv=None) -> dict:
     began = time.perf_counter()
     printed = 0
     while (elapsed := time.perf_counter() - began) < args.seconds:
-        chunks.append({"t": elapsed, "reps": reps, "seconds": product_seconds(a, b, out, reps), **sensors(device)})
+        chunks.append({"t": elapsed, "reps": reps, "seconds": time_product(a, b, reps, rounds=1), **sensors(device)})
         done = windows(chunks, args.window, flops)
         printed = show(done[:-1], printed)  # a window is printed once the next has begun
     show(windows(chunks, args.window, flops), printed)
@@ -162,8 +136,7 @@ def main(argv=None) -> dict:
           f"brief {result['sustained_over_brief']:.3f}, sustained / first {result['sustained_over_first']:.3f}"
           + (f"; profile {name} prices it at {result['profile_flops_per_s'] / 1e12:.1f}" if profile else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        write_results(args.json, result)
     return result
 
 

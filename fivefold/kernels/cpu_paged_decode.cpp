@@ -49,6 +49,17 @@ inline float dot(const float* __restrict a, const T* __restrict b) {
   return (lane[0] + lane[2]) + (lane[1] + lane[3]);
 }
 
+#if defined(__AVX512F__)
+// scores[t] for n <= 16 keys from `products(t)`, key t's products in 16 lanes: the 16 vectors summed as a transpose
+// (reducing each vector on its own was the kernel's bottleneck).
+template <class Products>
+__attribute__((always_inline)) inline void sum_keys16(int64_t n, float* __restrict scores, Products products) {
+  __m512 p[16];
+  for (int t = 0; t < 16; ++t) p[t] = t < n ? products(t) : _mm512_setzero_ps();
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), fivefold::sum16(p));
+}
+#endif
+
 // scores[t] = q . k_t for the n <= 16 keys of k (row stride `stride`), into scores[0..n).
 // `wide`: the AVX-512 form where it is compiled; else (and on CPUs without AVX-512) one dot product a key.
 template <int D, class T>
@@ -59,23 +70,14 @@ inline void scores16(const float* __restrict q, const T* __restrict k, int64_t s
     for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
     return;
   }
-  // Each key's products in 16 lanes, then the 16 vectors summed as a transpose (reducing each vector on its
-  // own was the kernel's bottleneck).
   __m512 qv[D / 16];
   for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  __m512 p[16];
-  for (int t = 0; t < 16; ++t) {
-    if (t < n) {
-      const T* kt = k + t * stride;
-      __m512 acc = _mm512_mul_ps(qv[0], load16(kt));
-      for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), acc);
-      p[t] = acc;
-    } else {
-      p[t] = _mm512_setzero_ps();
-    }
-  }
-  const __m512 all = fivefold::sum16(p);
-  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), all);
+  sum_keys16(n, scores, [&](int t) {
+    const T* kt = k + t * stride;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kt));
+    for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), acc);
+    return acc;
+  });
 #else
   (void)wide;
   for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * stride);
@@ -96,27 +98,20 @@ inline void scores16_pairs(const bf16* __restrict q, const bf16* __restrict k, i
   };
   __m512bh qv[C];
   for (int c = 0; c < C; ++c) qv[c] = chunk(q, c);
-  __m512 p[16];
-  for (int t = 0; t < 16; ++t) {
-    if (t < n) {
-      const bf16* kt = k + t * stride;
-      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], chunk(kt, 0));
-      for (int c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], chunk(kt, c));
-      p[t] = acc;
-    } else {
-      p[t] = _mm512_setzero_ps();
-    }
-  }
-  const __m512 all = fivefold::sum16(p);
-  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1u), all);
+  sum_keys16(n, scores, [&](int t) {
+    const bf16* kt = k + t * stride;
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], chunk(kt, 0));
+    for (int c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], chunk(kt, c));
+    return acc;
+  });
 }
 #endif
 
 // The scores of n <= 16 keys against one query row: a float32 query as scores16 does, a bfloat16 one (only over
 // bfloat16 keys, where FIVEFOLD_BF16_PAIRS) as pairs.
 template <int D, class T, class Q>
-__attribute__((always_inline)) inline void score_keys(const Q* __restrict q, const T* __restrict k, int64_t stride, int64_t n,
-                       float* __restrict scores, bool wide) {
+__attribute__((always_inline)) inline void score_keys(const Q* __restrict q, const T* __restrict k, int64_t stride,
+                                                      int64_t n, float* __restrict scores, bool wide) {
   if constexpr (std::is_same_v<Q, float>) {
     scores16<D, T>(q, k, stride, n, scores, wide);
   } else {
