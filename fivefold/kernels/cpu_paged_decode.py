@@ -58,8 +58,8 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     block_tables int32 (B, max_blocks); seq_lens int32 (B,), each sequence's keys including its own token's,
     which must already be stored. -> (B, H, d); a row of length 0 is zeros. Query head h reads key/value head
     h // (H // Hkv). `portable` scores the keys in the form built for CPUs without AVX-512 (one dot product a
-    key; elsewhere it is the only form), and `widened` bfloat16 queries and keys as a CPU without AVX512_BF16 does,
-so that a test on an AVX-512 machine covers those forms too."""
+    key; elsewhere it is the only form), and `widened` scores bfloat16 queries and keys as a CPU without
+    AVX512_BF16 does, so that a test on an AVX-512 machine covers those forms too."""
     module, why = _build()
     if module is None:
         raise RuntimeError(f"the CPU paged-decode kernel is not available: {why}")
