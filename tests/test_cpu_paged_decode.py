@@ -213,6 +213,8 @@ def test_a_bfloat16_engine_with_the_kernel_generates_what_gathering_does():
     for choice in ("true", "false"):
         llm = LLM(tiny_model().to(torch.bfloat16), seed=0, cpu_kernel=choice, max_num_batched_tokens=96)
         assert ("C++ paged kernel" in llm.engine.path) == (choice == "true")
+        form = "bfloat16 pairs" if cpu_paged_decode.pairs() else "bfloat16 widened"
+        assert (form in llm.engine.path) == (choice == "true")
         runs[choice] = llm.generate(prompts, params)
     agreed = 0
     for ours, theirs in zip(runs["true"], runs["false"]):

@@ -23,7 +23,7 @@ from fivefold.config import Config, ConfigError, ServeConfig
 from fivefold.config_checks import validate_serve
 from fivefold.kernels import apply_kernels, check_usable, triton_available
 from fivefold.kernels.cpu_linear_rows import offered as rows_kernel_offered
-from fivefold.kernels.cpu_paged_decode import kernel_problem, unsupported
+from fivefold.kernels.cpu_paged_decode import kernel_problem, pairs, unsupported
 from fivefold.kernels.paged_attention import warm_up
 from fivefold.memory.units import human_bytes
 from fivefold.model import ForwardContext, Transformer
@@ -347,6 +347,9 @@ class Engine:
         attention = "block gather + SDPA"
         if self.cpu_kernel:
             attention = "decodes by the C++ paged kernel reading the pool in place, prompt chunks by block gather + SDPA"
+            if self.dtype == torch.bfloat16:
+                attention += (" (bfloat16 keys scored as bfloat16 pairs: AVX512_BF16)" if pairs() else
+                              " (bfloat16 widened to float32 as read)")
         if self.kernel:
             rotary = sum(isinstance(m, FusedAttention) and m.use_rope for m in self.model.modules())
             rotary = rotary if self.cfg.fuse_launches else 0
