@@ -639,6 +639,12 @@ MUTANTS = [Mutant(*m) for m in [
     # a block's last scores' maximum taken over 16 lanes whatever its length (stale scores past it)
     ('PD4', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
      'n - t >= 16 ? 0xFFFFu : (1u << (n - t)) - 1u', '0xFFFFu'),
+    # a prompt chunk's token attending as a kernel row without its own key
+    ('KV1', 'fivefold/serve/kv_pool.py', 'decode',
+     'lens = seq_lens[owner] - (qsl[1:host.num_seqs + 1][owner] - 1 - rows)',
+     'lens = seq_lens[owner] - (qsl[1:host.num_seqs + 1][owner] - rows)'),
+    # the chunks past the rows' context limit skipped too (left zero)
+    ('KV2', 'fivefold/serve/kv_pool.py', 'decode', '            if by_rows and as_rows:', '            if by_rows:'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:

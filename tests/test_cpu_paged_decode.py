@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fivefold.config import ConfigError
 import fivefold.kernels.cpu_paged_decode as cpu_paged_decode
+import fivefold.serve.kv_pool as kv_pool
 from fivefold.kernels.cpu_paged_decode import HEAD_SIZES, decode_attention, kernel_problem, unsupported
 from fivefold.model import build_model
 from fivefold.presets import PRESETS
@@ -184,12 +185,16 @@ def tiny_model(seed=3, **changes):
     return build_model(cfg, seed=seed).eval()
 
 
-def test_engine_with_the_kernel_generates_what_gathering_does():
-    """Decodes through the kernel against decodes gathered for SDPA: the same greedy tokens and logprobs to
-    float rounding (1e-5), over a batch whose sequences grow past several blocks, with prompt chunks mixed in
-    (max_num_batched_tokens below the prompts' total) and one sequence alone."""
+@pytest.mark.parametrize("limit", [kv_pool.KERNEL_CHUNK_CONTEXT, 50], ids=["chunks-as-rows", "long-chunks-gathered"])
+def test_engine_with_the_kernel_generates_what_gathering_does(limit, monkeypatch):
+    """Decodes, and prompt chunks' tokens as rows of their own, through the kernel against both gathered for SDPA:
+    the same greedy tokens, and logprobs of the outputs and of every prompt token to float rounding (1e-5), over
+    a batch whose sequences grow past several blocks, with prompt chunks mixed in (max_num_batched_tokens below
+    the prompts' total) and one sequence alone. With the rows' context limit at 50 tokens, the 64- and 120-token
+    prompts' chunks gather in the same steps as the others' rows."""
+    monkeypatch.setattr(kv_pool, "KERNEL_CHUNK_CONTEXT", limit)
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([5, 40, 17, 120, 64, 3])]
-    params = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     runs = {}
     for choice in ("true", "false"):
         llm = LLM(tiny_model(), seed=0, cpu_kernel=choice, max_num_batched_tokens=96, block_size=16)
@@ -200,6 +205,9 @@ def test_engine_with_the_kernel_generates_what_gathering_does():
         for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
             assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-5  # measured 4.8e-7
             assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+        assert ours.prompt_logprobs[0] is None and theirs.prompt_logprobs[0] is None
+        for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True):
+            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-5
 
 
 def test_a_bfloat16_engine_with_the_kernel_generates_what_gathering_does():

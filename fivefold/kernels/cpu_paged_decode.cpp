@@ -304,7 +304,10 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
   at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(per_item * groups, block_size, D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / splits, part = item % splits;
+      // Rows taken from both ends in turn (0, B-1, 1, B-2, ...): the threads' even shares of the items then hold
+      // alike work where lengths rise along the rows, as a prompt chunk's tokens do.
+      const int64_t turn = item / splits, part = item % splits;
+      const int64_t b = turn % 2 == 0 ? turn / 2 : batch - 1 - turn / 2;
       if (lens[b] <= 0) continue;  // a padding row reads nothing and stays zero
       attend_sequence<D, T, Q>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
                          kv_heads, groups, part * per_item, (part + 1) * per_item, static_cast<float>(scale),

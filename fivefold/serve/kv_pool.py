@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.kernels.cpu_block_ops import rotary_decode_attention
@@ -99,6 +100,18 @@ class KVPool:
         return self._blocks[layer]
 
 
+def hooked(core) -> bool:
+    """Whether the attention core is a module with forward hooks: its chunks then run it (over gathered blocks), so
+    that the hooks see them."""
+    return isinstance(core, nn.Module) and bool(core._forward_hooks or core._forward_pre_hooks)
+
+
+# The longest sequence whose prompt chunks attend as rows of the CPU kernel (serve.cpu_kernel) rather than over
+# gathered blocks with SDPA. One prefill step of 2,048 tokens of smollm2-135m on the 2-vCPU AMD host, by prompt length
+# (16 x 128 ... 1 x 2,000): bfloat16 0.81 / 0.94 / 0.92 / 1.00 / 1.23 of SDPA's step time at 128 / 256 / 512 / 1,024
+# / 2,000 tokens, float32 0.89 at 128, 1.00 at 512 and 1.02 at 1,024.
+KERNEL_CHUNK_CONTEXT = 512
+
 # The CPU path attends decodes in groups of this many sequences of similar length: padding every sequence
 # to the longest of the whole batch doubled the keys and values gathered (bench/serve.py, batch 64).
 DECODE_GROUP = 16
@@ -121,8 +134,9 @@ class PagedBatch:
         `fused_launches` (serve.fuse_launches): on the kernel path the model runs RoPE in the store's launch
         (attend_rotary) and its residual adds in the norms'; otherwise its blocks as one loop of tensor ops
         (fivefold.serve.lean_forward, through attend_heads). `cpu_kernel` (serve.cpu_kernel): on the CPU path
-        the decodes attend through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of
-        in gathered groups; prompt chunks still gather."""
+        every row attends through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of
+        decodes in gathered groups and each prompt chunk over its gathered blocks: a chunk's tokens as rows of
+        their own, each over its context up to itself."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
         # The lean loop's norms, SwiGLU and a decode-only step's RoPE + store + attention as C++ calls too
         # (fivefold.kernels.cpu_block_ops): bench/serve_cpu_ab.py --compare block-ops turns this off alone.
@@ -155,13 +169,29 @@ class PagedBatch:
                 mask = torch.arange(blocks * bs) < lengths[:, None]
                 rows = torch.from_numpy(group).to(device)
                 self.groups.append((rows, tables[rows, :blocks], mask[:, None, None].to(device)))
-        self.chunks = []  # (start in the row, tokens, the sequence's blocks, mask or None)
+        self.chunks = []  # (start in the row, tokens, the sequence's blocks, mask or None, attended as kernel rows)
+        self.row_tables = self.row_lens = None  # under the kernel with chunks: each row's table and context
+        self.kernel_chunks = np.zeros(host.num_seqs, dtype=bool)  # which sequences' chunks are kernel rows
+        if cpu_kernel and host.num_seqs > self.num_decodes:
+            # A chunk's token attends as a decode row of its own, over its context up to itself: the kernel reads
+            # the pool in place, one call a layer for the decodes and these rows, and a row's output is the same
+            # whatever chunk it comes in (its context is stored before it is read). Row by row, the kernel re-reads
+            # the context a token at a time where SDPA's blocks reuse it: it pays up to KERNEL_CHUNK_CONTEXT tokens
+            # of context, and longer sequences' chunks gather for SDPA (their rows' lengths 0 here).
+            self.kernel_chunks[self.num_decodes:] = seq_lens[self.num_decodes:host.num_seqs] <= KERNEL_CHUNK_CONTEXT
+            counts = np.diff(qsl[:host.num_seqs + 1].astype(np.int64))
+            owner = np.repeat(np.arange(host.num_seqs), counts)
+            rows = np.arange(len(owner))
+            lens = seq_lens[owner] - (qsl[1:host.num_seqs + 1][owner] - 1 - rows)
+            lens[(owner >= self.num_decodes) & ~self.kernel_chunks[owner]] = 0
+            self.row_tables = int_tables[torch.from_numpy(owner).to(device)]
+            self.row_lens = torch.from_numpy(lens.astype(np.int32)).to(device)
         for i in range(self.num_decodes, host.num_seqs):
             start, n, length = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
             past = length - n
             # None: causal over equal lengths (SDPA's own); else this chunk's rows of the causal mask.
             mask = None if past == 0 else torch.ones(n, length, dtype=torch.bool, device=device).tril(past)[None, None]
-            self.chunks.append((start, n, tables[i, :-(-length // bs)], mask))
+            self.chunks.append((start, n, tables[i, :-(-length // bs)], mask, bool(self.kernel_chunks[i])))
         # A decode-only step whose decodes are one group already in row order (batch 1, or a few sequences
         # of rising length) needs no scatter into a zeroed output.
         self.whole = (not self.chunks and len(self.groups) == 1 and len(order) == host.num_tokens
@@ -227,13 +257,21 @@ class PagedBatch:
         if self.whole:  # every row one decode, in one group in row order: the core's output is the step's
             _, blocks, group_mask = self.groups[0]
             return core(qd, gather(kb, blocks), gather(vb, blocks), group_mask)[:, :, 0]
+        by_rows = self.row_lens is not None and not hooked(core)  # decodes and short chunks' tokens: kernel rows
+        if by_rows and self.row_lens.shape[0] == q.shape[0] and self.kernel_chunks[self.num_decodes:].all():
+            return decode_attention(q, kb, vb, self.row_tables, self.row_lens)
         out = torch.zeros_like(q)  # padding rows stay 0
         od = out[:self.num_decodes, :, None]
-        if self.decode_lens is not None:
+        if by_rows:
+            rows = self.row_lens.shape[0]
+            out[:rows] = decode_attention(q[:rows], kb, vb, self.row_tables, self.row_lens)
+        elif self.decode_lens is not None:
             out[:self.num_decodes] = decode_attention(q[:self.num_decodes], kb, vb, self.decode_tables, self.decode_lens)
         for rows, blocks, group_mask in self.groups:
             od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
-        for start, n, blocks, chunk_mask in self.chunks:
+        for start, n, blocks, chunk_mask, as_rows in self.chunks:
+            if by_rows and as_rows:
+                continue
             length = n if chunk_mask is None else chunk_mask.shape[-1]
             kc, vc = gather(kb, blocks)[None, :, :length], gather(vb, blocks)[None, :, :length]  # (1, Hkv, L, d)
             out[start:start + n] = core(q[start:start + n].transpose(0, 1)[None], kc, vc, chunk_mask)[0].transpose(0, 1)
