@@ -162,6 +162,21 @@ def test_a_row_alone_equals_that_row_in_a_batch_bit_for_bit():
             assert torch.equal(alone[0], batch[row])
 
 
+def test_rows_read_the_tables_their_owners_name():
+    """`owners`: each row reads the block table it names (a prompt chunk's tokens share their sequence's), bit for
+    bit the rows given their own tables; an owner past the tables is refused before anything is read."""
+    args, _ = make_decodes([40, 7, 0, 300], 8, 2, 32, 16, seed=4)
+    q, k_pool, v_pool, tables, lens = args
+    owners = torch.tensor([3, 0, 3, 1, 2, 3], dtype=torch.int32)
+    rows = torch.randn(len(owners), 8, 32)
+    row_lens = torch.tensor([300, 40, 17, 7, 0, 1], dtype=torch.int32)
+    expected = decode_attention(rows, k_pool, v_pool, tables[owners.long()].contiguous(), row_lens)
+    assert torch.equal(decode_attention(rows, k_pool, v_pool, tables, row_lens, owners=owners), expected)
+    with pytest.raises(RuntimeError, match="owners: row 1 names table 4 of 4"):
+        decode_attention(rows, k_pool, v_pool, tables, row_lens, owners=torch.tensor([0, 4, 0, 0, 0, 0],
+                                                                                       dtype=torch.int32))
+
+
 def test_queries_are_read_through_their_strides():
     """q as the engine hands it: rows of a fused q/k/v product, a view whose row stride is not H x d."""
     args, _ = make_decodes([40, 7, 0, 300], 8, 2, 32, 16, seed=2)

@@ -28,7 +28,8 @@
 #include "cpu_simd.h"
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened);
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened,
+                               std::optional<torch::Tensor> owners);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias);
 
 namespace {
@@ -232,7 +233,7 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
   } else {
     rotate_and_store<float>(heads, q_heads, cos, signed_sin, k_pool, v_pool, slots, q);
   }
-  return decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, portable, false);
+  return decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, portable, false, std::nullopt);
 }
 
 // Every block of a decode-only step whose four products run on the rows kernel (cpu_linear_rows.cpp) or torch's

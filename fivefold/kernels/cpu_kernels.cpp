@@ -2,7 +2,8 @@
 #include <torch/extension.h>
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened);
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened,
+                               std::optional<torch::Tensor> owners);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias);
 int64_t linear_rows_width();
 bool linear_rows_dot();
@@ -23,7 +24,8 @@ torch::Tensor rotary_decode_attention(torch::Tensor heads, int64_t q_heads, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged one-token attention, float32 or bfloat16", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("splits"),
-        py::arg("portable") = false, py::arg("widened") = false);
+        py::arg("portable") = false, py::arg("widened") = false,
+        py::arg("owners") = py::none());
   m.def("linear_rows", &linear_rows, "x w^T + bias at a few rows: x float32 or bfloat16, w float32 or bfloat16",
         py::arg("x"), py::arg("w"), py::arg("width") = 0, py::arg("bias") = py::none());
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row, float32", py::arg("x"), py::arg("weight"),

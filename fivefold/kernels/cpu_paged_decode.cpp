@@ -289,7 +289,7 @@ void attend_sequence(const Q* q, int64_t q_head_stride, const T* k_pool, const T
 template <int D, class T, class Q>
 torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                                 int64_t splits, bool wide) {
+                                 int64_t splits, bool wide, const int32_t* owners) {
   const int64_t batch = q.size(0), heads = q.size(1);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), groups = heads / kv_heads;
   const int64_t table_stride = block_tables.stride(0), q_stride = q.stride(0), q_head_stride = q.stride(1);
@@ -309,7 +309,7 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
       const int64_t turn = item / splits, part = item % splits;
       const int64_t b = turn % 2 == 0 ? turn / 2 : batch - 1 - turn / 2;
       if (lens[b] <= 0) continue;  // a padding row reads nothing and stays zero
-      attend_sequence<D, T, Q>(qp + b * q_stride, q_head_stride, kp, vp, tables + b * table_stride, lens[b], block_size,
+      attend_sequence<D, T, Q>(qp + b * q_stride, q_head_stride, kp, vp, tables + (owners ? owners[b] : b) * table_stride, lens[b], block_size,
                          kv_heads, groups, part * per_item, (part + 1) * per_item, static_cast<float>(scale),
                          op + b * heads * D, scratch, wide);
     }
@@ -325,16 +325,16 @@ torch::Tensor decode_attention_d(const torch::Tensor& q, const torch::Tensor& k_
 template <class T, class Q>
 torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                                 int64_t splits, bool wide) {
+                                 int64_t splits, bool wide, const int32_t* owners) {
   switch (q.size(2)) {
-    case 16: return decode_attention_d<16, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 32: return decode_attention_d<32, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 48: return decode_attention_d<48, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 64: return decode_attention_d<64, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 80: return decode_attention_d<80, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 96: return decode_attention_d<96, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 128: return decode_attention_d<128, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-    case 256: return decode_attention_d<256, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    case 16: return decode_attention_d<16, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 32: return decode_attention_d<32, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 48: return decode_attention_d<48, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 64: return decode_attention_d<64, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 80: return decode_attention_d<80, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 96: return decode_attention_d<96, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 128: return decode_attention_d<128, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
+    case 256: return decode_attention_d<256, T, Q>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owners);
     default: TORCH_CHECK(false, "head size ", q.size(2), " is not compiled (16, 32, 48, 64, 80, 96, 128, 256)");
   }
 }
@@ -352,9 +352,12 @@ bool decode_attention_pairs() {
 
 // The entry: decode_attention_t's arguments, and a bfloat16 q over a bfloat16 pool, answered in bfloat16 (the float32
 // output rounded once). Such a q scores the keys as bfloat16 pairs where the CPU has them, unless `widened` or
-// `portable`; else it is widened to float32, exactly. `portable`: scoring as a CPU without AVX-512 does.
+// `portable`; else it is widened to float32, exactly. `portable`: scoring as a CPU without AVX-512 does. `owners`
+// (int32, one a row of q), where given: the block table each row reads (a prompt chunk's tokens, rows of their own,
+// share their sequence's); else row b reads table b.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened) {
+                               torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened,
+                               std::optional<torch::Tensor> owners) {
   TORCH_CHECK(k_pool.dtype() == v_pool.dtype() &&
                   (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kBFloat16),
               "the pools: float32 or bfloat16, both alike");
@@ -362,22 +365,32 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   const bool pairs = q.dtype() == torch::kBFloat16 && !portable && !widened && decode_attention_pairs();
   if (q.dtype() == torch::kBFloat16 && !pairs)
     return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable,
-                            widened)
+                            widened, owners)
         .to(torch::kBFloat16);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, D) with unit stride along D");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
               "the pools must be contiguous and of one shape");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && block_tables.stride(1) == 1, "block_tables: int32 rows");
+  const bool owned = owners.has_value() && owners->defined();
+  TORCH_CHECK(!owned || (owners->dtype() == torch::kInt32 && owners->is_contiguous() && owners->numel() == q.size(0)),
+              "owners: contiguous int32, one a row of q");
+  if (owned) {  // every row's table must exist: a wrong index would read anywhere
+    const int32_t* o = owners->data_ptr<int32_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(o[b] >= 0 && o[b] < block_tables.size(0), "owners: row ", b, " names table ", o[b], " of ",
+                  block_tables.size(0));
+  }
+  const int32_t* owner_rows = owned ? owners->data_ptr<int32_t>() : nullptr;
   TORCH_CHECK(seq_lens.dtype() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0 && k_pool.size(2) % splits == 0, "heads do not divide");
   TORCH_CHECK(q.size(2) == k_pool.size(3), "head sizes differ");
   const bool wide = !portable;
 #if defined(FIVEFOLD_BF16_PAIRS)
   if (pairs)
-    return decode_attention_t<bf16, bf16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide)
+    return decode_attention_t<bf16, bf16>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owner_rows)
         .to(torch::kBFloat16);
 #endif
   if (k_pool.dtype() == torch::kBFloat16)
-    return decode_attention_t<bf16, float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
-  return decode_attention_t<float, float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide);
+    return decode_attention_t<bf16, float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owner_rows);
+  return decode_attention_t<float, float>(q, k_pool, v_pool, block_tables, seq_lens, scale, splits, wide, owner_rows);
 }

@@ -50,13 +50,15 @@ def pairs() -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, portable: bool = False, widened: bool = False) -> torch.Tensor:
+                     seq_lens: torch.Tensor, portable: bool = False, widened: bool = False,
+                     owners: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for one query token per sequence over its paged context.
 
     q (B, H, d) float32 or bfloat16 (the pool's dtype), any row and head strides; k_blocks, v_blocks (blocks,
     block_size, Hkv, d) contiguous;
     block_tables int32 (B, max_blocks); seq_lens int32 (B,), each sequence's keys including its own token's,
-    which must already be stored. -> (B, H, d); a row of length 0 is zeros. Query head h reads key/value head
+    which must already be stored. `owners` int32 (B,), where given: the row of block_tables each query row reads
+    (a prompt chunk's tokens, attending as rows of their own, share their sequence's table). -> (B, H, d); a row of length 0 is zeros. Query head h reads key/value head
     h // (H // Hkv). `portable` scores the keys in the form built for CPUs without AVX-512 (one dot product a
     key; elsewhere it is the only form), and `widened` scores bfloat16 queries and keys as a CPU without
     AVX512_BF16 does, so that a test on an AVX-512 machine covers those forms too."""
@@ -66,7 +68,7 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     if q.stride(-1) != 1:
         q = q.contiguous()
     return module.decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, q.shape[-1] ** -0.5,
-                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable, widened)
+                                   decode_splits(q.shape[0], k_blocks.shape[2]), portable, widened, owners)
 
 
 def decode_splits(rows: int, kv_heads: int) -> int:

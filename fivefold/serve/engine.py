@@ -39,7 +39,7 @@ from fivefold.serve.cpu_linear import candidates, is_input_major, onednn_problem
 from fivefold.serve.cuda_graphs import DecodeGraphs
 from fivefold.serve.fused import FusedAttention, fuse_projections
 from fivefold.serve.huge_pages import huge_pages_available, move_to_huge_pages
-from fivefold.serve.kv_pool import KVPlan, KVPool, PagedBatch, available_memory, kv_plan
+from fivefold.serve.kv_pool import KERNEL_CHUNK_CONTEXT, KVPlan, KVPool, PagedBatch, available_memory, kv_plan
 from fivefold.serve.lean_forward import use_lean_forward
 from fivefold.serve.sampling import RequestError, SampledTokens, SamplingParams, launch_sampling, score_rows
 from fivefold.serve.scheduler import Scheduler, Sequence
@@ -346,7 +346,8 @@ class Engine:
         """Which path each kind of step takes, in words (bench/serve.py prints and stores it)."""
         attention = "block gather + SDPA"
         if self.cpu_kernel:
-            attention = "decodes by the C++ paged kernel reading the pool in place, prompt chunks by block gather + SDPA"
+            attention = (f"decodes by the C++ paged kernel reading the pool in place, and prompt chunks' tokens as rows "
+                         f"of it up to {KERNEL_CHUNK_CONTEXT} tokens of context, longer chunks by block gather + SDPA")
             if self.dtype == torch.bfloat16:
                 attention += (" (bfloat16 keys scored as bfloat16 pairs: AVX512_BF16)" if pairs() else
                               " (bfloat16 widened to float32 as read)")

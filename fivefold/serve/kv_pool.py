@@ -107,9 +107,9 @@ def hooked(core) -> bool:
 
 
 # The longest sequence whose prompt chunks attend as rows of the CPU kernel (serve.cpu_kernel) rather than over
-# gathered blocks with SDPA. One prefill step of 2,048 tokens of smollm2-135m on the 2-vCPU AMD host, by prompt length
-# (16 x 128 ... 1 x 2,000): bfloat16 0.81 / 0.94 / 0.92 / 1.00 / 1.23 of SDPA's step time at 128 / 256 / 512 / 1,024
-# / 2,000 tokens, float32 0.89 at 128, 1.00 at 512 and 1.02 at 1,024.
+# gathered blocks with SDPA. A prefill step of 2,048 tokens of smollm2-135m on the 2-vCPU AMD host, one engine switching
+# between the two in turns (best of 3): rows 0.94 / 0.96 / 0.93 of SDPA's step time at prompts of 128 / 256 / 512 tokens
+# in bfloat16 (0.93 / 0.95 / 0.97 in float32), 1.01 at 1,024 (float32 1.05) and 1.18 at 2,000.
 KERNEL_CHUNK_CONTEXT = 512
 
 # The CPU path attends decodes in groups of this many sequences of similar length: padding every sequence
@@ -169,8 +169,9 @@ class PagedBatch:
                 mask = torch.arange(blocks * bs) < lengths[:, None]
                 rows = torch.from_numpy(group).to(device)
                 self.groups.append((rows, tables[rows, :blocks], mask[:, None, None].to(device)))
-        self.chunks = []  # (start in the row, tokens, the sequence's blocks, mask or None, attended as kernel rows)
-        self.row_tables = self.row_lens = None  # under the kernel with chunks: each row's table and context
+        self.chunks = []  # (start in the row, tokens, the sequence's context, its blocks, attended as kernel rows)
+        self.masks = {}  # chunk start -> its rows of the causal mask, for the chunks that gather (not the first)
+        self.row_owners = self.row_lens = None  # under the kernel with chunks: each row's sequence and context
         self.kernel_chunks = np.zeros(host.num_seqs, dtype=bool)  # which sequences' chunks are kernel rows
         if cpu_kernel and host.num_seqs > self.num_decodes:
             # A chunk's token attends as a decode row of its own, over its context up to itself: the kernel reads
@@ -184,14 +185,14 @@ class PagedBatch:
             rows = np.arange(len(owner))
             lens = seq_lens[owner] - (qsl[1:host.num_seqs + 1][owner] - 1 - rows)
             lens[(owner >= self.num_decodes) & ~self.kernel_chunks[owner]] = 0
-            self.row_tables = int_tables[torch.from_numpy(owner).to(device)]
+            self.row_owners = torch.from_numpy(owner.astype(np.int32)).to(device)
+            self.seq_tables = int_tables
             self.row_lens = torch.from_numpy(lens.astype(np.int32)).to(device)
         for i in range(self.num_decodes, host.num_seqs):
             start, n, length = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
-            past = length - n
-            # None: causal over equal lengths (SDPA's own); else this chunk's rows of the causal mask.
-            mask = None if past == 0 else torch.ones(n, length, dtype=torch.bool, device=device).tril(past)[None, None]
-            self.chunks.append((start, n, tables[i, :-(-length // bs)], mask, bool(self.kernel_chunks[i])))
+            self.chunks.append((start, n, length, tables[i, :-(-length // bs)], bool(self.kernel_chunks[i])))
+            if not self.kernel_chunks[i]:
+                self.chunk_mask(start, n, length)
         # A decode-only step whose decodes are one group already in row order (batch 1, or a few sequences
         # of rising length) needs no scatter into a zeroed output.
         self.whole = (not self.chunks and len(self.groups) == 1 and len(order) == host.num_tokens
@@ -259,20 +260,30 @@ class PagedBatch:
             return core(qd, gather(kb, blocks), gather(vb, blocks), group_mask)[:, :, 0]
         by_rows = self.row_lens is not None and not hooked(core)  # decodes and short chunks' tokens: kernel rows
         if by_rows and self.row_lens.shape[0] == q.shape[0] and self.kernel_chunks[self.num_decodes:].all():
-            return decode_attention(q, kb, vb, self.row_tables, self.row_lens)
+            return decode_attention(q, kb, vb, self.seq_tables, self.row_lens, owners=self.row_owners)
         out = torch.zeros_like(q)  # padding rows stay 0
         od = out[:self.num_decodes, :, None]
         if by_rows:
             rows = self.row_lens.shape[0]
-            out[:rows] = decode_attention(q[:rows], kb, vb, self.row_tables, self.row_lens)
+            out[:rows] = decode_attention(q[:rows], kb, vb, self.seq_tables, self.row_lens, owners=self.row_owners)
         elif self.decode_lens is not None:
             out[:self.num_decodes] = decode_attention(q[:self.num_decodes], kb, vb, self.decode_tables, self.decode_lens)
         for rows, blocks, group_mask in self.groups:
             od[rows] = core(qd[rows], gather(kb, blocks), gather(vb, blocks), group_mask)
-        for start, n, blocks, chunk_mask, as_rows in self.chunks:
+        for start, n, length, blocks, as_rows in self.chunks:
             if by_rows and as_rows:
                 continue
-            length = n if chunk_mask is None else chunk_mask.shape[-1]
             kc, vc = gather(kb, blocks)[None, :, :length], gather(vb, blocks)[None, :, :length]  # (1, Hkv, L, d)
-            out[start:start + n] = core(q[start:start + n].transpose(0, 1)[None], kc, vc, chunk_mask)[0].transpose(0, 1)
+            out[start:start + n] = core(q[start:start + n].transpose(0, 1)[None], kc, vc,
+                                        self.chunk_mask(start, n, length))[0].transpose(0, 1)
         return out
+
+    def chunk_mask(self, start: int, n: int, length: int) -> torch.Tensor | None:
+        """The chunk's rows of the causal mask over its context, made once a step (None for a first chunk: causal
+        over equal lengths, SDPA's own)."""
+        if n == length:
+            return None
+        if start not in self.masks:
+            mask = torch.ones(n, length, dtype=torch.bool, device=self.pool.k.device).tril(length - n)
+            self.masks[start] = mask[None, None]
+        return self.masks[start]

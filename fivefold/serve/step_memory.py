@@ -20,7 +20,7 @@ from fivefold.memory.live_peak import LivePeak
 from fivefold.model.moe import grouped_mm_runs
 from fivefold.quant.formats import dequantized_bytes
 from fivefold.quant.linear import QuantLinear
-from fivefold.serve.kv_pool import DECODE_GROUP
+from fivefold.serve.kv_pool import DECODE_GROUP, KERNEL_CHUNK_CONTEXT
 from fivefold.serve.sampling import DRAW_BYTES, draw_rows
 
 # The sampler's bytes per (row, vocabulary) element beside the forward's logits, for every row of the step
@@ -50,7 +50,7 @@ class StepMemory:
     path: str  # "triton", "lean", "lean-cpp" or "modules": which forward the engine runs (fivefold.serve.engine)
     mlp: int  # at max_num_batched_tokens tokens, without the mask
     attention: int  # the torch path's attention over a chunk at max_model_len, without the mask
-    mask: int  # the torch path's boolean masks of the chunks' rows over their context
+    mask: int  # the torch path's boolean masks of the chunks' rows over their context (and the kernel rows' tables)
     sampling: int
     scoring: int
     dequantized: int = 0  # the largest quantized weight dequantized for its product (fivefold.quant), with its chunk
@@ -125,13 +125,16 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
         # boolean mask of its rows over them, built for the step; without the C++ decode kernel, each group of
         # decodes gathers its blocks, padded to the longest. At most max_model_len tokens of context. Per token:
         # the embedding and the stream, q/k/v, q and k rotated, the output zeroed for the rows and SDPA's, cos,
-        # sin and the sign.
+        # sin and the sign. Under the C++ kernel, chunks of sequences up to KERNEL_CHUNK_CONTEXT tokens attend as
+        # kernel rows (fivefold.serve.kv_pool), gathering nothing: where max_model_len is no longer, none gathers.
         length = s.max_model_len or m.max_seq_len
         blocks = -(-length // s.block_size) * s.block_size
-        gathered = (1 if itemsize == 4 and cpu_kernels(m, s) else DECODE_GROUP) * 2 * blocks * kv * itemsize
+        as_rows = cpu_kernels(m, s) and length <= KERNEL_CHUNK_CONTEXT
+        gathered = 0 if as_rows else (1 if cpu_kernels(m, s) else DECODE_GROUP) * 2 * blocks * kv * itemsize
         per_token = 2 * h + (q + 2 * kv) + (q + kv) + 2 * q + 3 * d
         attention = tokens * (per_token * itemsize + 8) + gathered + SMALL
-        mask = tokens * length
+        mask = 0 if as_rows else tokens * length
+
     upcast = 4 if itemsize != 4 else 0  # the sampler and scorer work in fp32
     head = (v + 2 * h) * itemsize  # a row's logits, its hidden state and its norm
     sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + min(rows, draw_rows(v)) * v * DRAW_BYTES + SMALL
