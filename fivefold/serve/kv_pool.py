@@ -134,9 +134,9 @@ class PagedBatch:
         `fused_launches` (serve.fuse_launches): on the kernel path the model runs RoPE in the store's launch
         (attend_rotary) and its residual adds in the norms'; otherwise its blocks as one loop of tensor ops
         (fivefold.serve.lean_forward, through attend_heads). `cpu_kernel` (serve.cpu_kernel): on the CPU path
-        every row attends through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of
-        decodes in gathered groups and each prompt chunk over its gathered blocks: a chunk's tokens as rows of
-        their own, each over its context up to itself."""
+        the decodes attend through fivefold.kernels.cpu_paged_decode, reading the pool in place, instead of in
+        gathered groups, and so do the tokens of prompt chunks of sequences up to KERNEL_CHUNK_CONTEXT tokens, as
+        rows of their own, each over its context up to itself; longer sequences' chunks gather."""
         self.pool, self.dev, self.kernel = pool, dev, kernel
         # The lean loop's norms, SwiGLU and a decode-only step's RoPE + store + attention as C++ calls too
         # (fivefold.kernels.cpu_block_ops): bench/serve_cpu_ab.py --compare block-ops turns this off alone.
@@ -171,7 +171,7 @@ class PagedBatch:
                 self.groups.append((rows, tables[rows, :blocks], mask[:, None, None].to(device)))
         self.chunks = []  # (start in the row, tokens, the sequence's context, its blocks, attended as kernel rows)
         self.masks = {}  # chunk start -> its rows of the causal mask, for the chunks that gather (not the first)
-        self.row_owners = self.row_lens = None  # under the kernel with chunks: each row's sequence and context
+        self.row_owners = self.row_lens = self.seq_tables = None  # the kernel's rows: each one's sequence, context
         self.kernel_chunks = np.zeros(host.num_seqs, dtype=bool)  # which sequences' chunks are kernel rows
         if cpu_kernel and host.num_seqs > self.num_decodes:
             # A chunk's token attends as a decode row of its own, over its context up to itself: the kernel reads
