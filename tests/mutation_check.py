@@ -583,8 +583,8 @@ MUTANTS = [Mutant(*m) for m in [
      '                seq.text = seq.text[:max(hits)]'),
     ('EN2', 'fivefold/serve/engine.py', 'serve', 'seq.text.find(s, max(0, before - len(s) + 1 - back))',
      'seq.text.find(s, before)'),
-    ('KV1', 'fivefold/serve/kv_pool.py', 'serve', '            length = n if chunk_mask is None else chunk_mask.shape[-1]',
-     '            length = n'),
+    ('KV1', 'fivefold/serve/kv_pool.py', 'serve', '        if n == length:\n            return None',
+     '        if True:\n            return None'),
     # training: the compiled update's bias correction and its skipped step, the chunked loss's ignored labels,
     # SFT's label mask, QLoRA's input gradient through the frozen base
     ('CA1', 'fivefold/train/compiled_adamw.py', 'cadam', 'denom = v_new.sqrt() / (1 - beta2 ** t).sqrt() + eps',
@@ -640,11 +640,11 @@ MUTANTS = [Mutant(*m) for m in [
     ('PD4', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
      'n - t >= 16 ? 0xFFFFu : (1u << (n - t)) - 1u', '0xFFFFu'),
     # a prompt chunk's token attending as a kernel row without its own key
-    ('KV1', 'fivefold/serve/kv_pool.py', 'decode',
+    ('KV3', 'fivefold/serve/kv_pool.py', 'decode',
      'lens = seq_lens[owner] - (qsl[1:host.num_seqs + 1][owner] - 1 - rows)',
      'lens = seq_lens[owner] - (qsl[1:host.num_seqs + 1][owner] - rows)'),
     # the chunks past the rows' context limit skipped too (left zero)
-    ('KV2', 'fivefold/serve/kv_pool.py', 'decode', '            if by_rows and as_rows:', '            if by_rows:'),
+    ('KV4', 'fivefold/serve/kv_pool.py', 'decode', '            if by_rows and as_rows:', '            if by_rows:'),
 ]]
 
 def run(mutant: Mutant, tree: Path) -> str:
