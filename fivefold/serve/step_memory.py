@@ -50,7 +50,7 @@ class StepMemory:
     path: str  # "triton", "lean", "lean-cpp" or "modules": which forward the engine runs (fivefold.serve.engine)
     mlp: int  # at max_num_batched_tokens tokens, without the mask
     attention: int  # the torch path's attention over a chunk at max_model_len, without the mask
-    mask: int  # the torch path's boolean masks of the chunks' rows over their context (and the kernel rows' tables)
+    mask: int  # the torch path's boolean masks of the chunks' rows over their context (and the kernel rows' indices)
     sampling: int
     scoring: int
     dequantized: int = 0  # the largest quantized weight dequantized for its product (fivefold.quant), with its chunk
@@ -133,8 +133,8 @@ def step_memory(m: ModelConfig, s: ServeConfig, path: str, itemsize: int, tp: in
         gathered = 0 if as_rows else (1 if cpu_kernels(m, s) else DECODE_GROUP) * 2 * blocks * kv * itemsize
         per_token = 2 * h + (q + 2 * kv) + (q + kv) + 2 * q + 3 * d
         attention = tokens * (per_token * itemsize + 8) + gathered + SMALL
-        mask = 0 if as_rows else tokens * length
-
+        # Held for the whole forward too: under the kernel, each row's sequence and context length (int32 each).
+        mask = (0 if as_rows else tokens * length) + (8 * tokens if cpu_kernels(m, s) else 0)
     upcast = 4 if itemsize != 4 else 0  # the sampler and scorer work in fp32
     head = (v + 2 * h) * itemsize  # a row's logits, its hidden state and its norm
     sampling = rows * (head + v * (upcast + SAMPLER_BYTES)) + min(rows, draw_rows(v)) * v * DRAW_BYTES + SMALL
