@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     width = args.width or module.linear_rows_width()
     # Where bfloat16 rows multiply as bfloat16 pairs (AVX512_BF16), the kernel's earlier form beside it: the rows
     # widened to float32 first, then the same tiles with the weights widened as loaded.
-    widened = dtype == torch.bfloat16 and not args.width and module.linear_rows_dot()
+    widened = dtype == torch.bfloat16 and not args.width and module.bf16_pairs()
     result = {**base_info(), "model": args.model, "dtype": args.dtype, "rows": rows, "kernel_width": width,
               "shapes": {}}
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, the kernel's {width}-bit tiles: GB/s of "

@@ -71,8 +71,7 @@ def windows(chunks: list[dict], window: float, flops: float) -> list[dict]:
     out = []
     for index in sorted(groups):
         group = groups[index]
-        row = {"start_s": index * window, "flops_per_s": flops * sum(c["reps"] for c in group) /
-               sum(c["seconds"] * c["reps"] for c in group)}
+        row = {"start_s": index * window, "flops_per_s": rate(group, flops)}
         for key in ("clock_mhz", "power_w", "temperature_c"):
             values = [c[key] for c in group if key in c]
             if values:
@@ -91,6 +90,7 @@ def show(rows: list[dict], printed: int) -> int:
 
 
 def rate(chunks: list[dict], flops: float) -> float:
+    """The chunks' products' FLOPs over their time."""
     return flops * sum(c["reps"] for c in chunks) / sum(c["seconds"] * c["reps"] for c in chunks)
 
 

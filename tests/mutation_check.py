@@ -635,7 +635,7 @@ MUTANTS = [Mutant(*m) for m in [
      '(D % 32 ? (1u << (D % 32)) - 1u : 0xFFFFFFFFu)', '(0xFFFFFFFFu)'),
     # the widened form asked for and the pairs run anyway
     ('PD3', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
-     '&& !portable && !widened && decode_attention_pairs()', '&& !portable && decode_attention_pairs()'),
+     '&& !portable && !widened && fivefold::bf16_pairs()', '&& !portable && fivefold::bf16_pairs()'),
     # a block's last scores' maximum taken over 16 lanes whatever its length (stale scores past it)
     ('PD4', 'fivefold/kernels/cpu_paged_decode.cpp', 'decode',
      'n - t >= 16 ? 0xFFFFu : (1u << (n - t)) - 1u', '0xFFFFu'),

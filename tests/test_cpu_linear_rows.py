@@ -31,7 +31,7 @@ def kernel(x, w, width=0):
 
 # The tile widths this build has: an AVX-512 build runs the AVX2 tiles too, so both are tested on such a host.
 WIDTHS = sorted({cpu_build.build()[0].linear_rows_width(), 256})
-DOT = cpu_build.build()[0].linear_rows_dot()  # bfloat16 rows multiplied as bfloat16 pairs (AVX512_BF16)
+DOT = cpu_build.build()[0].bf16_pairs()  # bfloat16 rows multiplied as bfloat16 pairs (AVX512_BF16)
 
 
 def randn(*shape, seed=0):

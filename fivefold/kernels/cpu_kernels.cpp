@@ -1,13 +1,13 @@
 // The Python module of the CPU kernels (built by fivefold/kernels/cpu_build.py): one extension, so one build.
 #include <torch/extension.h>
 
+#include "cpu_simd.h"
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                torch::Tensor seq_lens, double scale, int64_t splits, bool portable, bool widened,
                                std::optional<torch::Tensor> owners);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias);
 int64_t linear_rows_width();
-bool linear_rows_dot();
-bool decode_attention_pairs();
 torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> params, std::vector<double> eps,
                             std::vector<int64_t> products, int64_t q_heads, torch::Tensor cos, torch::Tensor signed_sin,
                             std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools, torch::Tensor slots,
@@ -43,7 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("signed_sin"), py::arg("k_pools"), py::arg("v_pools"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("splits"), py::arg("width") = 0);
   m.def("linear_rows_width", &linear_rows_width, "the rows kernel's widest instruction set here: 512, 256 or 0");
-  m.def("linear_rows_dot", &linear_rows_dot, "whether bfloat16 rows multiply as bfloat16 pairs here (AVX512_BF16)");
-  m.def("decode_attention_pairs", &decode_attention_pairs,
-        "whether a bfloat16 query scores bfloat16 keys as bfloat16 pairs here (AVX512_BF16)");
+  m.def("bf16_pairs", &fivefold::bf16_pairs,
+        "whether bfloat16 rows and queries multiply as bfloat16 pairs here (AVX512_BF16)");
 }

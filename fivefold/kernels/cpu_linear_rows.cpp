@@ -274,19 +274,10 @@ int64_t linear_rows_width() {
 #endif
 }
 
-// Whether bfloat16 rows over bfloat16 weights multiply as bfloat16 pairs here (Avx512Dot) at width 0 or 512.
-bool linear_rows_dot() {
-#if defined(FIVEFOLD_BF16_PAIRS)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // x (M, K) with unit stride along K; w (N, K) float32 or bfloat16 with unit stride along K; x float32, or bfloat16
 // over a bfloat16 w; `bias` (N) or none (also an empty tensor). -> x w^T + bias, (M, N) in x's dtype: a bfloat16 y
 // is the float32 sums, with the bias added in float32, rounded once. bfloat16 rows are multiplied as bfloat16 pairs
-// where linear_rows_dot() (not at width 256), else widened first, exactly.
+// where fivefold::bf16_pairs() (Avx512Dot; not at width 256), else widened first, exactly.
 // `width` 0: the widest built; 256: the AVX2 tiles (which an AVX-512 build has too; its tests run them).
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(linear_rows_width() > 0, "the rows kernel needs AVX2 and FMA");
@@ -297,7 +288,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, int64_t width, std::
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K) and w (N, K)");
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "x and w need unit stride along K");
   const bool rounded = x.dtype() == torch::kBFloat16;
-  const bool dot = rounded && width != 256 && linear_rows_dot();
+  const bool dot = rounded && width != 256 && fivefold::bf16_pairs();
   const bool biased = bias.has_value() && bias->numel();
   TORCH_CHECK(!biased || (bias->dim() == 1 && bias->size(0) == w.size(0)), "bias: (N)");
   if (rounded && !dot) x = x.to(torch::kFloat32);

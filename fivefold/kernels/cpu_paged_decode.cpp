@@ -341,15 +341,6 @@ torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k_
 
 }  // namespace
 
-// Whether a bfloat16 query over a bfloat16 pool scores the keys as bfloat16 pairs here (AVX512_BF16).
-bool decode_attention_pairs() {
-#if defined(FIVEFOLD_BF16_PAIRS)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // The entry: decode_attention_t's arguments, and a bfloat16 q over a bfloat16 pool, answered in bfloat16 (the float32
 // output rounded once). Such a q scores the keys as bfloat16 pairs where the CPU has them, unless `widened` or
 // `portable`; else it is widened to float32, exactly. `portable`: scoring as a CPU without AVX-512 does. `owners`
@@ -362,7 +353,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
                   (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kBFloat16),
               "the pools: float32 or bfloat16, both alike");
   TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_pool.dtype(), "q: float32, or the pools' dtype");
-  const bool pairs = q.dtype() == torch::kBFloat16 && !portable && !widened && decode_attention_pairs();
+  const bool pairs = q.dtype() == torch::kBFloat16 && !portable && !widened && fivefold::bf16_pairs();
   if (q.dtype() == torch::kBFloat16 && !pairs)
     return decode_attention(q.to(torch::kFloat32), k_pool, v_pool, block_tables, seq_lens, scale, splits, portable,
                             widened, owners)

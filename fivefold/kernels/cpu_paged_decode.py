@@ -46,7 +46,7 @@ def unsupported(head_size: int, dtype: torch.dtype) -> str | None:
 def pairs() -> bool:
     """Whether bfloat16 queries score bfloat16 keys as bfloat16 pairs here (AVX512_BF16)."""
     module = _build()[0]
-    return module is not None and module.decode_attention_pairs()
+    return module is not None and module.bf16_pairs()
 
 
 def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,

@@ -125,3 +125,17 @@ inline __m512bh load_pairs(const bf16* p, __mmask32 mask) { return (__m512bh)_mm
 }  // namespace fivefold
 #endif
 #endif
+
+namespace fivefold {
+
+// Whether this build multiplies bfloat16 pairs (FIVEFOLD_BF16_PAIRS): the rows kernel's bfloat16 rows and the decode
+// kernel's bfloat16 queries do, where no caller asks for the widened form.
+constexpr bool bf16_pairs() {
+#if defined(FIVEFOLD_BF16_PAIRS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace fivefold

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.kernels.cpu_block_ops import rotary_decode_attention
 from fivefold.kernels.cpu_paged_decode import decode_attention
 from fivefold.kernels.paged_attention import paged_attention, rope_store_kv, store_kv
 from fivefold.memory import host
+from fivefold.serve.hooks import hooked
 from fivefold.serve.huge_pages import huge_page_bytes
 
 
@@ -100,12 +100,6 @@ class KVPool:
         return self._blocks[layer]
 
 
-def hooked(core) -> bool:
-    """Whether the attention core is a module with forward hooks: its chunks then run it (over gathered blocks), so
-    that the hooks see them."""
-    return isinstance(core, nn.Module) and bool(core._forward_hooks or core._forward_pre_hooks)
-
-
 # The longest sequence whose prompt chunks attend as rows of the CPU kernel (serve.cpu_kernel) rather than over
 # gathered blocks with SDPA. A prefill step of 2,048 tokens of smollm2-135m on the 2-vCPU AMD host, one engine switching
 # between the two in turns (best of 3): rows 0.94 / 0.96 / 0.93 of SDPA's step time at prompts of 128 / 256 / 512 tokens
@@ -172,6 +166,7 @@ class PagedBatch:
         self.chunks = []  # (start in the row, tokens, the sequence's context, its blocks, attended as kernel rows)
         self.masks = {}  # chunk start -> its rows of the causal mask, for the chunks that gather (not the first)
         self.row_owners = self.row_lens = self.seq_tables = None  # the kernel's rows: each one's sequence, context
+        self.rows_whole = False
         self.kernel_chunks = np.zeros(host.num_seqs, dtype=bool)  # which sequences' chunks are kernel rows
         if cpu_kernel and host.num_seqs > self.num_decodes:
             # A chunk's token attends as a decode row of its own, over its context up to itself: the kernel reads
@@ -188,6 +183,7 @@ class PagedBatch:
             self.row_owners = torch.from_numpy(owner.astype(np.int32)).to(device)
             self.seq_tables = int_tables
             self.row_lens = torch.from_numpy(lens.astype(np.int32)).to(device)
+            self.rows_whole = len(owner) == host.num_tokens and bool(self.kernel_chunks[self.num_decodes:].all())
         for i in range(self.num_decodes, host.num_seqs):
             start, n, length = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
             self.chunks.append((start, n, length, tables[i, :-(-length // bs)], bool(self.kernel_chunks[i])))
@@ -259,7 +255,7 @@ class PagedBatch:
             _, blocks, group_mask = self.groups[0]
             return core(qd, gather(kb, blocks), gather(vb, blocks), group_mask)[:, :, 0]
         by_rows = self.row_lens is not None and not hooked(core)  # decodes and short chunks' tokens: kernel rows
-        if by_rows and self.row_lens.shape[0] == q.shape[0] and self.kernel_chunks[self.num_decodes:].all():
+        if by_rows and self.rows_whole:  # every row one of them: the kernel's output is the step's
             return decode_attention(q, kb, vb, self.seq_tables, self.row_lens, owners=self.row_owners)
         out = torch.zeros_like(q)  # padding rows stay 0
         od = out[:self.num_decodes, :, None]

@@ -47,6 +47,7 @@ from fivefold.model.rope import apply_rope, rope_cos_sin
 from fivefold.model.transformer import Block, Transformer
 from fivefold.serve.cpu_linear import RoutedLinear, cpp_product
 from fivefold.serve.fused import FusedAttention, FusedMLP, FusedQuantAttention, FusedQuantMLP
+from fivefold.serve.hooks import hooked
 
 
 class LeanTransformer(Transformer):
@@ -213,13 +214,9 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm.forward(x)
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def _plain(module: nn.Module, *classes: type) -> bool:
     """Of exactly one of these classes, with no hook and no forward of its own set on the instance."""
-    return type(module) in classes and not _hooked(module) and "forward" not in module.__dict__
+    return type(module) in classes and not hooked(module) and "forward" not in module.__dict__
 
 
 def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
@@ -227,11 +224,11 @@ def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
     forward: every block is one it reproduces and nothing hooks the model, a block, or a module whose work
     the loop does; else None. Read through `_modules` each call, so that a module replaced or hooked since
     the swap is seen (~3 us a block)."""
-    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or _hooked(model)
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or hooked(model)
             or model.cfg.position != "rope"):
         return None
     top = model._modules
-    if not _plain(top["norm"], RMSNorm) or _hooked(top["lm_head"]) or _hooked(top["embed_tokens"]):
+    if not _plain(top["norm"], RMSNorm) or hooked(top["lm_head"]) or hooked(top["embed_tokens"]):
         return None
     blocks = []
     for layer in top["layers"]._modules.values():
@@ -240,8 +237,8 @@ def lean_blocks(model: Transformer) -> list[tuple[nn.Module, ...]] | None:
         inner, ffn = attn._modules, mlp._modules
         if not (_plain(layer, Block) and _plain(parts["attn_norm"], RMSNorm) and _plain(parts["mlp_norm"], RMSNorm)
                 and _plain(attn, FusedAttention, FusedQuantAttention) and attn.use_rope and attn.rope_fn is apply_rope
-                and not _hooked(inner["core"]) and not _hooked(inner["o_proj"])
-                and _plain(mlp, FusedMLP, FusedQuantMLP) and not _hooked(ffn["down_proj"])):
+                and not hooked(inner["core"]) and not hooked(inner["o_proj"])
+                and _plain(mlp, FusedMLP, FusedQuantMLP) and not hooked(ffn["down_proj"])):
             return None
         blocks.append((parts["attn_norm"], attn, inner["o_proj"], parts["mlp_norm"], mlp, ffn["down_proj"]))
     return blocks or None

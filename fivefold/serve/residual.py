@@ -18,6 +18,7 @@ from torch import nn
 from fivefold.kernels.rmsnorm import TritonRMSNorm, add_rms_norm
 from fivefold.model import ForwardContext
 from fivefold.model.transformer import Block, Transformer
+from fivefold.serve.hooks import hooked
 
 
 class FusedResidualTransformer(Transformer):
@@ -46,7 +47,7 @@ class FusedResidualTransformer(Transformer):
 def _hooked(model: Transformer) -> bool:
     """Whether the model, a block or a block's norm has a forward hook, which the fused loop would skip."""
     modules = [model, *model.layers, *(n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm))]
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return any(hooked(m) for m in modules)
 
 
 def fuse_residuals(model: nn.Module) -> bool:
