@@ -23,6 +23,9 @@
   (fivefold/kernels/cpu_linear_rows.py, among serve.linear=auto's candidates) against the libraries' products;
 - `one-row`: the rows kernel's one to three rows (a batch-1 decode) run by whichever of the kernel, MKL and
   oneDNN was timed fastest for the shape, against MKL's always (the kernel's only form before 2026-11-28);
+- `chunk-rows`: under serve.cpu_kernel, prompt chunks' tokens attending as rows of the C++ kernel (sequences up to
+  fivefold.serve.kv_pool.KERNEL_CHUNK_CONTEXT tokens; `--chunk-context N`: up to N) against every chunk gathered
+  for SDPA; `--output 1` times the prefill alone;
 - `all`: the defaults against none of the lean loop, the input-major layout, huge pages and the C++ kernels.
 
 Two engines on models built from the same seed, differing only in that choice, run alternately, so that
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import random
 import statistics
 import time
@@ -51,6 +55,7 @@ from fivefold.model.attention import AttentionCore
 from fivefold.presets import get_preset
 from fivefold.serve import LLM, SamplingParams
 from fivefold.serve.kv_pool import PagedBatch
+import fivefold.serve.kv_pool as kv_pool
 import fivefold.serve.lean_forward as lean_forward
 import fivefold.serve.cpu_linear as cpu_linear
 
@@ -58,7 +63,8 @@ import fivefold.serve.cpu_linear as cpu_linear
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", choices=sorted(SIDES), default="all", help="which choice to A/B")
-    p.add_argument("--model", default="smollm2-135m", help="a preset (random weights, fp32)")
+    p.add_argument("--model", default="smollm2-135m", help="a preset (random weights)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's and the pool's")
     p.add_argument("--reps", type=int, default=6, help="alternating runs of each side")
     p.add_argument("--requests", type=int, default=16, help="requests decoding together in the batch run")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each request of the batch run")
@@ -66,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--default-workload", action="store_true",
                    help="the batch run serves bench/serve.py's default request set instead (32 requests, prompt "
                         "and output 16-256, outputs log-uniform; --requests/--prompt/--output ignored)")
+    p.add_argument("--chunk-context", type=int, default=0,
+                   help="chunk-rows: the longest sequence whose chunks are kernel rows (default: the engine's)")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args(argv)
 
@@ -86,6 +94,7 @@ SIDES = {
     "one-call": (("one call for all blocks", {}), ("a call per op", {"one_call": False})),
     "rows-kernel": (("rows kernel", {}), ("libraries' products", {"rows_kernel": False})),
     "one-row": (("one row as timed", {}), ("one row on MKL", {"rows_forms": ("rows kernel+F.linear",)})),
+    "chunk-rows": (("prompt chunks as kernel rows", {}), ("prompt chunks gathered", {"chunk_rows": 0})),
     "all": (("defaults", {}), ("none of the five", {"input_major": False, "fuse_launches": False,
                                                     "huge_pages": "false", "cpu_kernel": "false"})),
 }
@@ -119,6 +128,17 @@ def a_call_per_op():
 
 
 @contextlib.contextmanager
+def chunk_rows_up_to(tokens: int):
+    """Prompt chunks of sequences up to `tokens` long as the kernel's rows, longer ones gathered (0: all gathered)."""
+    limit = kv_pool.KERNEL_CHUNK_CONTEXT
+    kv_pool.KERNEL_CHUNK_CONTEXT = tokens
+    try:
+        yield
+    finally:
+        kv_pool.KERNEL_CHUNK_CONTEXT = limit
+
+
+@contextlib.contextmanager
 def one_row_per_head():
     """AttentionCore as it was before a decode's heads became query rows: every query head its own row."""
     forward = AttentionCore.forward
@@ -129,7 +149,7 @@ def one_row_per_head():
         AttentionCore.forward = forward
 
 
-def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager]:
+def make_llm(cfg, options: dict, dtype: torch.dtype = torch.float32) -> tuple[LLM, contextlib.AbstractContextManager]:
     """An engine with these serve.* options, and what to run it under; its block weights stay plain unless
     `input_major` (default), the rows kernel a candidate unless not `rows_kernel`, its LM head on the product
     `lm_head` names if given, and its attention with a row per head under the context if not `heads_as_rows`."""
@@ -153,8 +173,12 @@ def make_llm(cfg, options: dict) -> tuple[LLM, contextlib.AbstractContextManager
         context = torch_block_ops
     if not options.pop("one_call", True):
         context = a_call_per_op
+    chunk_rows = options.pop("chunk_rows", None)
+    if chunk_rows is not None:
+        context = functools.partial(chunk_rows_up_to, chunk_rows)
     try:
-        llm = LLM(build_model(cfg, "cpu", seed=0).eval(), device="cpu", seed=0, num_blocks=700, max_num_seqs=64,
+        llm = LLM(build_model(cfg, "cpu", seed=0, dtype=dtype).eval(), device="cpu", seed=0, num_blocks=700,
+                  max_num_seqs=64,
                   **options)
     finally:
         cpu_linear.chosen_product, cpu_linear.candidates = chosen, listed
@@ -167,7 +191,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = get_preset(args.model)
     (with_name, with_options), (without_name, without_options) = SIDES[args.compare]
-    made = {with_name: make_llm(cfg, with_options), without_name: make_llm(cfg, without_options)}
+    if args.compare == "chunk-rows" and args.chunk_context:
+        with_options = {**with_options, "chunk_rows": args.chunk_context}
+    dtype = getattr(torch, args.dtype)
+    made = {with_name: make_llm(cfg, with_options, dtype), without_name: make_llm(cfg, without_options, dtype)}
     llms = {name: llm for name, (llm, _) in made.items()}
     for name, llm in llms.items():
         head = getattr(llm.engine.model.lm_head, "linear_fn", None)
@@ -194,7 +221,8 @@ def main(argv=None) -> dict:
                 outs = llm.generate(prompts, params)
                 batch[name].append(sum(p.max_tokens for p in params) / (time.perf_counter() - start))
                 tokens[name] += [out.token_ids for out in outs]
-    result = {"compare": args.compare, "model": args.model, "threads": torch.get_num_threads(), "reps": args.reps,
+    result = {"compare": args.compare, "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "reps": args.reps,
               "requests": args.requests, "prompt": args.prompt, "output": args.output, "paths": {n: llm.engine.path for n, llm in llms.items()},
               "same_tokens": f"{sum(a == b for a, b in zip(*tokens.values()))} of {len(tokens[with_name])} requests"}
     print(f"token-identical: {result['same_tokens']}")

@@ -101,9 +101,9 @@ class KVPool:
 
 
 # The longest sequence whose prompt chunks attend as rows of the CPU kernel (serve.cpu_kernel) rather than over
-# gathered blocks with SDPA. A prefill step of 2,048 tokens of smollm2-135m on the 2-vCPU AMD host, one engine switching
-# between the two in turns (best of 3): rows 0.94 / 0.96 / 0.93 of SDPA's step time at prompts of 128 / 256 / 512 tokens
-# in bfloat16 (0.93 / 0.95 / 0.97 in float32), 1.01 at 1,024 (float32 1.05) and 1.18 at 2,000.
+# gathered blocks with SDPA. Prefill of smollm2-135m on the 2-vCPU AMD host, A/B in one process (bench/serve_cpu_ab.py
+# --compare chunk-rows --output 1): as rows, 16 prompts of 128 tokens +12.8% tokens/s in bfloat16 and +6.9% in float32,
+# 4 of 511 +3.1% (float32), 2 of 1,024 -4.1% (float32, --chunk-context 4096).
 KERNEL_CHUNK_CONTEXT = 512
 
 # The CPU path attends decodes in groups of this many sequences of similar length: padding every sequence
